@@ -1,0 +1,56 @@
+// The backend-neutral model interface: one loaded checkpoint on one backend, and the
+// per-sequence state (KV cache, conv windows, GDN recurrent state) it extends.
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+
+namespace tansy {
+
+// State of one sequence: every token fed so far. Backend-specific.
+class SequenceState {
+ public:
+  virtual ~SequenceState() = default;
+  virtual int n_tokens() const = 0;
+};
+
+class Model {
+ public:
+  virtual ~Model() = default;
+  virtual const ModelConfig& config() const = 0;
+  virtual std::string backend_name() const = 0;
+
+  // Fresh state able to hold up to max_tokens tokens.
+  virtual std::unique_ptr<SequenceState> new_state(int max_tokens) = 0;
+  // Deep copy (prefix cache).
+  virtual std::unique_ptr<SequenceState> clone_state(const SequenceState& s) = 0;
+
+  // Feeds `ids` after what `state` holds. Writes logits [n, vocab] when all_positions, else
+  // [vocab] for the last position only. Results do not depend on how a prompt is split.
+  virtual void forward(SequenceState& state, std::span<const int32_t> ids, std::span<float> logits,
+                       bool all_positions) = 0;
+
+  // Greedy continuation: feeds `prompt`, then generates n tokens by argmax, calling on_token
+  // for each as soon as it is on the host (on_token returns false to stop early).
+  // Backends override this with a path that keeps the token on the device.
+  virtual void generate_greedy(SequenceState& state, std::span<const int32_t> prompt, int n,
+                               const std::function<bool(int32_t)>& on_token);
+};
+
+struct ModelOptions {
+  std::string backend = "cpu";  // "cpu" or "cuda"
+  int threads = 0;              // CPU backend: 0 = all cores
+};
+
+// Loads DIR (config.json + safetensors) onto the chosen backend. Throws Error.
+std::unique_ptr<Model> open_model(const std::filesystem::path& dir, const ModelOptions& opt);
+
+int32_t argmax(std::span<const float> v);
+
+}  // namespace tansy
