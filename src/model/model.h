@@ -41,6 +41,15 @@ class Model {
   // Backends override this with a path that keeps the token on the device.
   virtual void generate_greedy(SequenceState& state, std::span<const int32_t> prompt, int n,
                                const std::function<bool(int32_t)>& on_token);
+
+  // Debugging and layer-by-layer tests: when set, forward() reports named intermediates of the
+  // last position fed ("layer.{i}.mixer_out", "layer.{i}.moe_out", "layer.{i}.hidden", "final_norm"),
+  // each as f32 values. Slow; off by default.
+  using TraceFn = std::function<void(const std::string& name, std::span<const float> values)>;
+  virtual void set_trace(TraceFn fn) { trace_ = std::move(fn); }
+
+ protected:
+  TraceFn trace_;
 };
 
 struct ModelOptions {
