@@ -1,0 +1,52 @@
+// tansy synth: writes a synthetic checkpoint (real tensor layout, random values) for benchmarks
+// and full-size tests. BENCHMARK.md "The weights".
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/command.h"
+#include "core/error.h"
+#include "model/synth.h"
+
+namespace {
+
+int run_synth(const std::vector<std::string>& args) {
+  tansy::cli::Flags f(args, {"out", "seed", "config", "threads", "shard-gb"});
+  const std::string out = f.get("out");
+  const std::string which = f.get("config", "real");
+  tansy::SynthOptions opt;
+  opt.seed = uint64_t(f.get_int("seed", 0, 0, (1L << 62)));
+  opt.threads = int(f.get_int("threads", 0, 0, 4096));
+  double shard_gb = f.get_double("shard-gb", 5.0);
+  if (!(shard_gb > 0 && shard_gb <= 1000)) tansy::fail("--shard-gb must be in (0, 1000], got {}", shard_gb);
+  opt.shard_bytes = size_t(shard_gb * 1e9);
+
+  nlohmann::json config;
+  if (which == "real") {
+    config = tansy::real_model_config_json();
+  } else {
+    std::ifstream in(which);
+    if (!in) tansy::fail("cannot open --config file '{}'", which);
+    try {
+      config = nlohmann::json::parse(in);
+    } catch (const nlohmann::json::exception& e) {
+      tansy::fail("--config '{}' is not valid JSON: {}", which, e.what());
+    }
+  }
+  auto t0 = std::chrono::steady_clock::now();
+  tansy::SynthResult r = tansy::write_synthetic_checkpoint(config, out, opt);
+  double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("synth: wrote %d tensors, %.3f GB in %d shard(s) to %s in %.1f s (%.2f GB/s), seed %llu\n", r.tensors,
+              double(r.data_bytes) / 1e9, r.shards, out.c_str(), s, double(r.data_bytes) / 1e9 / s,
+              static_cast<unsigned long long>(opt.seed));
+  return 0;
+}
+
+tansy::cli::Register reg("synth",
+                         "write a synthetic checkpoint: --out DIR [--seed S] [--config real|FILE] [--threads N] "
+                         "[--shard-gb 5]",
+                         run_synth);
+
+}  // namespace

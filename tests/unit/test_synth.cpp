@@ -1,0 +1,171 @@
+// Synthetic checkpoints: layout accepted by the strict loader, determinism, value scales.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "core/safetensors.h"
+#include "model/config.h"
+#include "model/synth.h"
+#include "model/weights.h"
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+// Small but structurally complete: 3 GDN layers + 1 attention layer, per-head dims of the real model.
+json tiny_text_config() {
+  return json{{"model_type", "qwen3_5_moe_text"},
+              {"hidden_size", 128},
+              {"num_hidden_layers", 4},
+              {"vocab_size", 384},
+              {"num_attention_heads", 2},
+              {"num_key_value_heads", 1},
+              {"head_dim", 256},
+              {"linear_num_key_heads", 2},
+              {"linear_num_value_heads", 4},
+              {"linear_key_head_dim", 128},
+              {"linear_value_head_dim", 128},
+              {"linear_conv_kernel_dim", 4},
+              {"num_experts", 8},
+              {"num_experts_per_tok", 2},
+              {"moe_intermediate_size", 64},
+              {"shared_expert_intermediate_size", 64},
+              {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 10000000}, {"partial_rotary_factor", 0.25}}},
+              {"eos_token_id", 3}};
+}
+
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    std::random_device rd;
+    path = fs::temp_directory_path() / ("tansy-synth-" + std::to_string(rd()) + std::to_string(rd()));
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+};
+
+std::string read_all(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
+std::vector<std::string> files_of(const fs::path& dir) {
+  std::vector<std::string> v;
+  for (auto& e : fs::directory_iterator(dir)) v.push_back(e.path().filename().string());
+  std::sort(v.begin(), v.end());
+  return v;
+}
+
+tansy::SynthOptions opts(uint64_t seed, int threads, size_t shard_bytes) {
+  tansy::SynthOptions o;
+  o.seed = seed;
+  o.threads = threads;
+  o.shard_bytes = shard_bytes;
+  o.chunk_bytes = 4096;  // many chunks per tensor: exercises the split
+  return o;
+}
+
+}  // namespace
+
+TEST(Synth, TinyCheckpointLoadsThroughStrictLoader) {
+  TempDir d;
+  auto r = tansy::write_synthetic_checkpoint(tiny_text_config(), d.path, opts(7, 3, 200000));
+  EXPECT_GT(r.shards, 1);  // small shard limit forces sharding
+  auto cfg = tansy::load_config(d.path);
+  ASSERT_TRUE(cfg.quant.has_value());
+  EXPECT_EQ(cfg.quant->bits_for("language_model.model.layers.2.mlp.gate"), 8);
+  EXPECT_EQ(cfg.quant->bits_for("language_model.model.layers.2.mlp.shared_expert_gate"), 8);
+  EXPECT_EQ(cfg.quant->bits_for("language_model.model.layers.2.mlp.shared_expert.up_proj"), 4);
+  auto store = tansy::TensorStore::open(d.path);
+  EXPECT_EQ(int(store.tensors().size()), r.tensors);
+  size_t bytes = 0;
+  for (auto& [n, t] : store.tensors()) bytes += t.nbytes;
+  EXPECT_EQ(bytes, r.data_bytes);
+  auto w = tansy::load_weights(cfg, store);
+  ASSERT_EQ(w.layers.size(), 4u);
+  EXPECT_EQ(w.layers[3].kind, tansy::LayerKind::kFull);
+  EXPECT_EQ(w.layers[0].moe.router.fmt, tansy::WFormat::kAffine8);
+  EXPECT_EQ(w.layers[0].moe.sh_router.fmt, tansy::WFormat::kAffine8);
+  EXPECT_EQ(w.layers[0].gdn.in_qkv.fmt, tansy::WFormat::kAffine4);
+  EXPECT_EQ(w.stored_bytes, r.data_bytes);
+
+  // Dequantized scales: embedding rows ~N(0,1)-like, projections ~1/sqrt(in), lm_head 4/sqrt(in).
+  auto stats = [](const tansy::Linear& l) {
+    std::vector<float> row(size_t(l.in));
+    double s = 0, s2 = 0;
+    for (int r = 0; r < l.out; ++r) {
+      l.row(r, row.data());
+      for (float v : row) s += v, s2 += double(v) * v;
+    }
+    double n = double(l.out) * l.in, mean = s / n;
+    return std::pair<double, double>(mean, std::sqrt(s2 / n - mean * mean));
+  };
+  auto [em, es] = stats(w.embed);
+  EXPECT_NEAR(em, 0.0, 0.05);
+  EXPECT_NEAR(es, 1.0, 0.1);
+  auto [qm, qs] = stats(w.layers[0].gdn.in_qkv);
+  EXPECT_NEAR(qm, 0.0, 0.01);
+  EXPECT_NEAR(qs * std::sqrt(128.0), 1.0, 0.1);
+  auto [rm, rs] = stats(w.layers[1].moe.router);  // 8-bit codes
+  EXPECT_NEAR(rm, 0.0, 0.01);
+  EXPECT_NEAR(rs * std::sqrt(128.0), 1.0, 0.1);
+  auto [lm, ls] = stats(w.lm_head);
+  EXPECT_NEAR(ls * std::sqrt(128.0), 4.0, 0.4);
+  // Norm multipliers are stored as 1 + w with w small.
+  for (float v : w.layers[0].in_norm) EXPECT_NEAR(v, 1.0f, 0.11f);
+  for (float v : w.layers[0].gdn.A_log) EXPECT_TRUE(v >= -1e-6f && v <= std::log(16.0f) + 1e-5f) << v;
+  for (float v : w.layers[0].gdn.dt_bias) EXPECT_TRUE(v > -7.5f && v < -2.0f) << v;  // softplus^-1 of [1e-3, 1e-1]
+}
+
+TEST(Synth, DeterministicForSeedIndependentOfThreads) {
+  TempDir a, b, c;
+  tansy::write_synthetic_checkpoint(tiny_text_config(), a.path, opts(11, 1, 300000));
+  tansy::write_synthetic_checkpoint(tiny_text_config(), b.path, opts(11, 4, 300000));
+  tansy::write_synthetic_checkpoint(tiny_text_config(), c.path, opts(12, 2, 300000));
+  ASSERT_EQ(files_of(a.path), files_of(b.path));
+  int differing = 0;
+  for (auto& f : files_of(a.path)) {
+    EXPECT_EQ(read_all(a.path / f), read_all(b.path / f)) << f;
+    if (f.find(".safetensors") != std::string::npos && f.find("index") == std::string::npos)
+      differing += read_all(a.path / f) != read_all(c.path / f);
+  }
+  EXPECT_GT(differing, 0);  // another seed gives other values
+}
+
+TEST(Synth, RealConfigMatchesTheModel) {
+  auto cfg = tansy::parse_config(tansy::real_model_config_json());
+  EXPECT_TRUE(cfg.is_qwen36_35b_a3b);
+  EXPECT_EQ(cfg.num_full_layers(), 10);
+  EXPECT_EQ(cfg.eos_token_ids, (std::vector<int>{248046, 248044}));
+  for (int i = 0; i < 40; ++i) {
+    const std::string L = "language_model.model.layers." + std::to_string(i) + ".mlp.";
+    EXPECT_EQ(cfg.quant->bits_for(L + "gate"), 8);
+    EXPECT_EQ(cfg.quant->bits_for(L + "shared_expert_gate"), 8);
+    EXPECT_EQ(cfg.quant->bits_for(L + "switch_mlp.up_proj"), 4);
+  }
+  auto j = tansy::real_model_config_json();
+  EXPECT_EQ(j["quantization"], j["quantization_config"]);
+}
+
+TEST(Synth, RefusesNonEmptyDirectoryAndBadConfig) {
+  TempDir d;
+  fs::create_directories(d.path);
+  std::ofstream(d.path / "keep.txt") << "x";
+  EXPECT_THROW(tansy::write_synthetic_checkpoint(tiny_text_config(), d.path, opts(1, 1, 1 << 20)), tansy::Error);
+  TempDir e;
+  auto bad = tiny_text_config();
+  bad["hidden_size"] = 100;  // not a multiple of the group size
+  EXPECT_THROW(tansy::write_synthetic_checkpoint(bad, e.path, opts(1, 1, 1 << 20)), tansy::Error);
+  EXPECT_THROW(tansy::write_synthetic_checkpoint(json::array(), e.path, opts(1, 1, 1 << 20)), tansy::Error);
+}
