@@ -70,8 +70,21 @@ float scale_value(uint64_t key, uint64_t i, float base) {
 void fill_range(const Spec& s, size_t e0, size_t e1, uint8_t* out) {
   switch (s.fill) {
     case Fill::kCodes: {
-      auto* w = reinterpret_cast<uint32_t*>(out);
-      for (size_t e = e0; e < e1; ++e) w[e - e0] = uint32_t(hash_at(s.key, e >> 1) >> (32 * (e & 1)));
+      // Word e is half (e & 1) of hash (e >> 1); whole pairs are stored as one little-endian u64.
+      auto word = [&](size_t e) { return uint32_t(hash_at(s.key, e >> 1) >> (32 * (e & 1))); };
+      size_t e = e0;
+      if (e & 1) {
+        uint32_t v = word(e++);
+        std::memcpy(out, &v, 4);
+      }
+      for (; e + 1 < e1; e += 2) {
+        uint64_t h = hash_at(s.key, e >> 1);
+        std::memcpy(out + (e - e0) * 4, &h, 8);
+      }
+      if (e < e1) {
+        uint32_t v = word(e);
+        std::memcpy(out + (e - e0) * 4, &v, 4);
+      }
       return;
     }
     case Fill::kScales:
