@@ -1,0 +1,692 @@
+// The Hopper backend: the whole forward pass of MODEL.md §2-§7 on one GPU.
+//
+// Weights are uploaded in their checkpoint layout (no dequantized copies), with projections that
+// read the same input fused into one matrix at load:
+//   GDN    [qkv | z | a | b]              (one product per layer instead of four)
+//   attn   [q+gate | k | v]
+//   router [experts | shared-expert gate | zero pad to an even row count]
+//   shared expert and routed experts: gate/up rows interleaved (2i = gate_i, 2i+1 = up_i), which
+//   both the decode kernels and the prefill GEMM's SwiGLU epilogue read.
+// Activations between ops are bf16, accumulation f32, GDN state f32, KV cache bf16, logits f32.
+//
+// Decode (one token) runs the GEMV kernels, captured once per sequence state in a CUDA graph whose
+// input id and position live on the device; prefill (several tokens) runs the tensor-core kernels
+// (gemm, attention_prefill, gdn_prefill) unless TANSY_CUDA_PREFILL=gemv selects the GEMV kernels
+// (a slower path kept for testing the two against each other).
+#include "cuda/backend.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "core/bf16.h"
+#include "core/error.h"
+#include "core/safetensors.h"
+#include "cuda/attention_decode.cuh"
+#include "cuda/attention_prefill.cuh"
+#include "cuda/cuda_util.h"
+#include "cuda/embed.cuh"
+#include "cuda/gdn_decode.cuh"
+#include "cuda/gdn_prefill.cuh"
+#include "cuda/gemm.cuh"
+#include "cuda/matvec.cuh"
+#include "cuda/moe.cuh"
+#include "cuda/norm.cuh"
+#include "model/weights.h"
+
+namespace tansy {
+namespace cuda {
+namespace {
+
+constexpr int kChunk = 4096;       // tokens per forward chunk (bounds the scratch buffers)
+constexpr int kLogitRows = 32;     // lm_head rows computed per pass when all positions are wanted
+constexpr int kDecodeSplits = 64;  // key-range splits of decode attention (x2 kv heads = 128 blocks)
+constexpr int kPrefillSplitKeys = 2048;  // GEMV-path prefill: keys per split
+
+// ---- weight upload ----
+
+// A device matrix assembled from row ranges of host matrices (views into the mapped checkpoint).
+struct DevMatrix {
+  DeviceBuffer<uint32_t> q;
+  DeviceBuffer<bf16> scales, biases, w;
+  DevLinear view;
+};
+
+// Host staging through one pinned buffer: rows are gathered (fused, interleaved) on the host and
+// copied in large pieces, instead of one small pageable copy per row.
+class Uploader {
+ public:
+  Uploader() { CUDA_CHECK(cudaMallocHost(&buf_, kBytes)); }
+  ~Uploader() { cudaFreeHost(buf_); }
+  Uploader(const Uploader&) = delete;
+  Uploader& operator=(const Uploader&) = delete;
+
+  // dst row i (row_bytes each) comes from src(i).
+  template <typename Src>
+  void rows(void* dst, size_t row_bytes, size_t n_rows, Src src) {
+    TANSY_CHECK(row_bytes <= kBytes, "upload: row of {} bytes exceeds the staging buffer", row_bytes);
+    const size_t per = kBytes / row_bytes;
+    for (size_t r0 = 0; r0 < n_rows; r0 += per) {
+      const size_t m = std::min(per, n_rows - r0);
+      for (size_t i = 0; i < m; ++i) std::memcpy(buf_ + i * row_bytes, src(r0 + i), row_bytes);
+      CUDA_CHECK(cudaMemcpy(static_cast<uint8_t*>(dst) + r0 * row_bytes, buf_, m * row_bytes, cudaMemcpyHostToDevice));
+    }
+  }
+
+ private:
+  static constexpr size_t kBytes = size_t(64) << 20;
+  uint8_t* buf_ = nullptr;
+};
+
+struct RowRef {
+  const Linear* L;  // nullptr: a zero row
+  int r;
+};
+
+// Builds a device matrix whose row i is rows[i] (all parts share format and `in`).
+DevMatrix upload_matrix(Uploader& up, const std::vector<RowRef>& rows, const char* what) {
+  const Linear* first = nullptr;
+  for (const RowRef& rr : rows)
+    if (rr.L) {
+      first = rr.L;
+      break;
+    }
+  TANSY_CHECK(first, "{}: no rows", what);
+  for (const RowRef& rr : rows)
+    if (rr.L && (rr.L->fmt != first->fmt || rr.L->in != first->in || rr.L->group != first->group))
+      fail("{}: fused parts differ in format ({} vs {}) or input size", what, wformat_name(rr.L->fmt),
+           wformat_name(first->fmt));
+  DevMatrix m;
+  const int in = first->in;
+  const size_t n = rows.size();
+  m.view.out = int(n);
+  m.view.in = in;
+  if (first->fmt == WFormat::kAffine4 || first->fmt == WFormat::kAffine8) {
+    TANSY_CHECK(first->group == kQuantGroup, "{}: quant group {} unsupported (only {})", what, first->group, kQuantGroup);
+    m.view.fmt = first->fmt;
+    const size_t words = size_t(in) * first->bits() / 32, groups = size_t(in) / kQuantGroup;
+    std::vector<uint32_t> zq(words, 0);
+    std::vector<uint16_t> zs(groups, 0);
+    m.q.resize(n * words);
+    m.scales.resize(n * groups);
+    m.biases.resize(n * groups);
+    up.rows(m.q.get(), words * 4, n, [&](size_t i) -> const void* {
+      return rows[i].L ? rows[i].L->q + size_t(rows[i].r) * words : zq.data();
+    });
+    up.rows(m.scales.get(), groups * 2, n, [&](size_t i) -> const void* {
+      return rows[i].L ? rows[i].L->scales + size_t(rows[i].r) * groups : zs.data();
+    });
+    up.rows(m.biases.get(), groups * 2, n, [&](size_t i) -> const void* {
+      return rows[i].L ? rows[i].L->biases + size_t(rows[i].r) * groups : zs.data();
+    });
+    m.view.q = m.q.get();
+    m.view.scales = m.scales.get();
+    m.view.biases = m.biases.get();
+  } else if (first->fmt == WFormat::kBF16 || first->fmt == WFormat::kF32) {
+    // f32 matrices (possible in HF exports) are stored as bf16 like every activation product.
+    m.view.fmt = WFormat::kBF16;
+    std::vector<uint16_t> tmp(in, 0);
+    m.w.resize(n * in);
+    up.rows(m.w.get(), size_t(in) * 2, n, [&](size_t i) -> const void* {
+      const RowRef& rr = rows[i];
+      if (!rr.L) return std::memset(tmp.data(), 0, tmp.size() * 2);
+      if (rr.L->fmt == WFormat::kBF16) return rr.L->bf16 + size_t(rr.r) * in;
+      for (int c = 0; c < in; ++c) tmp[c] = f32_to_bf16(rr.L->f32[size_t(rr.r) * in + c]);
+      return tmp.data();
+    });
+    m.view.w = m.w.get();
+  } else {
+    fail("{}: weight format {} unsupported", what, wformat_name(first->fmt));
+  }
+  m.view.check(what);
+  return m;
+}
+
+void append_rows(std::vector<RowRef>& rows, const Linear& L) {
+  for (int r = 0; r < L.out; ++r) rows.push_back({&L, r});
+}
+void append_interleaved(std::vector<RowRef>& rows, const Linear& g, const Linear& u) {
+  TANSY_CHECK(g.out == u.out, "gate/up row counts differ ({} vs {})", g.out, u.out);
+  for (int r = 0; r < g.out; ++r) {
+    rows.push_back({&g, r});
+    rows.push_back({&u, r});
+  }
+}
+
+DeviceBuffer<float> upload_f32(const std::vector<float>& v) {
+  DeviceBuffer<float> b(v.size());
+  b.upload(v.data(), v.size());
+  return b;
+}
+
+struct DevLayer {
+  LayerKind kind = LayerKind::kLinear;
+  DeviceBuffer<float> in_norm, post_norm;
+  // GDN
+  DevMatrix gdn_in, gdn_out;  // [conv_dim + value_dim + 2*n_v_heads, H], [H, value_dim]
+  DeviceBuffer<float> conv_w, A_log, dt_bias, gnorm;
+  // attention
+  DevMatrix attn_in, attn_o;  // [2*q_dim + 2*kv_dim, H], [H, q_dim]
+  DeviceBuffer<float> q_norm, k_norm;
+  // MoE
+  DevMatrix router;               // [E + 1 (+1 pad), H]
+  DevMatrix experts_gu;           // [E * 2I, H] interleaved gate/up per expert
+  DevMatrix experts_down;         // [E * H, I]
+  DevMatrix sh_gu, sh_down;       // [2S, H] interleaved, [H, S]
+};
+
+// ---- sequence state ----
+
+struct CudaState final : SequenceState {
+  int n = 0, max_tokens = 0;
+  DeviceBuffer<int> pos;  // [1] == n whenever the stream is idle
+  struct Layer {
+    DeviceBuffer<bf16> K, V;    // [max_tokens, n_kv, 256]
+    DeviceBuffer<bf16> window;  // [kernel-1, conv_dim]
+    DeviceBuffer<float> S;      // [n_v_heads, 128, 128]
+  };
+  std::vector<Layer> layers;
+  cudaGraphExec_t decode_graph = nullptr;
+  ~CudaState() override {
+    if (decode_graph) cudaGraphExecDestroy(decode_graph);
+  }
+  int n_tokens() const override { return n; }
+};
+
+class CudaModel final : public Model {
+ public:
+  explicit CudaModel(const std::filesystem::path& dir) : cfg_(load_config(dir)) {
+    int devices = 0;
+    if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) fail("cuda backend: no CUDA device");
+    // A blocking stream: ordered after the default-stream memsets/copies of new_state and uploads.
+    CUDA_CHECK(cudaStreamCreate(&stream_));
+    const char* mode = std::getenv("TANSY_CUDA_PREFILL");
+    if (mode && std::string(mode) == "gemv") tc_prefill_ = false;
+    else if (mode && std::string(mode) != "tc") fail("TANSY_CUDA_PREFILL must be 'tc' or 'gemv', not '{}'", mode);
+    validate_config();
+    {
+      TensorStore store = TensorStore::open(dir);
+      ModelWeights w = load_weights(cfg_, store);
+      upload(w);
+    }
+    allocate_scratch();
+    warm_up();
+  }
+  ~CudaModel() override {
+    if (stream_) cudaStreamDestroy(stream_);
+    if (h_tok_) cudaFreeHost(h_tok_);
+  }
+
+  const ModelConfig& config() const override { return cfg_; }
+  std::string backend_name() const override { return "cuda"; }
+
+  std::unique_ptr<SequenceState> new_state(int max_tokens) override {
+    if (max_tokens <= 0) fail("new_state: max_tokens must be positive");
+    auto s = std::make_unique<CudaState>();
+    s->max_tokens = max_tokens;
+    s->pos.resize(1);
+    CUDA_CHECK(cudaMemset(s->pos.get(), 0, sizeof(int)));
+    s->layers.resize(cfg_.num_layers);
+    for (int i = 0; i < cfg_.num_layers; ++i) {
+      auto& L = s->layers[i];
+      if (cfg_.layers[i] == LayerKind::kFull) {
+        L.K.resize(size_t(max_tokens) * cfg_.kv_dim());
+        L.V.resize(size_t(max_tokens) * cfg_.kv_dim());
+      } else {
+        L.window.resize(size_t(cfg_.conv_kernel - 1) * cfg_.lin_conv_dim());
+        L.S.resize(size_t(cfg_.lin_num_v_heads) * kGdnDim * kGdnDim);
+        CUDA_CHECK(cudaMemset(L.window.get(), 0, L.window.bytes()));
+        CUDA_CHECK(cudaMemset(L.S.get(), 0, L.S.bytes()));
+      }
+    }
+    return s;
+  }
+
+  std::unique_ptr<SequenceState> clone_state(const SequenceState& src) override {
+    const auto& a = dynamic_cast<const CudaState&>(src);
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    auto s = std::unique_ptr<CudaState>(static_cast<CudaState*>(new_state(a.max_tokens).release()));
+    s->n = a.n;
+    CUDA_CHECK(cudaMemcpyAsync(s->pos.get(), a.pos.get(), sizeof(int), cudaMemcpyDeviceToDevice, stream_));
+    for (size_t i = 0; i < a.layers.size(); ++i) {
+      const auto& A = a.layers[i];
+      auto& B = s->layers[i];
+      const size_t kv = size_t(a.n) * cfg_.kv_dim() * sizeof(bf16);
+      if (A.K.size() && kv) {
+        CUDA_CHECK(cudaMemcpyAsync(B.K.get(), A.K.get(), kv, cudaMemcpyDeviceToDevice, stream_));
+        CUDA_CHECK(cudaMemcpyAsync(B.V.get(), A.V.get(), kv, cudaMemcpyDeviceToDevice, stream_));
+      }
+      if (A.S.size()) {
+        CUDA_CHECK(cudaMemcpyAsync(B.window.get(), A.window.get(), A.window.bytes(), cudaMemcpyDeviceToDevice, stream_));
+        CUDA_CHECK(cudaMemcpyAsync(B.S.get(), A.S.get(), A.S.bytes(), cudaMemcpyDeviceToDevice, stream_));
+      }
+    }
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    return s;
+  }
+
+  void forward(SequenceState& state, std::span<const int32_t> ids, std::span<float> logits,
+               bool all_positions) override {
+    auto& st = dynamic_cast<CudaState&>(state);
+    const int n = int(ids.size());
+    check_ids(st, ids);
+    const size_t V = size_t(cfg_.vocab_size), need = all_positions ? V * n : V;
+    if (logits.size() < need) fail("forward: logits buffer holds {} floats, needs {}", logits.size(), need);
+    for (int c0 = 0; c0 < n; c0 += kChunk) {
+      const int m = std::min(kChunk, n - c0);
+      CUDA_CHECK(cudaMemcpyAsync(d_ids_.get(), ids.data() + c0, sizeof(int) * m, cudaMemcpyHostToDevice, stream_));
+      run_chunk(st, m);
+      if (all_positions) {
+        for (int r0 = 0; r0 < m; r0 += kLogitRows) {
+          const int rows = std::min(kLogitRows, m - r0);
+          lm_head(r0, rows);
+          CUDA_CHECK(cudaMemcpyAsync(logits.data() + (size_t(c0) + r0) * V, d_logits_.get(), sizeof(float) * V * rows,
+                                     cudaMemcpyDeviceToHost, stream_));
+        }
+      } else if (c0 + m == n) {
+        lm_head(m - 1, 1);
+        CUDA_CHECK(cudaMemcpyAsync(logits.data(), d_logits_.get(), sizeof(float) * V, cudaMemcpyDeviceToHost, stream_));
+      }
+    }
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+
+  void generate_greedy(SequenceState& state, std::span<const int32_t> prompt, int n,
+                       const std::function<bool(int32_t)>& on_token) override {
+    if (trace_) return Model::generate_greedy(state, prompt, n, on_token);  // traced runs go eagerly
+    auto& st = dynamic_cast<CudaState&>(state);
+    check_ids(st, prompt);
+    if (n <= 0) return;
+    const int P = int(prompt.size());
+    int m = 0;
+    for (int c0 = 0; c0 < P; c0 += m) {
+      m = std::min(kChunk, P - c0);
+      CUDA_CHECK(cudaMemcpyAsync(d_ids_.get(), prompt.data() + c0, sizeof(int) * m, cudaMemcpyHostToDevice, stream_));
+      run_chunk(st, m);
+    }
+    lm_head(m - 1, 1);
+    argmax(d_logits_.get(), cfg_.vocab_size, d_argmax_.get(), d_tok_.get(), nullptr, nullptr, stream_);
+    int32_t tok = fetch_token();
+    for (int i = 0; i < n; ++i) {
+      // The state holds exactly the tokens fed: a token is fed only after on_token accepted it.
+      if (!on_token(tok) || i + 1 == n) return;
+      if (st.n + 1 > st.max_tokens) fail("generate: the state's capacity {} is exhausted", st.max_tokens);
+      if (!st.decode_graph) capture_decode_graph(st);
+      CUDA_CHECK(cudaGraphLaunch(st.decode_graph, stream_));
+      st.n += 1;
+      tok = fetch_token();
+    }
+  }
+
+ private:
+  void validate_config() {
+    const ModelConfig& c = cfg_;
+    TANSY_CHECK(c.head_dim == kHeadDim, "cuda backend: head_dim {} unsupported (kernels are built for {})", c.head_dim,
+                kHeadDim);
+    TANSY_CHECK(c.lin_k_head_dim == kGdnDim && c.lin_v_head_dim == kGdnDim,
+                "cuda backend: GDN head dims {}/{} unsupported (kernels are built for {})", c.lin_k_head_dim,
+                c.lin_v_head_dim, kGdnDim);
+    TANSY_CHECK(c.hidden_size % kQuantGroup == 0 && c.hidden_size <= kMatvecMaxIn,
+                "cuda backend: hidden size {} unsupported", c.hidden_size);
+    TANSY_CHECK(c.num_experts <= kRouteMaxExperts && c.experts_per_tok <= kRouteMaxTopK,
+                "cuda backend: {} experts / top-{} unsupported", c.num_experts, c.experts_per_tok);
+    TANSY_CHECK(c.conv_kernel >= 2 && c.conv_kernel <= kMaxConvKernel, "cuda backend: conv kernel {} unsupported",
+                c.conv_kernel);
+  }
+
+  void check_ids(const CudaState& st, std::span<const int32_t> ids) {
+    if (ids.empty()) fail("forward: no tokens");
+    if (st.n + int64_t(ids.size()) > st.max_tokens)
+      fail("forward: {} + {} tokens exceed the state's capacity {}", st.n, ids.size(), st.max_tokens);
+    for (int32_t id : ids)
+      if (id < 0 || id >= cfg_.vocab_size) fail("token id {} is outside the vocabulary (0..{})", id, cfg_.vocab_size - 1);
+  }
+
+  void upload(const ModelWeights& w) {
+    Uploader up;
+    const ModelConfig& c = cfg_;
+    std::vector<RowRef> rows;
+    auto matrix = [&](auto&& fill, const char* what) {
+      rows.clear();
+      fill();
+      return upload_matrix(up, rows, what);
+    };
+    embed_ = matrix([&] { append_rows(rows, w.embed); }, "embed_tokens");
+    lm_head_ = matrix([&] { append_rows(rows, w.lm_head); }, "lm_head");
+    final_norm_ = upload_f32(w.final_norm);
+    layers_.resize(c.num_layers);
+    for (int i = 0; i < c.num_layers; ++i) {
+      const LayerWeights& lw = w.layers[i];
+      DevLayer& L = layers_[i];
+      L.kind = lw.kind;
+      L.in_norm = upload_f32(lw.in_norm);
+      L.post_norm = upload_f32(lw.post_norm);
+      if (lw.kind == LayerKind::kLinear) {
+        const GdnWeights& g = lw.gdn;
+        L.gdn_in = matrix([&] {
+          append_rows(rows, g.in_qkv);
+          append_rows(rows, g.in_z);
+          append_rows(rows, g.in_a);
+          append_rows(rows, g.in_b);
+        }, "linear_attn in_proj");
+        L.gdn_out = matrix([&] { append_rows(rows, g.out); }, "linear_attn out_proj");
+        L.conv_w = upload_f32(g.conv);
+        L.A_log = upload_f32(g.A_log);
+        L.dt_bias = upload_f32(g.dt_bias);
+        L.gnorm = upload_f32(g.norm);
+      } else {
+        const AttnWeights& a = lw.attn;
+        L.attn_in = matrix([&] {
+          append_rows(rows, a.q);
+          append_rows(rows, a.k);
+          append_rows(rows, a.v);
+        }, "self_attn q|k|v");
+        L.attn_o = matrix([&] { append_rows(rows, a.o); }, "self_attn o_proj");
+        L.q_norm = upload_f32(a.q_norm);
+        L.k_norm = upload_f32(a.k_norm);
+      }
+      const MoeWeights& m = lw.moe;
+      L.router = matrix([&] {
+        append_rows(rows, m.router);
+        append_rows(rows, m.sh_router);
+        if (rows.size() % 2) rows.push_back({nullptr, 0});  // even row count: paired GEMM stores
+      }, "mlp.gate|shared_expert_gate");
+      L.experts_gu = matrix([&] {
+        for (int e = 0; e < c.num_experts; ++e) append_interleaved(rows, m.gate[e], m.up[e]);
+      }, "experts gate|up");
+      L.experts_down = matrix([&] {
+        for (int e = 0; e < c.num_experts; ++e) append_rows(rows, m.down[e]);
+      }, "experts down");
+      L.sh_gu = matrix([&] { append_interleaved(rows, m.sh_gate, m.sh_up); }, "shared_expert gate|up");
+      L.sh_down = matrix([&] { append_rows(rows, m.sh_down); }, "shared_expert down");
+    }
+  }
+
+  void allocate_scratch() {
+    const ModelConfig& c = cfg_;
+    const int H = c.hidden_size, E = c.num_experts, K = c.experts_per_tok;
+    proj_ld_ = 0;
+    for (const DevLayer& L : layers_)
+      proj_ld_ = std::max<int64_t>(proj_ld_, L.kind == LayerKind::kLinear ? L.gdn_in.view.out : L.attn_in.view.out);
+    proj_ld_ = (proj_ld_ + 7) / 8 * 8;
+    router_ld_ = layers_[0].router.view.out;
+    const size_t C = kChunk;
+    d_ids_.resize(C);
+    d_tok_.resize(1);
+    h_.resize(C * H);
+    xn_.resize(C * H);
+    r_.resize(C * H);
+    proj_.resize(C * proj_ld_);
+    conv_y_.resize(C * c.lin_conv_dim());
+    beta_.resize(C * c.lin_num_v_heads);
+    g_.resize(C * c.lin_num_v_heads);
+    const size_t mix = std::max(c.lin_value_dim(), c.q_dim());
+    o_.resize(C * mix);
+    mix_.resize(C * mix);
+    router_logits_.resize(C * router_ld_);
+    topk_idx_.resize(C * K);
+    topk_w_.resize(C * K);
+    act_.resize(C * K * c.moe_intermediate);
+    sh_act_.resize(C * c.shared_intermediate);
+    sh_out_.resize(C * H);
+    // decode: kDecodeSplits partials; GEMV prefill keeps tokens x splits <= kChunk
+    static_assert(kDecodeSplits <= kChunk);
+    attn_scratch_.resize(attn_scratch_floats(kChunk, c.num_heads, 1));
+    d_logits_.resize(size_t(kLogitRows) * c.vocab_size);
+    d_argmax_.resize(kArgmaxBlocks);
+    if (tc_prefill_) {
+      expert_offsets_.resize(E + 1);
+      tile_offsets_.resize(E + 1);
+      sorted_slot_.resize(C * K);
+      slot_row_.resize(C * K);
+      yd_.resize(C * K * H);
+    }
+    CUDA_CHECK(cudaMallocHost(&h_tok_, sizeof(int32_t)));
+  }
+
+  // One eager decode step on a throwaway state: loads every decode kernel and sets its
+  // attributes outside of any graph capture (lazy module loading must not happen mid-capture).
+  void warm_up() {
+    auto st = new_state(1);
+    CUDA_CHECK(cudaMemsetAsync(d_tok_.get(), 0, sizeof(int), stream_));
+    run_layers(static_cast<CudaState&>(*st), d_tok_.get(), 1, /*tc=*/false);
+    lm_head(0, 1);
+    argmax(d_logits_.get(), cfg_.vocab_size, d_argmax_.get(), d_tok_.get(), nullptr, nullptr, stream_);
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+
+  int32_t fetch_token() {
+    CUDA_CHECK(cudaMemcpyAsync(h_tok_, d_tok_.get(), sizeof(int32_t), cudaMemcpyDeviceToHost, stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    return *h_tok_;
+  }
+
+  void capture_decode_graph(CudaState& st) {
+    cudaGraph_t g = nullptr;
+    CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed));
+    try {
+      run_layers(st, d_tok_.get(), 1, /*tc=*/false);
+      lm_head(0, 1);
+      argmax(d_logits_.get(), cfg_.vocab_size, d_argmax_.get(), d_tok_.get(), nullptr, nullptr, stream_);
+    } catch (...) {
+      cudaStreamEndCapture(stream_, &g);
+      if (g) cudaGraphDestroy(g);
+      throw;
+    }
+    CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
+    cudaError_t e = cudaGraphInstantiate(&st.decode_graph, g, 0);
+    cudaGraphDestroy(g);
+    CUDA_CHECK(e);
+  }
+
+  // Feeds the m ids in d_ids_ (host state advanced here).
+  void run_chunk(CudaState& st, int m) {
+    run_layers(st, d_ids_.get(), m, tc_prefill_ && m > 1);
+    st.n += m;
+  }
+
+  void lm_head(int row0, int rows) {
+    matvec(lm_head_.view, xn_.get() + size_t(row0) * cfg_.hidden_size, cfg_.hidden_size, rows,
+           MatvecOut{d_logits_.get(), true, cfg_.vocab_size}, stream_);
+  }
+
+  void trace_row(const std::string& name, const bf16* rows, int n, int dim) {
+    if (!trace_) return;
+    std::vector<uint16_t> raw(dim);
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    CUDA_CHECK(cudaMemcpy(raw.data(), rows + size_t(n - 1) * dim, size_t(dim) * 2, cudaMemcpyDeviceToHost));
+    std::vector<float> f(dim);
+    for (int i = 0; i < dim; ++i) f[i] = bf16_to_f32(raw[i]);
+    trace_(name, f);
+  }
+
+  // The whole stack for m tokens whose ids are at `ids` (device); leaves final-normed rows in xn_
+  // and advances the device position. Graph-capturable when tc is false.
+  void run_layers(CudaState& st, const int* ids, int m, bool tc) {
+    const ModelConfig& c = cfg_;
+    const int H = c.hidden_size;
+    embed(embed_.view, ids, m, h_.get(), stream_);
+    add_rmsnorm(h_.get(), nullptr, layers_[0].in_norm.get(), m, H, c.rms_eps, xn_.get(), stream_);
+    for (int i = 0; i < c.num_layers; ++i) {
+      DevLayer& L = layers_[i];
+      if (L.kind == LayerKind::kLinear) gdn(L, st.layers[i], m, tc);
+      else attention(L, st, st.layers[i], m, tc);
+      trace_row("layer." + std::to_string(i) + ".mixer_out", r_.get(), m, H);
+      add_rmsnorm(h_.get(), r_.get(), L.post_norm.get(), m, H, c.rms_eps, xn_.get(), stream_);
+      moe(L, m, tc);
+      trace_row("layer." + std::to_string(i) + ".moe_out", r_.get(), m, H);
+      const float* next = i + 1 < c.num_layers ? layers_[i + 1].in_norm.get() : final_norm_.get();
+      add_rmsnorm(h_.get(), r_.get(), next, m, H, c.rms_eps, xn_.get(), stream_);
+      trace_row("layer." + std::to_string(i) + ".hidden", h_.get(), m, H);
+    }
+    trace_row("final_norm", xn_.get(), m, H);
+    advance_pos(st.pos.get(), m, stream_);
+  }
+
+  // Projection: GEMV for decode, tensor-core GEMM for prefill.
+  void project(const DevLinear& W, const bf16* X, int64_t ldx, int m, void* Y, bool f32, int64_t ldy, bool tc) {
+    if (tc) {
+      GemmOutput out;
+      out.ptr = Y;
+      out.type = f32 ? GemmOutType::kF32 : GemmOutType::kBF16;
+      out.ld = ldy;
+      gemm(W, X, ldx, m, out, stream_);
+    } else {
+      matvec(W, X, ldx, m, MatvecOut{Y, f32, ldy}, stream_);
+    }
+  }
+
+  void gdn(DevLayer& L, CudaState::Layer& S, int m, bool tc) {
+    const ModelConfig& c = cfg_;
+    const int H = c.hidden_size, C = c.lin_conv_dim(), KD = c.lin_key_dim(), VD = c.lin_value_dim();
+    const int NK = c.lin_num_k_heads, NV = c.lin_num_v_heads;
+    bf16* P = proj_.get();
+    project(L.gdn_in.view, xn_.get(), H, m, P, false, proj_ld_, tc);  // [qkv | z | a | b]
+    GdnConvArgs ca;
+    ca.x = P;
+    ca.ldx = proj_ld_;
+    ca.a = P + C + VD;
+    ca.b = P + C + VD + NV;
+    ca.ld_ab = proj_ld_;
+    ca.n = m;
+    ca.n_k_heads = NK;
+    ca.n_v_heads = NV;
+    ca.kernel = c.conv_kernel;
+    ca.conv_w = L.conv_w.get();
+    ca.window = S.window.get();
+    ca.A_log = L.A_log.get();
+    ca.dt_bias = L.dt_bias.get();
+    ca.y = conv_y_.get();
+    ca.beta = beta_.get();
+    ca.g = g_.get();
+    gdn_conv(ca, stream_);
+    GdnPrefillArgs ra;
+    ra.q = conv_y_.get();
+    ra.k = conv_y_.get() + KD;
+    ra.v = conv_y_.get() + 2 * KD;
+    ra.q_stride = ra.k_stride = ra.v_stride = C;
+    ra.beta = beta_.get();
+    ra.g = g_.get();
+    ra.n = m;
+    ra.n_k_heads = NK;
+    ra.n_v_heads = NV;
+    ra.state = S.S.get();
+    ra.o_f32 = o_.get();
+    ra.o_stride = VD;
+    if (tc) gdn_prefill(ra, stream_);
+    else gdn_recurrent(ra, stream_);
+    gated_rmsnorm(o_.get(), VD, P + C, proj_ld_, L.gnorm.get(), m, NV, kGdnDim, c.rms_eps, mix_.get(), VD, stream_);
+    project(L.gdn_out.view, mix_.get(), VD, m, r_.get(), false, H, tc);
+  }
+
+  void attention(DevLayer& L, CudaState& st, CudaState::Layer& S, int m, bool tc) {
+    const ModelConfig& c = cfg_;
+    const int H = c.hidden_size, QD = c.q_dim();
+    bf16* P = proj_.get();
+    project(L.attn_in.view, xn_.get(), H, m, P, false, proj_ld_, tc);  // [q+gate per head | k | v]
+    QkvLayout lay{P, proj_ld_, c.num_heads, c.num_kv_heads};
+    qk_norm_rope(lay, m, st.pos.get(), L.q_norm.get(), L.k_norm.get(), c.rms_eps, c.rotary_dim, c.rope_theta,
+                 S.K.get(), S.V.get(), stream_);
+    if (tc) {
+      AttnPrefillArgs a;
+      a.q = P;
+      a.q_stride_t = proj_ld_;
+      a.q_stride_h = 2 * kHeadDim;
+      a.k_cache = S.K.get();
+      a.v_cache = S.V.get();
+      a.p0 = st.n;  // host copy of the position: prefill runs eagerly, never inside a graph
+      a.n = m;
+      a.n_heads = c.num_heads;
+      a.n_kv = c.num_kv_heads;
+      a.gate = P + kHeadDim;
+      a.gate_stride_t = proj_ld_;
+      a.gate_stride_h = 2 * kHeadDim;
+      a.out = mix_.get();
+      a.out_stride_t = QD;
+      a.out_stride_h = kHeadDim;
+      attention_prefill(a, stream_);
+    } else {
+      // Decode: a fixed split count (the graph is captured once; blocks past the context exit
+      // at once). GEMV prefill: enough splits to bound each block's key run.
+      int splits = kDecodeSplits;
+      if (m > 1) splits = std::min(kMaxAttnSplits, (st.n + m + kPrefillSplitKeys - 1) / kPrefillSplitKeys);
+      if (m > 1 && size_t(m) * splits > size_t(kChunk)) splits = std::max(1, kChunk / m);
+      attention_decode(lay, m, st.pos.get(), S.K.get(), S.V.get(), splits, attn_scratch_.get(), mix_.get(), QD,
+                       stream_);
+    }
+    project(L.attn_o.view, mix_.get(), QD, m, r_.get(), false, H, tc);
+  }
+
+  void moe(DevLayer& L, int m, bool tc) {
+    const ModelConfig& c = cfg_;
+    const int H = c.hidden_size, E = c.num_experts, K = c.experts_per_tok;
+    const int I = c.moe_intermediate, SI = c.shared_intermediate;
+    // router logits [m, E] and the shared-expert gate logit in column E
+    project(L.router.view, xn_.get(), H, m, router_logits_.get(), true, router_ld_, tc);
+    route_topk(router_logits_.get(), router_ld_, m, E, K, topk_idx_.get(), topk_w_.get(), stream_);
+    if (!tc) {
+      matvec_swiglu(L.sh_gu.view, xn_.get(), H, m, sh_act_.get(), SI, stream_);
+      matvec(L.sh_down.view, sh_act_.get(), SI, m, MatvecOut{r_.get(), false, H}, stream_);
+      matvec_swiglu_experts(L.experts_gu.view, E, topk_idx_.get(), m, K, xn_.get(), H, act_.get(), stream_);
+      moe_down_combine(L.experts_down.view, E, topk_idx_.get(), topk_w_.get(), act_.get(), m, K, r_.get(),
+                       router_logits_.get() + E, router_ld_, r_.get(), stream_);
+      return;
+    }
+    MoeRouting rt;
+    rt.expert_offsets = expert_offsets_.get();
+    rt.tile_offsets = tile_offsets_.get();
+    rt.sorted_slot = sorted_slot_.get();
+    rt.slot_row = slot_row_.get();
+    moe_route_sort(topk_idx_.get(), m, K, E, rt, stream_);
+    GemmOutput gu{act_.get(), GemmOutType::kBF16, I, GemmEpilogue::kSwiGlu};
+    gemm_grouped(L.experts_gu.view, E, xn_.get(), H, true, m, K, rt, gu, stream_);
+    GemmOutput dn{yd_.get(), GemmOutType::kBF16, H, GemmEpilogue::kStore};
+    gemm_grouped(L.experts_down.view, E, act_.get(), I, false, m, K, rt, dn, stream_);
+    gemm(L.sh_gu.view, xn_.get(), H, m,
+         GemmOutput{sh_act_.get(), GemmOutType::kBF16, SI, GemmEpilogue::kSwiGlu}, stream_);
+    gemm(L.sh_down.view, sh_act_.get(), SI, m,
+         GemmOutput{sh_out_.get(), GemmOutType::kBF16, H, GemmEpilogue::kStore}, stream_);
+    moe_combine(yd_.get(), slot_row_.get(), topk_w_.get(), m, K, H, nullptr, sh_out_.get(), router_logits_.get() + E,
+                router_ld_, r_.get(), stream_);
+  }
+
+  ModelConfig cfg_;
+  cudaStream_t stream_ = nullptr;
+  bool tc_prefill_ = true;
+  DevMatrix embed_, lm_head_;
+  DeviceBuffer<float> final_norm_;
+  std::vector<DevLayer> layers_;
+
+  // Scratch, sized for kChunk tokens (m = tokens in flight).
+  int64_t proj_ld_ = 0, router_ld_ = 0;
+  DeviceBuffer<int> d_ids_;            // [kChunk] input ids
+  DeviceBuffer<int> d_tok_;            // [1] the decode step's input id, overwritten by its argmax
+  DeviceBuffer<bf16> h_, xn_, r_;      // [m, H] residual stream, normed input, mixer/MoE output
+  DeviceBuffer<bf16> proj_;            // [m, proj_ld] fused input projections
+  DeviceBuffer<bf16> conv_y_;          // [m, conv_dim] conv output, q/k normalised
+  DeviceBuffer<float> beta_, g_;       // [m, n_v_heads]
+  DeviceBuffer<float> o_;              // [m, value_dim] GDN output before the gated norm
+  DeviceBuffer<bf16> mix_;             // [m, max(value_dim, q_dim)] input of out_proj / o_proj
+  DeviceBuffer<float> router_logits_;  // [m, router_ld]
+  DeviceBuffer<int> topk_idx_;         // [m, k]
+  DeviceBuffer<float> topk_w_;         // [m, k]
+  DeviceBuffer<bf16> act_;             // [m*k, I] routed experts' SwiGLU activations
+  DeviceBuffer<bf16> sh_act_;          // [m, S]
+  DeviceBuffer<bf16> sh_out_;          // [m, H] shared expert output (prefill)
+  DeviceBuffer<float> attn_scratch_;   // split-attention partials
+  DeviceBuffer<float> d_logits_;       // [kLogitRows, vocab]
+  DeviceBuffer<unsigned long long> d_argmax_;
+  DeviceBuffer<int> expert_offsets_, tile_offsets_, sorted_slot_, slot_row_;  // prefill MoE routing
+  DeviceBuffer<bf16> yd_;              // [m*k, H] routed experts' down outputs in sorted order
+  int32_t* h_tok_ = nullptr;           // pinned
+};
+
+}  // namespace
+}  // namespace cuda
+
+std::unique_ptr<Model> make_cuda_model(const std::filesystem::path& dir) {
+  return std::make_unique<cuda::CudaModel>(dir);
+}
+
+}  // namespace tansy

@@ -1,0 +1,96 @@
+#include "cuda/embed.cuh"
+
+namespace tansy::cuda {
+namespace {
+
+__global__ void embed_kernel(DevLinear E, const int* __restrict__ ids, bf16* __restrict__ h) {
+  const int t = blockIdx.x, id = ids[t];
+  bf16* out = h + int64_t(t) * E.in;
+  const bool ok = id >= 0 && id < E.out;
+  for (int c = threadIdx.x; c < E.in; c += blockDim.x) {
+    float v = 0.f;
+    if (ok) {
+      if (E.fmt == WFormat::kBF16) {
+        v = __bfloat162float(E.w[int64_t(id) * E.in + c]);
+      } else {
+        const int bits = E.fmt == WFormat::kAffine4 ? 4 : 8, per = 32 / bits;
+        const uint32_t word = E.q[int64_t(id) * (E.in / per) + c / per];
+        const uint32_t code = (word >> (bits * (c % per))) & ((1u << bits) - 1);
+        const int64_t g = int64_t(id) * (E.in / kQuantGroup) + c / kQuantGroup;
+        v = __bfloat162float(E.scales[g]) * float(code) + __bfloat162float(E.biases[g]);
+      }
+    }
+    out[c] = __float2bfloat16(v);
+  }
+}
+
+// Key ordering: larger value first, then lower index. NaN maps below -inf.
+__device__ __forceinline__ unsigned long long argmax_key(float v, int i) {
+  uint32_t u = __float_as_uint(v);
+  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  if (v != v) u = 0;
+  return (static_cast<unsigned long long>(u) << 32) | (0xffffffffu - uint32_t(i));
+}
+
+__device__ unsigned long long block_max(unsigned long long k) {
+  __shared__ unsigned long long red[32];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const unsigned long long other = __shfl_xor_sync(0xffffffffu, k, o);
+    k = other > k ? other : k;
+  }
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = k;
+  __syncthreads();
+  unsigned long long r = 0;
+  for (int w = 0; w < int(blockDim.x / 32); ++w) r = red[w] > r ? red[w] : r;
+  return r;
+}
+
+__global__ void argmax_partial(const float* __restrict__ logits, int n, unsigned long long* scratch) {
+  unsigned long long best = 0;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    const unsigned long long k = argmax_key(logits[i], i);
+    best = k > best ? k : best;
+  }
+  best = block_max(best);
+  if (threadIdx.x == 0) scratch[blockIdx.x] = best;
+}
+
+__global__ void argmax_final(const unsigned long long* scratch, int* dst, int* ring, int* counter) {
+  unsigned long long best = threadIdx.x < kArgmaxBlocks ? scratch[threadIdx.x] : 0;
+  for (int i = threadIdx.x + blockDim.x; i < kArgmaxBlocks; i += blockDim.x) best = scratch[i] > best ? scratch[i] : best;
+  best = block_max(best);
+  if (threadIdx.x == 0) {
+    const int id = int(0xffffffffu - uint32_t(best & 0xffffffffu));
+    *dst = id;
+    if (ring) ring[(*counter)++] = id;
+  }
+}
+
+__global__ void advance_kernel(int* pos, int n) { *pos += n; }
+
+}  // namespace
+
+void embed(const DevLinear& E, const int* ids, int n, bf16* h, cudaStream_t stream) {
+  TANSY_CHECK(E.fmt == WFormat::kBF16 || E.fmt == WFormat::kAffine4 || E.fmt == WFormat::kAffine8,
+              "embed: format {} unsupported", wformat_name(E.fmt));
+  TANSY_CHECK(E.in % kQuantGroup == 0 && n >= 1 && ids && h, "embed: bad arguments (in {}, n {})", E.in, n);
+  embed_kernel<<<n, 256, 0, stream>>>(E, ids, h);
+  CUDA_LAUNCH_CHECK();
+}
+
+void argmax(const float* logits, int n, unsigned long long* scratch, int* dst, int* ring, int* counter,
+            cudaStream_t stream) {
+  TANSY_CHECK(n >= 1 && logits && scratch && dst && (!ring || counter), "argmax: bad arguments");
+  argmax_partial<<<kArgmaxBlocks, 256, 0, stream>>>(logits, n, scratch);
+  CUDA_LAUNCH_CHECK();
+  argmax_final<<<1, 256, 0, stream>>>(scratch, dst, ring, counter);
+  CUDA_LAUNCH_CHECK();
+}
+
+void advance_pos(int* pos, int n, cudaStream_t stream) {
+  advance_kernel<<<1, 1, 0, stream>>>(pos, n);
+  CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace tansy::cuda

@@ -1,0 +1,26 @@
+// Embedding lookup with dequant (MODEL.md §7, §8.3) and the greedy argmax over logits.
+// CPU references: cpu::embed_row, tansy::argmax.
+#pragma once
+#include <cstdint>
+
+#include "cuda/cuda_util.h"
+#include "cuda/matvec.cuh"
+
+namespace tansy::cuda {
+
+// h[t, :] = bf16(E[ids[t], :]) for t < n; ids on the device. Ids outside [0, E.out) give zeros
+// (the host validates ids before they reach the device; generated ids come from argmax).
+void embed(const DevLinear& E, const int* ids, int n, bf16* h, cudaStream_t stream);
+
+constexpr int kArgmaxBlocks = 264;  // 2 per SM on an H200
+
+// Index of the largest of logits[0..n) (ties to the lower index; NaN never wins).
+// scratch: kArgmaxBlocks u64 on the device. The result goes to *dst, and when ring is not null
+// also to ring[*counter], after which *counter is incremented (decode steps in a graph).
+void argmax(const float* logits, int n, unsigned long long* scratch, int* dst, int* ring, int* counter,
+            cudaStream_t stream);
+
+// *pos += n on the device (the sequence position lives there so graphs can replay).
+void advance_pos(int* pos, int n, cudaStream_t stream);
+
+}  // namespace tansy::cuda

@@ -1,0 +1,369 @@
+// Weight-streaming products for decode. Each lane reads one 16-byte chunk of a weight row at a
+// time (32 4-bit, 16 8-bit or 8 bf16 columns: always inside one quant group); the token rows of
+// x sit in shared memory as f32, each chunk padded by 16 bytes so that the lanes of a warp, which
+// read chunks 144/80/48 bytes apart, hit distinct banks. The pad slot holds the chunk's Σx, which
+// turns the affine dequant into one multiply-add per chunk: Σ(s·q+b)x = s·Σqx + b·Σx.
+#include "cuda/matvec.cuh"
+
+namespace tansy::cuda {
+
+DevLinear DevLinear::rows(int r0, int n) const {
+  TANSY_CHECK(r0 >= 0 && n >= 0 && r0 + n <= out, "DevLinear::rows({}, {}) outside {} rows", r0, n, out);
+  DevLinear v = *this;
+  v.out = n;
+  if (fmt == WFormat::kBF16) {
+    v.w = w + int64_t(r0) * in;
+  } else {
+    v.q = q + int64_t(r0) * words_per_row();
+    v.scales = scales + int64_t(r0) * (in / kQuantGroup);
+    v.biases = biases + int64_t(r0) * (in / kQuantGroup);
+  }
+  return v;
+}
+
+void DevLinear::check(const char* what) const {
+  if (fmt != WFormat::kAffine4 && fmt != WFormat::kAffine8 && fmt != WFormat::kBF16)
+    fail("{}: weight format {} has no CUDA kernel", what, wformat_name(fmt));
+  TANSY_CHECK(out > 0 && in > 0, "{}: empty weight [{}, {}]", what, out, in);
+  TANSY_CHECK(in % kQuantGroup == 0, "{}: in = {} is not a multiple of {}", what, in, kQuantGroup);
+  TANSY_CHECK(in <= kMatvecMaxIn, "{}: in = {} exceeds the kernel limit {}", what, in, kMatvecMaxIn);
+  if (fmt == WFormat::kBF16) {
+    TANSY_CHECK(w && aligned16(w), "{}: bf16 weights missing or not 16-byte aligned", what);
+  } else {
+    TANSY_CHECK(q && scales && biases && aligned16(q), "{}: affine weights missing or not 16-byte aligned", what);
+  }
+}
+
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+static_assert(kMatvecRowsPerBlock % kWarps == 0);
+constexpr int kMaxTopK = 16;
+
+template <int BITS>
+struct Chunk {
+  static constexpr int kCols = BITS == 4 ? 32 : BITS == 8 ? 16 : 8;  // columns per 16-byte chunk
+  static constexpr int kStride = kCols + 4;                          // f32 slots per chunk in smem
+};
+
+__device__ __forceinline__ float bf_lo(uint32_t v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf_hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
+
+__device__ __forceinline__ uint4 load_stream(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// Row r, chunk c of W as 16 raw bytes.
+template <int BITS>
+__device__ __forceinline__ uint4 load_chunk(const DevLinear& W, int64_t r, int c) {
+  if constexpr (BITS == 16) return load_stream(W.w + r * W.in + int64_t(c) * 8);
+  else return load_stream(W.q + r * (int64_t(W.in) * BITS / 32) + int64_t(c) * 4);
+}
+
+// Chunk c's contribution to row r: xs points at the chunk's staged x (kCols f32 + Σx).
+template <int BITS>
+__device__ __forceinline__ float chunk_dot(const DevLinear& W, int64_t r, int c, uint4 wv, const float* xs) {
+  const uint32_t wd[4] = {wv.x, wv.y, wv.z, wv.w};
+  const float4* x4 = reinterpret_cast<const float4*>(xs);
+  float raw = 0.f;
+  if constexpr (BITS == 4) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float4 xa = x4[2 * j], xb = x4[2 * j + 1];
+      const float xl[4] = {xa.x, xa.y, xa.z, xa.w}, xh[4] = {xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        // Nibbles k and k+4 of the word become bf16 128+q in the two halves.
+        const uint32_t v = ((wd[j] >> (4 * k)) & 0x000F000Fu) | 0x43004300u;
+        raw = fmaf(bf_lo(v), xl[k], raw);
+        raw = fmaf(bf_hi(v), xh[k], raw);
+      }
+    }
+  } else if constexpr (BITS == 8) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float4 xa = x4[j];
+      raw = fmaf(float(wd[j] & 0xffu), xa.x, raw);
+      raw = fmaf(float((wd[j] >> 8) & 0xffu), xa.y, raw);
+      raw = fmaf(float((wd[j] >> 16) & 0xffu), xa.z, raw);
+      raw = fmaf(float(wd[j] >> 24), xa.w, raw);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {  // word m holds columns 2m (low half) and 2m+1
+      const float4 xa = x4[j];
+      raw = fmaf(bf_lo(wd[2 * j]), xa.x, raw);
+      raw = fmaf(bf_hi(wd[2 * j]), xa.y, raw);
+      raw = fmaf(bf_lo(wd[2 * j + 1]), xa.z, raw);
+      raw = fmaf(bf_hi(wd[2 * j + 1]), xa.w, raw);
+    }
+  }
+  if constexpr (BITS == 16) {
+    return raw;
+  } else {
+    const int64_t gi = r * (W.in / kQuantGroup) + (c * Chunk<BITS>::kCols) / kQuantGroup;
+    const float s = __bfloat162float(W.scales[gi]), b = __bfloat162float(W.biases[gi]);
+    const float sum = xs[Chunk<BITS>::kCols];
+    // 4-bit codes were read as 128+q: fold the offset into the bias term.
+    return BITS == 4 ? fmaf(s, raw, (b - 128.f * s) * sum) : fmaf(s, raw, b * sum);
+  }
+}
+
+// Stages row `t` of X (in columns) into smem chunks with their Σx; zeros when `valid` is false.
+template <int BITS>
+__device__ void stage_row(const bf16* x, int in, bool valid, float* dst_base) {
+  constexpr int C = Chunk<BITS>::kCols, S = Chunk<BITS>::kStride;
+  const int cpr = in / C;
+  for (int c = threadIdx.x; c < cpr; c += blockDim.x) {
+    float* dst = dst_base + c * S;
+    float sum = 0.f;
+#pragma unroll
+    for (int v = 0; v < C / 8; ++v) {
+      uint4 raw = valid ? *reinterpret_cast<const uint4*>(x + c * C + v * 8) : make_uint4(0, 0, 0, 0);
+      const float f[8] = {bf_lo(raw.x), bf_hi(raw.x), bf_lo(raw.y), bf_hi(raw.y),
+                          bf_lo(raw.z), bf_hi(raw.z), bf_lo(raw.w), bf_hi(raw.w)};
+#pragma unroll
+      for (int e = 0; e < 8; ++e) sum += f[e];
+      reinterpret_cast<float4*>(dst)[2 * v] = make_float4(f[0], f[1], f[2], f[3]);
+      reinterpret_cast<float4*>(dst)[2 * v + 1] = make_float4(f[4], f[5], f[6], f[7]);
+    }
+    dst[C] = sum;
+  }
+}
+
+template <int G>
+__device__ __forceinline__ float group_sum(float v) {
+#pragma unroll
+  for (int o = G / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.f + __expf(-x)); }
+
+__device__ __forceinline__ float swiglu_bf16(float g, float u) {
+  g = __bfloat162float(__float2bfloat16(g));
+  u = __bfloat162float(__float2bfloat16(u));
+  return silu(g) * u;
+}
+
+// MODE 0: plain, T token rows per block (blockIdx.y picks the T-row chunk).
+// MODE 1: SwiGLU over interleaved row pairs, T token rows per block.
+// MODE 2: SwiGLU over expert idx[slot] of a stacked matrix, one slot per blockIdx.y (T == 1).
+template <int BITS, int T, int MODE>
+__global__ void __launch_bounds__(kThreads) matvec_kernel(DevLinear W, const bf16* __restrict__ X, int64_t ldx, int n,
+                                                          void* Y, int64_t ldy, int y_f32, int out_rows,
+                                                          const int* __restrict__ idx, int k, int rows_per_expert) {
+  extern __shared__ float4 smem4[];
+  float* xs = reinterpret_cast<float*>(smem4);
+  constexpr int S = Chunk<BITS>::kStride;
+  const int cpr = W.in / Chunk<BITS>::kCols;
+  int t0 = blockIdx.y * T;
+  int64_t row_base = 0;
+  if constexpr (MODE == 2) {
+    t0 = blockIdx.y / k;
+    row_base = int64_t(idx[blockIdx.y]) * rows_per_expert;
+  }
+#pragma unroll
+  for (int t = 0; t < T; ++t) stage_row<BITS>(X + int64_t(t0 + t) * ldx, W.in, t0 + t < n, xs + t * cpr * S);
+  __syncthreads();
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int i = 0; i < kMatvecRowsPerBlock / kWarps; ++i) {
+    const int r = blockIdx.x * kMatvecRowsPerBlock + i * kWarps + warp;
+    if (r >= out_rows) break;
+    float acc[T], acc2[T];
+#pragma unroll
+    for (int t = 0; t < T; ++t) acc[t] = acc2[t] = 0.f;
+    const int64_t r1 = MODE == 0 ? r : row_base + 2 * int64_t(r);
+#pragma unroll 2
+    for (int c = lane; c < cpr; c += 32) {
+      const uint4 w1 = load_chunk<BITS>(W, r1, c);
+      uint4 w2;
+      if constexpr (MODE != 0) w2 = load_chunk<BITS>(W, r1 + 1, c);
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        const float* xc = xs + (t * cpr + c) * S;
+        acc[t] += chunk_dot<BITS>(W, r1, c, w1, xc);
+        if constexpr (MODE != 0) acc2[t] += chunk_dot<BITS>(W, r1 + 1, c, w2, xc);
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+      const float a = group_sum<32>(acc[t]);
+      float y = a;
+      if constexpr (MODE != 0) y = swiglu_bf16(a, group_sum<32>(acc2[t]));
+      if (lane == t && t0 + t < n) {
+        const int64_t row = MODE == 2 ? int64_t(blockIdx.y) : int64_t(t0 + t);
+        if (y_f32) static_cast<float*>(Y)[row * ldy + r] = y;
+        else static_cast<bf16*>(Y)[row * ldy + r] = __float2bfloat16(y);
+      }
+    }
+  }
+}
+
+constexpr size_t kMaxSmem = 227 * 1024;  // sm_90 opt-in limit per block
+
+// Raises the kernel's dynamic shared-memory limit once (a host-side attribute; legal while a
+// graph is being captured) and rejects what cannot fit.
+template <auto Kern>
+void allow_smem(size_t smem, const char* what) {
+  TANSY_CHECK(smem <= kMaxSmem, "{}: {} bytes of staged input exceed shared memory ({})", what, smem, kMaxSmem);
+  static const bool once = [&] {
+    CUDA_CHECK(cudaFuncSetAttribute(Kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kMaxSmem)));
+    return true;
+  }();
+  (void)once;
+}
+
+template <int BITS>
+size_t stage_bytes(int in, int rows) {
+  return size_t(rows) * (in / Chunk<BITS>::kCols) * Chunk<BITS>::kStride * sizeof(float);
+}
+
+template <int BITS, int T, int MODE>
+void launch_matvec_t(const DevLinear& W, const bf16* X, int64_t ldx, int n, void* Y, int64_t ldy, bool y_f32,
+                     int out_rows, const int* idx, int k, int rows_per_expert, unsigned grid_y, cudaStream_t stream) {
+  const size_t smem = stage_bytes<BITS>(W.in, T);
+  constexpr auto kern = matvec_kernel<BITS, T, MODE>;
+  allow_smem<kern>(smem, "matvec");
+  dim3 grid(ceil_div(out_rows, kMatvecRowsPerBlock), grid_y);
+  kern<<<grid, kThreads, smem, stream>>>(W, X, ldx, n, Y, ldy, y_f32 ? 1 : 0, out_rows, idx, k, rows_per_expert);
+  CUDA_LAUNCH_CHECK();
+}
+
+// Token rows per block for the multi-row variant: one weight pass serves 4 token rows.
+constexpr int kTokensPerPass = 4;
+
+template <int MODE>
+void launch_matvec(const DevLinear& W, const bf16* X, int64_t ldx, int n, void* Y, int64_t ldy, bool y_f32,
+                   int out_rows, const int* idx, int k, int rows_per_expert, cudaStream_t stream) {
+  const bool multi = MODE != 2 && n > 1;
+  const unsigned grid_y = MODE == 2 ? unsigned(n * k) : multi ? ceil_div(n, kTokensPerPass) : unsigned(n);
+  TANSY_CHECK(grid_y <= 65535u, "matvec: {} token rows exceed the grid limit", n);
+  auto go = [&]<int BITS>() {
+    if (multi) launch_matvec_t<BITS, kTokensPerPass, MODE>(W, X, ldx, n, Y, ldy, y_f32, out_rows, idx, k, rows_per_expert, grid_y, stream);
+    else launch_matvec_t<BITS, 1, MODE>(W, X, ldx, n, Y, ldy, y_f32, out_rows, idx, k, rows_per_expert, grid_y, stream);
+  };
+  switch (W.fmt) {
+    case WFormat::kAffine4: go.template operator()<4>(); break;
+    case WFormat::kAffine8: go.template operator()<8>(); break;
+    default: go.template operator()<16>(); break;
+  }
+}
+
+void check_x(const bf16* X, int64_t ldx, int n, int in, const char* what) {
+  TANSY_CHECK(n >= 1, "{}: no token rows", what);
+  TANSY_CHECK(X && aligned16(X) && ldx % 8 == 0 && ldx >= in, "{}: X must be 16-byte aligned rows (ldx {} >= in {})",
+              what, ldx, in);
+}
+
+// ---- routed experts: down projections + weighted combine ----
+
+// G lanes per output row: in = I is small (512 on the real model: 16 chunks of 4-bit), so a warp
+// works on 32/G rows at once instead of leaving lanes idle.
+template <int BITS, int G>
+__global__ void __launch_bounds__(kThreads) moe_down_kernel(DevLinear Wd, int H, const int* __restrict__ idx,
+                                                            const float* __restrict__ wts, const bf16* __restrict__ act,
+                                                            int k, const bf16* shared, const float* sh_logit,
+                                                            int64_t sh_ld, bf16* out) {
+  extern __shared__ float4 smem4[];
+  float* xs = reinterpret_cast<float*>(smem4);
+  __shared__ int s_e[kMaxTopK];
+  __shared__ float s_w[kMaxTopK];
+  constexpr int S = Chunk<BITS>::kStride;
+  const int t = blockIdx.y, cpr = Wd.in / Chunk<BITS>::kCols;
+  for (int j = 0; j < k; ++j) stage_row<BITS>(act + (int64_t(t) * k + j) * Wd.in, Wd.in, true, xs + j * cpr * S);
+  if (threadIdx.x < k) {
+    s_e[threadIdx.x] = idx[t * k + threadIdx.x];
+    s_w[threadIdx.x] = wts[t * k + threadIdx.x];
+  }
+  __syncthreads();
+  const float sg = shared ? 1.f / (1.f + __expf(-sh_logit[int64_t(t) * sh_ld])) : 0.f;
+
+  // One row per G lanes, one pass: rows past H compute nothing (shuffles need the whole warp).
+  // The (expert, chunk) pairs of a row are one flat loop so that several loads are in flight.
+  const int sub = threadIdx.x % G;
+  const int r = blockIdx.x * (kThreads / G) + threadIdx.x / G;
+  const bool valid = r < H;
+  float acc = 0.f;
+  if (valid) {
+#pragma unroll 4
+    for (int it = sub; it < k * cpr; it += G) {
+      const int j = it / cpr, c = it - j * cpr;
+      const int64_t row = int64_t(s_e[j]) * H + r;
+      acc = fmaf(s_w[j], chunk_dot<BITS>(Wd, row, c, load_chunk<BITS>(Wd, row, c), xs + (j * cpr + c) * S), acc);
+    }
+  }
+  acc = group_sum<G>(acc);
+  if (valid && sub == 0) {
+    float y = acc;
+    if (shared) y += sg * __bfloat162float(shared[int64_t(t) * H + r]);
+    out[int64_t(t) * H + r] = __float2bfloat16(y);
+  }
+}
+
+}  // namespace
+
+void matvec(const DevLinear& W, const bf16* X, int64_t ldx, int n, const MatvecOut& Y, cudaStream_t stream) {
+  W.check("matvec");
+  check_x(X, ldx, n, W.in, "matvec");
+  TANSY_CHECK(Y.ptr && Y.ld >= W.out, "matvec: output ld {} < out {}", Y.ld, W.out);
+  launch_matvec<0>(W, X, ldx, n, Y.ptr, Y.ld, Y.f32, W.out, nullptr, 0, 0, stream);
+}
+
+void matvec_swiglu(const DevLinear& W, const bf16* X, int64_t ldx, int n, bf16* Y, int64_t ldy, cudaStream_t stream) {
+  W.check("matvec_swiglu");
+  check_x(X, ldx, n, W.in, "matvec_swiglu");
+  TANSY_CHECK(W.out % 2 == 0, "matvec_swiglu: {} rows are not gate/up pairs", W.out);
+  TANSY_CHECK(Y && ldy >= W.out / 2, "matvec_swiglu: output ld {} < {}", ldy, W.out / 2);
+  launch_matvec<1>(W, X, ldx, n, Y, ldy, false, W.out / 2, nullptr, 0, 0, stream);
+}
+
+void matvec_swiglu_experts(const DevLinear& W, int n_experts, const int* idx, int n, int k, const bf16* X,
+                           int64_t ldx, bf16* act, cudaStream_t stream) {
+  W.check("matvec_swiglu_experts");
+  check_x(X, ldx, n, W.in, "matvec_swiglu_experts");
+  TANSY_CHECK(n_experts > 0 && W.out % (2 * n_experts) == 0, "matvec_swiglu_experts: {} rows over {} experts", W.out,
+              n_experts);
+  TANSY_CHECK(k >= 1 && k <= kMaxTopK && idx && act, "matvec_swiglu_experts: k = {} outside 1..{}", k, kMaxTopK);
+  const int rows_per_expert = W.out / n_experts;
+  launch_matvec<2>(W, X, ldx, n, act, rows_per_expert / 2, false, rows_per_expert / 2, idx, k, rows_per_expert,
+                   stream);
+}
+
+void moe_down_combine(const DevLinear& Wd, int n_experts, const int* idx, const float* wts, const bf16* act, int n,
+                      int k, const bf16* shared, const float* sh_logit, int64_t sh_ld, bf16* out, cudaStream_t stream) {
+  Wd.check("moe_down_combine");
+  TANSY_CHECK(n_experts > 0 && Wd.out % n_experts == 0, "moe_down_combine: {} rows over {} experts", Wd.out, n_experts);
+  TANSY_CHECK(k >= 1 && k <= kMaxTopK, "moe_down_combine: k = {} outside 1..{}", k, kMaxTopK);
+  TANSY_CHECK(n >= 1 && n <= 65535, "moe_down_combine: {} tokens outside the grid limit", n);
+  TANSY_CHECK(idx && wts && act && out && aligned16(act), "moe_down_combine: missing or misaligned buffers");
+  TANSY_CHECK(!shared || sh_logit, "moe_down_combine: shared expert output without its gate logit");
+  const int H = Wd.out / n_experts;
+  auto go = [&]<int BITS>() {
+    const int cpr = Wd.in / Chunk<BITS>::kCols;
+    const size_t smem = stage_bytes<BITS>(Wd.in, k);
+    auto launch = [&]<int G>() {
+      constexpr auto kern = moe_down_kernel<BITS, G>;
+      allow_smem<kern>(smem, "moe_down_combine");
+      kern<<<dim3(ceil_div(H, kThreads / G), n), kThreads, smem, stream>>>(Wd, H, idx, wts, act, k, shared,
+                                                                                   sh_logit, sh_ld, out);
+      CUDA_LAUNCH_CHECK();
+    };
+    if (cpr >= 32) launch.template operator()<32>();
+    else if (cpr >= 16) launch.template operator()<16>();
+    else launch.template operator()<8>();
+  };
+  switch (Wd.fmt) {
+    case WFormat::kAffine4: go.template operator()<4>(); break;
+    case WFormat::kAffine8: go.template operator()<8>(); break;
+    default: go.template operator()<16>(); break;
+  }
+}
+
+}  // namespace tansy::cuda

@@ -1,0 +1,544 @@
+// Every decode-side kernel against the CPU reference (src/cpu/ops.h), on fresh random inputs at the
+// real model's shapes and at edge sizes. Inputs are rounded to bf16 first, so both sides see the
+// same values; tolerances: f32 outputs ~1e-5 (accumulation order only), bf16 outputs 1e-2 (one
+// rounding of the result), as METHOD.md gives for bf16 operands.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <string>
+
+#include "cpu/ops.h"
+#include "cuda/attention_decode.cuh"
+#include "cuda/embed.cuh"
+#include "cuda/gdn_decode.cuh"
+#include "cuda/matvec.cuh"
+#include "cuda/moe.cuh"
+#include "cuda/norm.cuh"
+#include "gpu_test_util.h"
+#include "model/model.h"
+
+namespace tansy {
+namespace {
+
+using namespace gpu_test;
+using cuda::bf16;
+using cuda::DeviceBuffer;
+
+constexpr double kTolF32 = 2e-5;
+constexpr double kTolBf16 = 1e-2;
+
+// A random weight matrix on the host (Linear view) and on the device (DevLinear view).
+struct TestMatrix {
+  std::vector<uint32_t> q;
+  std::vector<uint16_t> s, b, w;
+  Linear host;
+  DeviceBuffer<uint32_t> dq;
+  DeviceBuffer<bf16> ds, db, dw;
+  cuda::DevLinear dev;
+};
+
+TestMatrix make_matrix(WFormat fmt, int out, int in) {
+  TestMatrix m;
+  m.host.fmt = fmt;
+  m.host.out = out;
+  m.host.in = in;
+  m.host.group = 64;
+  m.dev.fmt = fmt;
+  m.dev.out = out;
+  m.dev.in = in;
+  if (fmt == WFormat::kBF16) {
+    m.w = to_bf16(randn(size_t(out) * in, 0.05f));
+    m.host.bf16 = m.w.data();
+    m.dw.resize(m.w.size());
+    CUDA_CHECK(cudaMemcpy(m.dw.get(), m.w.data(), m.w.size() * 2, cudaMemcpyHostToDevice));
+    m.dev.w = m.dw.get();
+    return m;
+  }
+  const int bits = fmt == WFormat::kAffine4 ? 4 : 8, groups = in / 64;
+  m.q.resize(size_t(out) * in * bits / 32);
+  for (auto& x : m.q) x = uint32_t(rng()());
+  std::uniform_real_distribution<float> us(0.002f, 0.02f);
+  std::normal_distribution<float> nb(0.f, 1.f);
+  m.s.resize(size_t(out) * groups);
+  m.b.resize(size_t(out) * groups);
+  const float mid = bits == 4 ? 7.5f : 127.5f;
+  for (size_t i = 0; i < m.s.size(); ++i) {
+    const float s = us(rng()) * (bits == 4 ? 1.f : 1.f / 16);
+    m.s[i] = f32_to_bf16(s);
+    m.b[i] = f32_to_bf16(-mid * s + s * nb(rng()));
+  }
+  m.host.q = m.q.data();
+  m.host.scales = m.s.data();
+  m.host.biases = m.b.data();
+  m.dq = to_device(m.q);
+  m.ds.resize(m.s.size());
+  m.db.resize(m.b.size());
+  CUDA_CHECK(cudaMemcpy(m.ds.get(), m.s.data(), m.s.size() * 2, cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(m.db.get(), m.b.data(), m.b.size() * 2, cudaMemcpyHostToDevice));
+  m.dev.q = m.dq.get();
+  m.dev.scales = m.ds.get();
+  m.dev.biases = m.db.get();
+  return m;
+}
+
+const char* fmt_name(WFormat f) { return wformat_name(f); }
+
+// ---- matvec ----
+
+struct MatvecCase {
+  WFormat fmt;
+  int out, in, n;
+};
+
+TEST(DecodeKernels, Matvec) {
+  const MatvecCase cases[] = {
+      {WFormat::kAffine4, 12352, 2048, 1},   // GDN in_proj (qkv|z|a|b)
+      {WFormat::kAffine4, 2048, 4096, 1},    // out_proj / o_proj
+      {WFormat::kAffine4, 9216, 2048, 1},    // attention q|k|v
+      {WFormat::kAffine8, 258, 2048, 1},     // router + shared gate + pad
+      {WFormat::kAffine4, 248320, 2048, 1},  // lm_head
+      {WFormat::kAffine4, 2048, 512, 1},     // shared expert down
+      {WFormat::kAffine4, 1, 64, 1},         // smallest
+      {WFormat::kAffine4, 37, 192, 3},       // odd rows, 3 tokens (one partial 4-token pass)
+      {WFormat::kAffine4, 300, 2048, 9},     // 3 passes, the last partial
+      {WFormat::kAffine8, 70, 128, 5},
+      {WFormat::kBF16, 513, 2048, 1},
+      {WFormat::kBF16, 65, 64, 6},
+  };
+  for (const auto& c : cases) {
+    TestMatrix W = make_matrix(c.fmt, c.out, c.in);
+    auto x = randn(size_t(c.n) * c.in);
+    round_bf16_inplace(x);
+    auto dx = to_device_bf16(x);
+    std::vector<float> ref(size_t(c.n) * c.out);
+    cpu::matmul(W.host, x.data(), c.n, ref.data());
+    // f32 output, rows padded to ld = out + 3
+    const int64_t ld = c.out + 3;
+    DeviceBuffer<float> y32(size_t(c.n) * ld);
+    poison(y32);
+    cuda::matvec(W.dev, dx.get(), c.in, c.n, cuda::MatvecOut{y32.get(), true, ld}, 0);
+    auto h32 = from_device(y32.get(), y32.size());
+    std::vector<float> got(ref.size());
+    for (int t = 0; t < c.n; ++t)
+      for (int r = 0; r < c.out; ++r) got[size_t(t) * c.out + r] = h32[size_t(t) * ld + r];
+    const std::string label = std::string("matvec f32 ") + fmt_name(c.fmt) + " [" + std::to_string(c.out) + "x" +
+                              std::to_string(c.in) + "] n=" + std::to_string(c.n);
+    EXPECT_REL(got, ref, kTolF32, label);
+    DeviceBuffer<bf16> y16(size_t(c.n) * c.out);
+    poison(y16);
+    cuda::matvec(W.dev, dx.get(), c.in, c.n, cuda::MatvecOut{y16.get(), false, c.out}, 0);
+    EXPECT_REL(from_device_bf16(y16.get(), y16.size()), ref, kTolBf16, "  (bf16 out)");
+  }
+}
+
+TEST(DecodeKernels, MatvecRejectsBadShapes) {
+  TestMatrix W = make_matrix(WFormat::kAffine4, 8, 64);
+  W.dev.in = 96;  // not a multiple of the quant group
+  DeviceBuffer<bf16> x(96);
+  DeviceBuffer<float> y(8);
+  EXPECT_THROW(cuda::matvec(W.dev, x.get(), 96, 1, cuda::MatvecOut{y.get(), true, 8}, 0), Error);
+  W.dev.in = 64;
+  W.dev.fmt = WFormat::kF32;
+  EXPECT_THROW(cuda::matvec(W.dev, x.get(), 64, 1, cuda::MatvecOut{y.get(), true, 8}, 0), Error);
+}
+
+// silu(bf16(g)) * bf16(u), the kernels' SwiGLU.
+std::vector<float> swiglu_ref(const std::vector<float>& gu_rows, int n, int pairs) {
+  std::vector<float> g(size_t(n) * pairs), u(size_t(n) * pairs), y(size_t(n) * pairs);
+  for (int t = 0; t < n; ++t)
+    for (int i = 0; i < pairs; ++i) {
+      g[size_t(t) * pairs + i] = round_bf16(gu_rows[size_t(t) * 2 * pairs + 2 * i]);
+      u[size_t(t) * pairs + i] = round_bf16(gu_rows[size_t(t) * 2 * pairs + 2 * i + 1]);
+    }
+  cpu::swiglu(g.data(), u.data(), n * pairs, y.data());
+  return y;
+}
+
+TEST(DecodeKernels, MatvecSwiglu) {
+  const MatvecCase cases[] = {{WFormat::kAffine4, 1024, 2048, 1}, {WFormat::kAffine4, 128, 64, 5},
+                              {WFormat::kAffine8, 64, 256, 2}, {WFormat::kBF16, 256, 2048, 1}};
+  for (const auto& c : cases) {
+    TestMatrix W = make_matrix(c.fmt, c.out, c.in);  // rows interleaved gate/up
+    auto x = randn(size_t(c.n) * c.in);
+    round_bf16_inplace(x);
+    auto dx = to_device_bf16(x);
+    std::vector<float> rows(size_t(c.n) * c.out);
+    cpu::matmul(W.host, x.data(), c.n, rows.data());
+    const auto ref = swiglu_ref(rows, c.n, c.out / 2);
+    DeviceBuffer<bf16> y(size_t(c.n) * c.out / 2);
+    poison(y);
+    cuda::matvec_swiglu(W.dev, dx.get(), c.in, c.n, y.get(), c.out / 2, 0);
+    EXPECT_REL(from_device_bf16(y.get(), y.size()), ref, kTolBf16,
+               std::string("matvec_swiglu ") + fmt_name(c.fmt) + " n=" + std::to_string(c.n));
+  }
+}
+
+// Routed experts: gate|up per slot, then down + weighted combine + gated shared expert.
+void check_experts(WFormat fmt, int E, int H, int I, int k, int n) {
+  TestMatrix GU = make_matrix(fmt, E * 2 * I, H);
+  TestMatrix D = make_matrix(fmt, E * H, I);
+  auto x = randn(size_t(n) * H);
+  round_bf16_inplace(x);
+  std::vector<int> idx(size_t(n) * k);
+  std::vector<float> wts(size_t(n) * k);
+  for (int t = 0; t < n; ++t) {
+    std::vector<int> perm(E);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng());
+    float s = 0;
+    for (int j = 0; j < k; ++j) {
+      idx[size_t(t) * k + j] = perm[j];
+      wts[size_t(t) * k + j] = std::uniform_real_distribution<float>(0.05f, 1.f)(rng());
+      s += wts[size_t(t) * k + j];
+    }
+    for (int j = 0; j < k; ++j) wts[size_t(t) * k + j] /= s;
+  }
+  auto shared = randn(size_t(n) * H, 0.5f);
+  round_bf16_inplace(shared);
+  const int ld = 7;  // shared gate logit in column 3 of rows 7 apart
+  auto logits = randn(size_t(n) * ld);
+
+  // reference
+  std::vector<float> act_ref(size_t(n) * k * I), out_ref(size_t(n) * H);
+  for (int t = 0; t < n; ++t) {
+    for (int j = 0; j < k; ++j) {
+      const int e = idx[size_t(t) * k + j];
+      std::vector<float> rows(2 * I);
+      cpu::matmul(GU.host.rows(e * 2 * I, 2 * I), &x[size_t(t) * H], 1, rows.data());
+      const auto a = swiglu_ref(rows, 1, I);
+      std::copy(a.begin(), a.end(), &act_ref[(size_t(t) * k + j) * I]);
+    }
+  }
+  // down reads the kernel's own bf16 activations (checked separately above)
+  DeviceBuffer<int> didx = to_device(idx);
+  DeviceBuffer<float> dw = to_device(wts), dlog = to_device(logits);
+  auto dx = to_device_bf16(x);
+  DeviceBuffer<bf16> act(size_t(n) * k * I);
+  poison(act);
+  cuda::matvec_swiglu_experts(GU.dev, E, didx.get(), n, k, dx.get(), H, act.get(), 0);
+  const auto act_got = from_device_bf16(act.get(), act.size());
+  EXPECT_REL(act_got, act_ref, kTolBf16,
+             std::string("experts gate|up ") + fmt_name(fmt) + " E=" + std::to_string(E) + " n=" + std::to_string(n));
+  for (int t = 0; t < n; ++t) {
+    const float sg = 1.f / (1.f + std::exp(-logits[size_t(t) * ld + 3]));
+    for (int r = 0; r < H; ++r) out_ref[size_t(t) * H + r] = sg * shared[size_t(t) * H + r];
+    for (int j = 0; j < k; ++j) {
+      const int e = idx[size_t(t) * k + j];
+      std::vector<float> y(H);
+      cpu::matmul(D.host.rows(e * H, H), &act_got[(size_t(t) * k + j) * I], 1, y.data());
+      for (int r = 0; r < H; ++r) out_ref[size_t(t) * H + r] += wts[size_t(t) * k + j] * y[r];
+    }
+  }
+  auto dout = to_device_bf16(shared);  // shared output aliases out, as in the backend
+  cuda::moe_down_combine(D.dev, E, didx.get(), dw.get(), act.get(), n, k, dout.get(), dlog.get() + 3, ld, dout.get(), 0);
+  EXPECT_REL(from_device_bf16(dout.get(), dout.size()), out_ref, kTolBf16, "  experts down + combine");
+}
+
+TEST(DecodeKernels, Experts) {
+  check_experts(WFormat::kAffine4, 16, 2048, 512, 8, 1);  // real per-expert shapes (16 of 256 experts)
+  check_experts(WFormat::kAffine4, 16, 2048, 512, 8, 3);
+  check_experts(WFormat::kAffine4, 8, 64, 64, 2, 2);  // tiny golden shapes
+  check_experts(WFormat::kBF16, 8, 128, 64, 4, 2);
+  check_experts(WFormat::kAffine8, 4, 256, 128, 3, 1);
+}
+
+// ---- routing ----
+
+TEST(DecodeKernels, RouteTopk) {
+  for (auto [E, k, n] : {std::tuple{256, 8, 5}, std::tuple{8, 2, 3}, std::tuple{16, 16, 1}}) {
+    const int ld = E + 2;
+    auto logits = randn(size_t(n) * ld, 2.f);
+    // a tie between two of the largest: the lower index must win
+    logits[5] = logits[9] = 50.f;
+    DeviceBuffer<float> dl = to_device(logits);
+    DeviceBuffer<int> idx(size_t(n) * k);
+    DeviceBuffer<float> w(size_t(n) * k);
+    poison(idx);
+    poison(w);
+    cuda::route_topk(dl.get(), ld, n, E, k, idx.get(), w.get(), 0);
+    const auto gi = from_device(idx.get(), idx.size());
+    const auto gw = from_device(w.get(), w.size());
+    for (int t = 0; t < n; ++t) {
+      std::vector<int> ri(k);
+      std::vector<float> rw(k);
+      cpu::route_topk(&logits[size_t(t) * ld], E, k, ri.data(), rw.data());
+      // compare as sets keyed by expert (order within equal weights may differ)
+      std::vector<std::pair<int, float>> a, b;
+      for (int j = 0; j < k; ++j) {
+        a.push_back({gi[size_t(t) * k + j], gw[size_t(t) * k + j]});
+        b.push_back({ri[j], rw[j]});
+      }
+      std::sort(a.begin(), a.end());
+      std::sort(b.begin(), b.end());
+      for (int j = 0; j < k; ++j) {
+        EXPECT_EQ(a[j].first, b[j].first) << "E=" << E << " token " << t;
+        EXPECT_NEAR(a[j].second, b[j].second, 1e-5) << "E=" << E << " token " << t;
+      }
+    }
+    std::printf("  route_topk E=%d k=%d n=%d checked\n", E, k, n);
+  }
+}
+
+// ---- norms, embedding, argmax ----
+
+TEST(DecodeKernels, AddRmsnorm) {
+  for (auto [n, dim] : {std::pair{1, 2048}, std::pair{5, 2048}, std::pair{3, 64}}) {
+    auto h = randn(size_t(n) * dim, 3.f), r = randn(size_t(n) * dim), w = randn(dim, 0.2f, 1.f);
+    round_bf16_inplace(h);
+    round_bf16_inplace(r);
+    auto dh = to_device_bf16(h), dr = to_device_bf16(r);
+    DeviceBuffer<float> dw = to_device(w);
+    DeviceBuffer<bf16> xn(size_t(n) * dim);
+    poison(xn);
+    cuda::add_rmsnorm(dh.get(), dr.get(), dw.get(), n, dim, 1e-6f, xn.get(), 0);
+    std::vector<float> hs(h.size()), ref(h.size());
+    for (size_t i = 0; i < h.size(); ++i) hs[i] = round_bf16(h[i] + r[i]);
+    for (int t = 0; t < n; ++t) cpu::rmsnorm(&hs[size_t(t) * dim], w.data(), dim, 1e-6f, &ref[size_t(t) * dim]);
+    EXPECT_EQ(max_abs_diff(from_device_bf16(dh.get(), h.size()), hs), 0.0) << "residual sum is bf16(h + r)";
+    EXPECT_REL(from_device_bf16(xn.get(), xn.size()), ref, kTolBf16, "add_rmsnorm n=" + std::to_string(n));
+    // no residual: plain norm of h
+    cuda::add_rmsnorm(dh.get(), nullptr, dw.get(), n, dim, 1e-6f, xn.get(), 0);
+    EXPECT_REL(from_device_bf16(xn.get(), xn.size()), ref, kTolBf16, "  rmsnorm (no residual)");
+  }
+}
+
+TEST(DecodeKernels, GatedRmsnorm) {
+  const int n = 3, heads = 32, dim = 128;
+  const int64_t ldz = heads * dim + 64;
+  auto o = randn(size_t(n) * heads * dim), z = randn(size_t(n) * ldz), w = randn(dim, 0.2f, 1.f);
+  round_bf16_inplace(z);
+  DeviceBuffer<float> dout = to_device(o), dw = to_device(w);
+  auto dz = to_device_bf16(z);
+  DeviceBuffer<bf16> y(size_t(n) * heads * dim);
+  poison(y);
+  cuda::gated_rmsnorm(dout.get(), heads * dim, dz.get(), ldz, dw.get(), n, heads, dim, 1e-6f, y.get(), heads * dim, 0);
+  std::vector<float> ref(y.size());
+  for (int t = 0; t < n; ++t)
+    for (int j = 0; j < heads; ++j)
+      cpu::rmsnorm_gated(&o[(size_t(t) * heads + j) * dim], &z[size_t(t) * ldz + size_t(j) * dim], w.data(), dim, 1e-6f,
+                         &ref[(size_t(t) * heads + j) * dim]);
+  EXPECT_REL(from_device_bf16(y.get(), y.size()), ref, kTolBf16, "gated_rmsnorm");
+}
+
+TEST(DecodeKernels, Embed) {
+  for (WFormat fmt : {WFormat::kAffine4, WFormat::kAffine8, WFormat::kBF16}) {
+    const int V = 1000, H = 2048;
+    TestMatrix E = make_matrix(fmt, V, H);
+    std::vector<int> ids = {0, 999, 17, 17, 523};
+    DeviceBuffer<int> dids = to_device(ids);
+    DeviceBuffer<bf16> h(ids.size() * H);
+    poison(h);
+    cuda::embed(E.dev, dids.get(), int(ids.size()), h.get(), 0);
+    std::vector<float> ref(ids.size() * H);
+    for (size_t t = 0; t < ids.size(); ++t) cpu::embed_row(E.host, ids[t], &ref[t * H]);
+    EXPECT_REL(from_device_bf16(h.get(), h.size()), ref, 5e-3, std::string("embed ") + fmt_name(fmt));
+  }
+}
+
+TEST(DecodeKernels, Argmax) {
+  for (int V : {248320, 256, 1}) {
+    auto logits = randn(V, 4.f);
+    if (V > 300) logits[123] = logits[200000] = 100.f;  // tie: lower index wins
+    DeviceBuffer<float> dl = to_device(logits);
+    DeviceBuffer<unsigned long long> scratch(cuda::kArgmaxBlocks);
+    DeviceBuffer<int> dst(1), ring(4), counter(1);
+    CUDA_CHECK(cudaMemset(counter.get(), 0, sizeof(int)));
+    cuda::argmax(dl.get(), V, scratch.get(), dst.get(), ring.get(), counter.get(), 0);
+    const int got = from_device(dst.get(), 1)[0];
+    EXPECT_EQ(got, tansy::argmax(logits)) << "V=" << V;
+    EXPECT_EQ(from_device(ring.get(), 1)[0], got);
+    EXPECT_EQ(from_device(counter.get(), 1)[0], 1);
+    std::printf("  argmax V=%d -> %d\n", V, got);
+  }
+}
+
+// ---- attention ----
+
+TEST(DecodeKernels, QkNormRope) {
+  const int NH = 16, NKV = 2, hd = 256, rot = 64, n = 3;
+  for (int pos0 : {0, 100000}) {
+    cuda::QkvLayout L;
+    L.n_heads = NH;
+    L.n_kv = NKV;
+    L.ld = L.v_off() + NKV * hd + 8;
+    auto rows = randn(size_t(n) * L.ld, 2.f);
+    round_bf16_inplace(rows);
+    auto drows = to_device_bf16(rows);
+    L.base = drows.get();
+    auto qn = randn(hd, 0.1f, 1.f), kn = randn(hd, 0.1f, 1.f);
+    DeviceBuffer<float> dqn = to_device(qn), dkn = to_device(kn);
+    const int cap = pos0 + n;
+    DeviceBuffer<bf16> K(size_t(cap) * NKV * hd), V(size_t(cap) * NKV * hd);
+    poison(K);
+    poison(V);
+    DeviceBuffer<int> dpos = to_device(std::vector<int>{pos0});
+    cuda::qk_norm_rope(L, n, dpos.get(), dqn.get(), dkn.get(), 1e-6f, rot, 1e7, K.get(), V.get(), 0);
+    const auto got_rows = from_device_bf16(drows.get(), rows.size());
+    const auto gk = from_device_bf16(K.get() + size_t(pos0) * NKV * hd, size_t(n) * NKV * hd);
+    const auto gv = from_device_bf16(V.get() + size_t(pos0) * NKV * hd, size_t(n) * NKV * hd);
+    std::vector<float> q_ref, q_got, k_ref, v_ref;
+    for (int t = 0; t < n; ++t) {
+      const float* row = &rows[size_t(t) * L.ld];
+      for (int h = 0; h < NH; ++h) {
+        std::vector<float> q(hd);
+        cpu::rmsnorm(row + size_t(h) * 2 * hd, qn.data(), hd, 1e-6f, q.data());
+        cpu::rope(q.data(), rot, pos0 + t, 1e7);
+        q_ref.insert(q_ref.end(), q.begin(), q.end());
+        q_got.insert(q_got.end(), &got_rows[size_t(t) * L.ld + size_t(h) * 2 * hd],
+                     &got_rows[size_t(t) * L.ld + size_t(h) * 2 * hd + hd]);
+        // the gate half is untouched
+        for (int d = 0; d < hd; ++d)
+          ASSERT_EQ(got_rows[size_t(t) * L.ld + size_t(h) * 2 * hd + hd + d], row[size_t(h) * 2 * hd + hd + d]);
+      }
+      for (int j = 0; j < NKV; ++j) {
+        std::vector<float> k(hd);
+        cpu::rmsnorm(row + L.k_off() + size_t(j) * hd, kn.data(), hd, 1e-6f, k.data());
+        cpu::rope(k.data(), rot, pos0 + t, 1e7);
+        k_ref.insert(k_ref.end(), k.begin(), k.end());
+        v_ref.insert(v_ref.end(), row + L.v_off() + size_t(j) * hd, row + L.v_off() + size_t(j + 1) * hd);
+      }
+    }
+    EXPECT_REL(q_got, q_ref, kTolBf16, "qk_norm_rope q, pos " + std::to_string(pos0));
+    EXPECT_REL(gk, k_ref, kTolBf16, "  k -> cache");
+    EXPECT_EQ(max_abs_diff(gv, v_ref), 0.0) << "v copied exactly";
+  }
+}
+
+void check_attention(int NH, int NKV, int ctx, int n, int splits) {
+  const int hd = 256;
+  cuda::QkvLayout L;
+  L.n_heads = NH;
+  L.n_kv = NKV;
+  L.ld = L.v_off() + NKV * hd;
+  auto rows = randn(size_t(n) * L.ld);
+  round_bf16_inplace(rows);
+  auto drows = to_device_bf16(rows);
+  L.base = drows.get();
+  const int total = ctx + n;  // ctx cached before the n new tokens
+  auto K = randn(size_t(total) * NKV * hd), V = randn(size_t(total) * NKV * hd);
+  round_bf16_inplace(K);
+  round_bf16_inplace(V);
+  auto dK = to_device_bf16(K), dV = to_device_bf16(V);
+  DeviceBuffer<int> dpos = to_device(std::vector<int>{ctx});
+  DeviceBuffer<float> scratch(cuda::attn_scratch_floats(n, NH, splits));
+  DeviceBuffer<bf16> out(size_t(n) * NH * hd);
+  poison(out);
+  poison(scratch);
+  cuda::attention_decode(L, n, dpos.get(), dK.get(), dV.get(), splits, scratch.get(), out.get(), NH * hd, 0);
+  std::vector<float> ref(size_t(n) * NH * hd);
+  for (int t = 0; t < n; ++t) {
+    std::vector<float> q(size_t(NH) * hd);
+    for (int h = 0; h < NH; ++h)
+      std::copy(&rows[size_t(t) * L.ld + size_t(h) * 2 * hd], &rows[size_t(t) * L.ld + size_t(h) * 2 * hd + hd],
+                &q[size_t(h) * hd]);
+    float* o = &ref[size_t(t) * NH * hd];
+    cpu::attention(q.data(), K.data(), V.data(), ctx + t + 1, NH, NKV, hd, o);
+    for (int h = 0; h < NH; ++h)
+      for (int d = 0; d < hd; ++d) {
+        const float g = rows[size_t(t) * L.ld + size_t(h) * 2 * hd + hd + d];
+        o[size_t(h) * hd + d] *= 1.f / (1.f + std::exp(-g));
+      }
+  }
+  EXPECT_REL(from_device_bf16(out.get(), out.size()), ref, kTolBf16,
+             "attention_decode heads " + std::to_string(NH) + "/" + std::to_string(NKV) + " ctx " + std::to_string(ctx) +
+                 " n " + std::to_string(n) + " splits " + std::to_string(splits));
+}
+
+TEST(DecodeKernels, AttentionDecode) {
+  for (int ctx : {0, 62, 63, 64, 1000, 5000}) check_attention(16, 2, ctx, 1, 64);
+  check_attention(16, 2, 40000, 1, 64);
+  check_attention(16, 2, 100, 5, 2);  // several new tokens, causal among themselves
+  check_attention(16, 2, 0, 70, 1);
+  check_attention(2, 1, 10, 3, 4);  // tiny golden heads
+}
+
+// ---- Gated DeltaNet ----
+
+struct GdnSetup {
+  int NK, NV, n;
+};
+
+TEST(DecodeKernels, GdnConvAndRecurrence) {
+  for (auto [NK, NV, n] : {GdnSetup{16, 32, 1}, GdnSetup{16, 32, 40}, GdnSetup{2, 4, 3}, GdnSetup{2, 4, 65}}) {
+    const int D = 128, KD = NK * D, VD = NV * D, C = 2 * KD + VD, Kc = 4;
+    const int64_t ld = C + VD + 2 * NV + 8;  // proj rows: qkv | z | a | b
+    auto proj = randn(size_t(n) * ld);
+    round_bf16_inplace(proj);
+    auto window = randn(size_t(Kc - 1) * C);
+    round_bf16_inplace(window);
+    auto convw = randn(size_t(C) * Kc, 0.5f), A_log = randn(NV, 0.5f), dt_bias = randn(NV, 0.5f);
+    auto dproj = to_device_bf16(proj), dwin = to_device_bf16(window);
+    DeviceBuffer<float> dconv = to_device(convw), dA = to_device(A_log), ddt = to_device(dt_bias);
+    DeviceBuffer<bf16> y(size_t(n) * C);
+    DeviceBuffer<float> beta(size_t(n) * NV), g(size_t(n) * NV);
+    poison(y);
+    poison(beta);
+    poison(g);
+    cuda::GdnConvArgs a;
+    a.x = dproj.get();
+    a.ldx = ld;
+    a.a = dproj.get() + C + VD;
+    a.b = dproj.get() + C + VD + NV;
+    a.ld_ab = ld;
+    a.n = n;
+    a.n_k_heads = NK;
+    a.n_v_heads = NV;
+    a.kernel = Kc;
+    a.conv_w = dconv.get();
+    a.window = dwin.get();
+    a.A_log = dA.get();
+    a.dt_bias = ddt.get();
+    a.y = y.get();
+    a.beta = beta.get();
+    a.g = g.get();
+    cuda::gdn_conv(a, 0);
+
+    // reference conv + norms + gates, token by token
+    std::vector<float> win = window, y_ref(size_t(n) * C), beta_ref(size_t(n) * NV), g_ref(size_t(n) * NV);
+    for (int t = 0; t < n; ++t) {
+      float* yt = &y_ref[size_t(t) * C];
+      cpu::conv1d_step(&proj[size_t(t) * ld], win.data(), convw.data(), C, Kc, yt);
+      cpu::l2norm_heads(yt, NK, D, 1.f / std::sqrt(float(D)));
+      cpu::l2norm_heads(yt + KD, NK, D, 1.f);
+      cpu::gdn_gates(&proj[size_t(t) * ld + C + VD], &proj[size_t(t) * ld + C + VD + NV], A_log.data(), dt_bias.data(), NV,
+                     &beta_ref[size_t(t) * NV], &g_ref[size_t(t) * NV]);
+    }
+    const std::string tag = " heads " + std::to_string(NK) + "/" + std::to_string(NV) + " n " + std::to_string(n);
+    const auto y_got = from_device_bf16(y.get(), y.size());
+    EXPECT_REL(y_got, y_ref, kTolBf16, "gdn_conv (conv+silu+l2norm)" + tag);
+    EXPECT_REL(from_device(beta.get(), beta.size()), beta_ref, kTolF32 * 10, "  beta");
+    EXPECT_REL(from_device(g.get(), g.size()), g_ref, kTolF32 * 10, "  g");
+    EXPECT_EQ(max_abs_diff(from_device_bf16(dwin.get(), win.size()), win), 0.0) << "conv window advanced" << tag;
+
+    // recurrence from a random state, fed the kernel's own conv output
+    auto S0 = randn(size_t(NV) * D * D, 0.1f);
+    DeviceBuffer<float> dS = to_device(S0), o(size_t(n) * VD);
+    poison(o);
+    cuda::GdnPrefillArgs ra;
+    ra.q = y.get();
+    ra.k = y.get() + KD;
+    ra.v = y.get() + 2 * KD;
+    ra.q_stride = ra.k_stride = ra.v_stride = C;
+    ra.beta = beta.get();
+    ra.g = g.get();
+    ra.n = n;
+    ra.n_k_heads = NK;
+    ra.n_v_heads = NV;
+    ra.state = dS.get();
+    ra.o_f32 = o.get();
+    ra.o_stride = VD;
+    cuda::gdn_recurrent(ra, 0);
+    const auto beta_got = from_device(beta.get(), beta.size()), g_got = from_device(g.get(), g.size());
+    std::vector<float> S = S0, o_ref(size_t(n) * VD);
+    for (int t = 0; t < n; ++t) {
+      const float* yt = &y_got[size_t(t) * C];
+      cpu::gdn_recurrent_step(yt, yt + KD, yt + 2 * KD, &beta_got[size_t(t) * NV], &g_got[size_t(t) * NV], NK, NV, D, D,
+                              S.data(), &o_ref[size_t(t) * VD]);
+    }
+    EXPECT_REL(from_device(o.get(), o.size()), o_ref, 1e-4, "gdn_recurrent output" + tag);
+    EXPECT_REL(from_device(dS.get(), S.size()), S, 1e-4, "  state");
+  }
+}
+
+}  // namespace
+}  // namespace tansy

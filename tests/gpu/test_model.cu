@@ -1,0 +1,343 @@
+// The CUDA backend end to end: the golden tiny models (tests/goldens, logits from Hugging Face),
+// CUDA against the CPU backend layer by layer (trace hook), the decode graph against eager
+// decoding, and (when TANSY_SYNTH_DIR names a synthetic full-size checkpoint) CUDA against CPU on
+// the real shapes plus a quick prefill/decode timing.
+//
+// Tolerance for bf16 activations against f32 references: max|Δlogit| / max|logit| <= 0.05 per
+// sequence, and the top-1 id must agree wherever the reference's top-1 beats its runner-up by more
+// than 0.1 * max|logit| (closer calls may legitimately flip under bf16 rounding).
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "cpu/backend.h"
+#include "cuda/backend.h"
+#include "gpu_test_util.h"
+#include "model/model.h"
+
+namespace tansy {
+namespace {
+
+using namespace gpu_test;
+namespace fs = std::filesystem;
+
+constexpr double kLogitTol = 0.05;
+constexpr double kMarginFrac = 0.1;
+constexpr double kTraceTol = 0.05;
+
+// TANSY_SOURCE_DIR in the environment overrides the build's path (the tests may run from a copy).
+fs::path goldens_dir() {
+  const char* env = std::getenv("TANSY_SOURCE_DIR");
+  return fs::path(env ? env : TANSY_SOURCE_DIR) / "tests" / "goldens";
+}
+
+template <typename T>
+std::vector<T> read_bin(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  if (!f) throw std::runtime_error("cannot open " + p.string());
+  f.seekg(0, std::ios::end);
+  const size_t bytes = size_t(f.tellg());
+  f.seekg(0);
+  std::vector<T> v(bytes / sizeof(T));
+  f.read(reinterpret_cast<char*>(v.data()), std::streamsize(v.size() * sizeof(T)));
+  return v;
+}
+
+struct LogitCheck {
+  double rel_max = 0;  // max |Δ| / max |ref|
+  int positions = 0, decisive = 0, decisive_agree = 0, agree = 0;
+};
+
+LogitCheck compare_logits(const std::vector<float>& got, const std::vector<float>& ref, int V) {
+  LogitCheck c;
+  double maxref = 0;
+  for (float x : ref) maxref = std::max(maxref, double(std::fabs(x)));
+  c.rel_max = max_abs_diff(got, ref) / std::max(maxref, 1e-30);
+  c.positions = int(ref.size() / V);
+  for (int p = 0; p < c.positions; ++p) {
+    std::span<const float> r(&ref[size_t(p) * V], V), g(&got[size_t(p) * V], V);
+    const int top = argmax(r);
+    float second = -INFINITY;
+    for (int i = 0; i < V; ++i)
+      if (i != top) second = std::max(second, r[i]);
+    const bool same = argmax(g) == top;
+    c.agree += same;
+    if (r[top] - second > kMarginFrac * maxref) {
+      ++c.decisive;
+      c.decisive_agree += same;
+    }
+  }
+  return c;
+}
+
+void expect_logits(const std::vector<float>& got, const std::vector<float>& ref, int V, const std::string& label) {
+  const LogitCheck c = compare_logits(got, ref, V);
+  std::printf("  %-44s max|dlogit|/max|logit| %.4f, top-1 %d/%d (decisive %d/%d)\n", label.c_str(), c.rel_max, c.agree,
+              c.positions, c.decisive_agree, c.decisive);
+  EXPECT_LE(c.rel_max, kLogitTol) << label;
+  EXPECT_EQ(c.decisive_agree, c.decisive) << label;
+}
+
+class EnvGuard {
+ public:
+  EnvGuard(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    if (value) setenv(name, value, 1);
+    else unsetenv(name);
+  }
+  ~EnvGuard() {
+    if (old_) setenv(name_, old_->c_str(), 1);
+    else unsetenv(name_);
+  }
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
+
+std::unique_ptr<Model> open_cuda(const fs::path& dir, const char* prefill) {
+  EnvGuard env("TANSY_CUDA_PREFILL", prefill);
+  return make_cuda_model(dir);
+}
+
+// ---- goldens ----
+
+class Golden : public ::testing::TestWithParam<std::string> {};
+
+void run_golden_sequences(Model& m, const fs::path& dir, const std::string& path_name) {
+  const auto meta = nlohmann::json::parse(std::ifstream(dir / "golden.json"));
+  const int V = m.config().vocab_size;
+  for (const auto& s : meta["sequences"]) {
+    const auto ids = read_bin<int32_t>(dir / s["ids"].get<std::string>());
+    const auto ref = read_bin<float>(dir / s["logits"].get<std::string>());
+    ASSERT_EQ(ref.size(), ids.size() * size_t(V));
+    auto st = m.new_state(int(ids.size()) + 8);
+    std::vector<float> got(ref.size());
+    m.forward(*st, ids, got, true);
+    expect_logits(got, ref, V, path_name + " seq" + std::to_string(ids.size()));
+  }
+}
+
+TEST_P(Golden, LogitsGemvPath) {
+  const fs::path dir = goldens_dir() / GetParam();
+  auto m = open_cuda(dir, "gemv");
+  run_golden_sequences(*m, dir, GetParam() + " gemv");
+}
+
+TEST_P(Golden, LogitsTensorCorePrefill) {
+  const fs::path dir = goldens_dir() / GetParam();
+  auto m = open_cuda(dir, "tc");
+  run_golden_sequences(*m, dir, GetParam() + " tc");
+}
+
+// A prompt fed whole, in pieces, or token by token gives the same last logits.
+TEST_P(Golden, SplitInvariance) {
+  const fs::path dir = goldens_dir() / GetParam();
+  auto m = open_cuda(dir, "tc");
+  const auto ids = read_bin<int32_t>(dir / "seq200.ids");
+  const int V = m->config().vocab_size;
+  std::vector<float> whole(V), pieces(V), single(V);
+  auto a = m->new_state(256);
+  m->forward(*a, ids, whole, false);
+  auto b = m->new_state(256);
+  const int cuts[] = {0, 1, 64, 65, 130, 200};
+  for (int i = 0; i + 1 < 6; ++i)
+    m->forward(*b, std::span<const int32_t>(ids).subspan(cuts[i], cuts[i + 1] - cuts[i]), pieces, false);
+  auto c = m->new_state(256);
+  for (size_t i = 0; i < ids.size(); ++i) m->forward(*c, std::span<const int32_t>(&ids[i], 1), single, false);
+  EXPECT_EQ(b->n_tokens(), 200);
+  EXPECT_REL(pieces, whole, 2e-2, GetParam() + " pieces vs whole");
+  EXPECT_REL(single, whole, 2e-2, GetParam() + " token by token vs whole");
+  // clone: continuing a clone equals continuing the original
+  auto d = m->clone_state(*a);
+  std::vector<float> l1(V), l2(V);
+  const int32_t next = ids[3];
+  m->forward(*a, std::span<const int32_t>(&next, 1), l1, false);
+  m->forward(*d, std::span<const int32_t>(&next, 1), l2, false);
+  EXPECT_EQ(max_abs_diff(l1, l2), 0.0) << "clone_state";
+}
+
+// CUDA against the CPU backend, intermediate by intermediate, on the same prompt.
+void compare_traces(Model& gpu, Model& cpu, std::span<const int32_t> ids, const std::string& label) {
+  std::map<std::string, std::vector<float>> tg, tc;
+  std::vector<std::string> order;
+  gpu.set_trace([&](const std::string& n, std::span<const float> v) {
+    tg[n].assign(v.begin(), v.end());
+    order.push_back(n);
+  });
+  cpu.set_trace([&](const std::string& n, std::span<const float> v) { tc[n].assign(v.begin(), v.end()); });
+  const int V = gpu.config().vocab_size;
+  std::vector<float> lg(V), lc(V);
+  auto sg = gpu.new_state(int(ids.size()) + 1);
+  auto sc = cpu.new_state(int(ids.size()) + 1);
+  gpu.forward(*sg, ids, lg, false);
+  cpu.forward(*sc, ids, lc, false);
+  gpu.set_trace(nullptr);
+  cpu.set_trace(nullptr);
+  ASSERT_FALSE(order.empty());
+  double worst = 0;
+  std::string worst_name;
+  for (const auto& n : order) {
+    ASSERT_TRUE(tc.count(n)) << "CPU trace lacks " << n;
+    const double e = rel_err(tg[n], tc[n]);
+    if (e > worst) {
+      worst = e;
+      worst_name = n;
+    }
+    EXPECT_LE(e, kTraceTol) << label << " " << n;
+  }
+  std::printf("  %-44s %zu intermediates, worst rel err %.4f at %s\n", label.c_str(), order.size(), worst,
+              worst_name.c_str());
+  expect_logits(lg, lc, V, label + " logits vs CPU");
+}
+
+TEST_P(Golden, LayerByLayerVsCpu) {
+  const fs::path dir = goldens_dir() / GetParam();
+  auto cpu = make_cpu_model(dir, ModelOptions{});
+  const auto ids7 = read_bin<int32_t>(dir / "seq7.ids");
+  const auto ids65 = read_bin<int32_t>(dir / "seq65.ids");
+  for (const char* path : {"gemv", "tc"}) {
+    auto gpu = open_cuda(dir, path);
+    compare_traces(*gpu, *cpu, ids7, GetParam() + " " + path + " seq7");
+    compare_traces(*gpu, *cpu, ids65, GetParam() + " " + path + " seq65");
+  }
+}
+
+// Greedy decoding through the CUDA graph equals eager decoding exactly, and follows the golden.
+TEST_P(Golden, GreedyGraphMatchesEagerAndGolden) {
+  const fs::path dir = goldens_dir() / GetParam();
+  const auto meta = nlohmann::json::parse(std::ifstream(dir / "golden.json"));
+  const auto prompt = read_bin<int32_t>(dir / meta["greedy"]["prompt"].get<std::string>());
+  const auto golden = meta["greedy"]["tokens"].get<std::vector<int32_t>>();
+  auto m = open_cuda(dir, "tc");
+  const int n = int(golden.size());
+  std::vector<int32_t> graph_toks;
+  auto st = m->new_state(int(prompt.size()) + n + 1);
+  m->generate_greedy(*st, prompt, n, [&](int32_t t) {
+    graph_toks.push_back(t);
+    return true;
+  });
+  ASSERT_EQ(int(graph_toks.size()), n);
+  EXPECT_EQ(st->n_tokens(), int(prompt.size()) + n - 1) << "the last token is emitted, not fed";
+  // eager: forward + host argmax
+  std::vector<int32_t> eager;
+  auto se = m->new_state(int(prompt.size()) + n + 1);
+  std::vector<float> logits(m->config().vocab_size);
+  m->forward(*se, prompt, logits, false);
+  for (int i = 0; i < n; ++i) {
+    eager.push_back(argmax(logits));
+    if (i + 1 < n) m->forward(*se, std::span<const int32_t>(&eager.back(), 1), logits, false);
+  }
+  EXPECT_EQ(graph_toks, eager) << "decode graph vs eager";
+  int prefix = 0;
+  while (prefix < n && graph_toks[prefix] == golden[prefix]) ++prefix;
+  std::printf("  %s greedy: %d/%d tokens match the golden before the first difference\n", GetParam().c_str(), prefix,
+              n);
+  EXPECT_GE(prefix, 4) << "greedy continuation diverges from the Hugging Face golden early";
+  // early stop: the rejected token is not fed
+  auto s2 = m->new_state(int(prompt.size()) + n + 1);
+  int calls = 0;
+  m->generate_greedy(*s2, prompt, n, [&](int32_t) { return ++calls < 3; });
+  EXPECT_EQ(calls, 3);
+  EXPECT_EQ(s2->n_tokens(), int(prompt.size()) + 2);
+}
+
+INSTANTIATE_TEST_SUITE_P(RealDims, Golden, ::testing::Values("realdims-mlx", "realdims-bf16"));
+
+// Shapes the kernels are not built for are refused at load with a clear message.
+TEST(GoldenSmallDims, RejectedLoudly) {
+  for (const char* name : {"smalldims-mlx", "smalldims-bf16"}) {
+    try {
+      auto m = make_cuda_model(goldens_dir() / name);
+      ADD_FAILURE() << name << " loaded, but its head_dim is not 256";
+    } catch (const Error& e) {
+      std::printf("  %s refused: %s\n", name, e.what());
+      EXPECT_NE(std::string(e.what()).find("head_dim"), std::string::npos);
+    }
+  }
+}
+
+TEST(ModelErrors, BadInputs) {
+  auto m = open_cuda(goldens_dir() / "realdims-mlx", "tc");
+  auto st = m->new_state(4);
+  std::vector<float> logits(m->config().vocab_size);
+  const std::vector<int32_t> bad = {1, m->config().vocab_size};
+  EXPECT_THROW(m->forward(*st, bad, logits, false), Error);
+  const std::vector<int32_t> many = {1, 2, 3, 4, 5};
+  EXPECT_THROW(m->forward(*st, many, logits, false), Error);
+  std::vector<float> small(3);
+  const std::vector<int32_t> ok = {1};
+  EXPECT_THROW(m->forward(*st, ok, small, false), Error);
+  EXPECT_EQ(st->n_tokens(), 0);
+}
+
+// ---- synthetic full-size checkpoint ----
+
+const char* synth_dir() { return std::getenv("TANSY_SYNTH_DIR"); }
+
+std::vector<int32_t> bench_prompt(int n, int vocab) {
+  std::vector<int32_t> ids(n);
+  for (int i = 0; i < n; ++i) ids[i] = int32_t((uint64_t(uint32_t(uint64_t(i) * 2654435761u))) % uint64_t(vocab));
+  return ids;
+}
+
+TEST(Synthetic, CudaVsCpuLayerByLayer) {
+  if (!synth_dir()) GTEST_SKIP() << "set TANSY_SYNTH_DIR to a `tansy synth` checkpoint";
+  auto cpu = make_cpu_model(synth_dir(), ModelOptions{});
+  auto gpu = open_cuda(synth_dir(), "tc");
+  const auto ids = bench_prompt(6, gpu->config().vocab_size);
+  compare_traces(*gpu, *cpu, ids, "synthetic tc 6 tokens");
+  auto gpu2 = open_cuda(synth_dir(), "gemv");
+  compare_traces(*gpu2, *cpu, ids, "synthetic gemv 6 tokens");
+  // one decode step after the prompt (the single-token path)
+  const int V = gpu->config().vocab_size;
+  std::vector<float> lg(V), lc(V);
+  auto sg = gpu->new_state(16);
+  auto sc = cpu->new_state(16);
+  gpu->forward(*sg, ids, lg, false);
+  cpu->forward(*sc, ids, lc, false);
+  const int32_t next = 17;
+  gpu->forward(*sg, std::span<const int32_t>(&next, 1), lg, false);
+  cpu->forward(*sc, std::span<const int32_t>(&next, 1), lc, false);
+  expect_logits(lg, lc, V, "synthetic decode step vs CPU");
+}
+
+// Not a pass/fail test: prints the numbers (BENCHMARK.md's workload, one round).
+TEST(Synthetic, Timing) {
+  if (!synth_dir()) GTEST_SKIP() << "set TANSY_SYNTH_DIR to a `tansy synth` checkpoint";
+  auto m = open_cuda(synth_dir(), std::getenv("TANSY_CUDA_PREFILL") ? std::getenv("TANSY_CUDA_PREFILL") : "tc");
+  for (int ctx : {256, 4096}) {
+    const auto prompt = bench_prompt(ctx, m->config().vocab_size);
+    double prefill_s = 0, decode_s = 0;
+    uint64_t digest = 1469598103934665603ull;
+    for (int round = 0; round < 2; ++round) {  // round 0 is the warm-up
+      auto st = m->new_state(ctx + 80);
+      CUDA_CHECK(cudaDeviceSynchronize());
+      const auto t0 = std::chrono::steady_clock::now();
+      auto t1 = t0;
+      int got = 0;
+      digest = 1469598103934665603ull;
+      m->generate_greedy(*st, prompt, 65, [&](int32_t t) {
+        if (got++ == 0) t1 = std::chrono::steady_clock::now();
+        else digest = (digest ^ uint64_t(uint32_t(t))) * 1099511628211ull;
+        return true;
+      });
+      const auto t2 = std::chrono::steady_clock::now();
+      prefill_s = std::chrono::duration<double>(t1 - t0).count();
+      decode_s = std::chrono::duration<double>(t2 - t1).count();
+    }
+    std::printf("TIMING ctx %6d: prefill %9.1f tok/s (%.3f s), decode %7.1f tok/s (%.2f ms/token), digest %016llx\n",
+                ctx, ctx / prefill_s, prefill_s, 64 / decode_s, 1e3 * decode_s / 64,
+                static_cast<unsigned long long>(digest));
+  }
+}
+
+}  // namespace
+}  // namespace tansy
