@@ -169,3 +169,24 @@ TEST(Synth, RefusesNonEmptyDirectoryAndBadConfig) {
   EXPECT_THROW(tansy::write_synthetic_checkpoint(bad, e.path, opts(1, 1, 1 << 20)), tansy::Error);
   EXPECT_THROW(tansy::write_synthetic_checkpoint(json::array(), e.path, opts(1, 1, 1 << 20)), tansy::Error);
 }
+
+TEST(BenchWorkload, PromptAndDigestFollowTheContract) {
+  auto p = tansy::synthetic_prompt(5, 248320);
+  EXPECT_EQ(p, (std::vector<int32_t>{0, 143281, 13666, 156947, 27332}));
+  EXPECT_EQ(tansy::synthetic_prompt(100001, 248320)[100000], 138912);  // i * 2654435761 wraps mod 2^32
+  EXPECT_EQ(tansy::fnv1a64_ids({}), 0xcbf29ce484222325ULL);
+  std::vector<int32_t> ids{1, 248319, -1};
+  EXPECT_EQ(tansy::fnv1a64_ids(ids), 0x2c76eec96b9ab5bfULL);  // reference computed in Python
+}
+
+TEST(BenchWorkload, CostModelMatchesModelMd) {
+  auto m = tansy::cost_model(tansy::parse_config(tansy::real_model_config_json()));
+  // MODEL.md §10: ~1.67 GB read per decode token, ~2.95 B active parameters, 20 KiB KV per token,
+  // 60 MiB of GDN state.
+  EXPECT_NEAR(m.weight_bytes_per_token / 1e9, 1.67, 0.01);
+  EXPECT_NEAR(m.active_params / 1e9, 2.95, 0.01);
+  EXPECT_EQ(m.kv_bytes_per_context_token, 20480.0);
+  EXPECT_EQ(m.gdn_state_bytes, 60.0 * 1024 * 1024);
+  EXPECT_DOUBLE_EQ(m.decode_bytes(1000), m.weight_bytes_per_token + 20480.0 * 1000 + 120.0 * 1024 * 1024);
+  EXPECT_DOUBLE_EQ(m.prefill_flops(4096), 4096 * (2 * m.active_params + 10.0 * 4 * 16 * 256 * 4096 / 2));
+}
