@@ -1,0 +1,216 @@
+// The CPU reference forward pass, top to bottom as MODEL.md §2-§7, in f32.
+// Prefill runs each projection over all new tokens at once (one dequant per weight row);
+// the sequential parts (conv window, delta-rule recurrence, causal attention) go token by token,
+// so a prompt fed whole, in pieces, or one token at a time gives the same result.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "core/error.h"
+#include "core/safetensors.h"
+#include "cpu/backend.h"
+#include "cpu/ops.h"
+#include "model/weights.h"
+
+namespace tansy {
+namespace {
+
+struct CpuState final : SequenceState {
+  int n = 0;
+  int max_tokens = 0;
+  // Per layer; only the members of the layer's kind are used.
+  struct Layer {
+    std::vector<float> K, V;       // [n, kv_dim] post-norm post-RoPE keys, raw values
+    std::vector<float> conv;       // [kernel-1, conv_dim] previous conv inputs, oldest first
+    std::vector<float> S;          // [n_v_heads, dk, dv] recurrent state
+  };
+  std::vector<Layer> layers;
+  int n_tokens() const override { return n; }
+};
+
+class CpuModel final : public Model {
+ public:
+  CpuModel(const std::filesystem::path& dir)
+      : cfg_(load_config(dir)), store_(TensorStore::open(dir)), w_(load_weights(cfg_, store_)) {}
+
+  const ModelConfig& config() const override { return cfg_; }
+  std::string backend_name() const override { return "cpu"; }
+
+  std::unique_ptr<SequenceState> new_state(int max_tokens) override {
+    if (max_tokens <= 0) fail("new_state: max_tokens must be positive");
+    auto s = std::make_unique<CpuState>();
+    s->max_tokens = max_tokens;
+    s->layers.resize(cfg_.num_layers);
+    for (int i = 0; i < cfg_.num_layers; ++i) {
+      auto& L = s->layers[i];
+      if (cfg_.layers[i] == LayerKind::kLinear) {
+        L.conv.assign(size_t(cfg_.conv_kernel - 1) * cfg_.lin_conv_dim(), 0.0f);
+        L.S.assign(size_t(cfg_.lin_num_v_heads) * cfg_.lin_k_head_dim * cfg_.lin_v_head_dim, 0.0f);
+      }
+    }
+    return s;
+  }
+
+  std::unique_ptr<SequenceState> clone_state(const SequenceState& s) override {
+    return std::make_unique<CpuState>(dynamic_cast<const CpuState&>(s));
+  }
+
+  void forward(SequenceState& state, std::span<const int32_t> ids, std::span<float> logits, bool all_positions) override {
+    auto& st = dynamic_cast<CpuState&>(state);
+    const int n = int(ids.size());
+    if (n == 0) fail("forward: no tokens");
+    if (st.n + n > st.max_tokens) fail("forward: {} + {} tokens exceed the state's capacity {}", st.n, n, st.max_tokens);
+    const size_t V = size_t(cfg_.vocab_size), need = all_positions ? V * n : V;
+    if (logits.size() < need) fail("forward: logits buffer holds {} floats, needs {}", logits.size(), need);
+    for (int32_t id : ids)
+      if (id < 0 || id >= cfg_.vocab_size) fail("token id {} is outside the vocabulary (0..{})", id, cfg_.vocab_size - 1);
+
+    const int H = cfg_.hidden_size;
+    std::vector<float> h(size_t(n) * H), xn(size_t(n) * H), mix(size_t(n) * H);
+    for (int t = 0; t < n; ++t) cpu::embed_row(w_.embed, ids[t], &h[size_t(t) * H]);
+
+    for (int i = 0; i < cfg_.num_layers; ++i) {
+      const LayerWeights& lw = w_.layers[i];
+      for (int t = 0; t < n; ++t) cpu::rmsnorm(&h[size_t(t) * H], lw.in_norm.data(), H, cfg_.rms_eps, &xn[size_t(t) * H]);
+      if (lw.kind == LayerKind::kLinear) gdn(lw.gdn, st.layers[i], xn.data(), n, mix.data());
+      else attn(lw.attn, st.layers[i], st.n, xn.data(), n, mix.data());
+      report(i, "mixer_out", mix.data(), n, H);
+      for (size_t j = 0; j < h.size(); ++j) h[j] += mix[j];
+      for (int t = 0; t < n; ++t) cpu::rmsnorm(&h[size_t(t) * H], lw.post_norm.data(), H, cfg_.rms_eps, &xn[size_t(t) * H]);
+      moe(lw.moe, xn.data(), n, mix.data());
+      report(i, "moe_out", mix.data(), n, H);
+      for (size_t j = 0; j < h.size(); ++j) h[j] += mix[j];
+      report(i, "hidden", h.data(), n, H);
+    }
+    st.n += n;
+
+    const int first = all_positions ? 0 : n - 1, rows = n - first;
+    for (int t = first; t < n; ++t)
+      cpu::rmsnorm(&h[size_t(t) * H], w_.final_norm.data(), H, cfg_.rms_eps, &xn[size_t(t - first) * H]);
+    if (trace_) trace_("final_norm", std::span<const float>(&xn[size_t(rows - 1) * H], H));
+    cpu::matmul(w_.lm_head, xn.data(), rows, logits.data());
+  }
+
+ private:
+  void report(int layer, const char* what, const float* x, int n, int H) {
+    if (trace_) trace_("layer." + std::to_string(layer) + "." + what, std::span<const float>(x + size_t(n - 1) * H, H));
+  }
+
+  // Gated DeltaNet (MODEL.md §5).
+  void gdn(const GdnWeights& w, CpuState::Layer& L, const float* xn, int n, float* out) {
+    const int C = cfg_.lin_conv_dim(), KD = cfg_.lin_key_dim(), VD = cfg_.lin_value_dim();
+    const int NK = cfg_.lin_num_k_heads, NV = cfg_.lin_num_v_heads, dk = cfg_.lin_k_head_dim, dv = cfg_.lin_v_head_dim;
+    std::vector<float> qkv(size_t(n) * C), z(size_t(n) * VD), a(size_t(n) * NV), b(size_t(n) * NV);
+    cpu::matmul(w.in_qkv, xn, n, qkv.data());
+    cpu::matmul(w.in_z, xn, n, z.data());
+    cpu::matmul(w.in_a, xn, n, a.data());
+    cpu::matmul(w.in_b, xn, n, b.data());
+    std::vector<float> y(C), beta(NV), g(NV), o(VD), normed(size_t(n) * VD);
+    const float qscale = 1.0f / std::sqrt(float(dk));
+    for (int t = 0; t < n; ++t) {
+      cpu::conv1d_step(&qkv[size_t(t) * C], L.conv.data(), w.conv.data(), C, cfg_.conv_kernel, y.data());
+      float* q = y.data();
+      float* k = y.data() + KD;
+      float* v = y.data() + 2 * KD;
+      cpu::l2norm_heads(q, NK, dk, qscale);
+      cpu::l2norm_heads(k, NK, dk, 1.0f);
+      cpu::gdn_gates(&a[size_t(t) * NV], &b[size_t(t) * NV], w.A_log.data(), w.dt_bias.data(), NV, beta.data(), g.data());
+      cpu::gdn_recurrent_step(q, k, v, beta.data(), g.data(), NK, NV, dk, dv, L.S.data(), o.data());
+      for (int hh = 0; hh < NV; ++hh)
+        cpu::rmsnorm_gated(&o[size_t(hh) * dv], &z[size_t(t) * VD + size_t(hh) * dv], w.norm.data(), dv, cfg_.rms_eps,
+                           &normed[size_t(t) * VD + size_t(hh) * dv]);
+    }
+    cpu::matmul(w.out, normed.data(), n, out);
+  }
+
+  // Gated attention (MODEL.md §4); pos0 = tokens already cached.
+  void attn(const AttnWeights& w, CpuState::Layer& L, int pos0, const float* xn, int n, float* out) {
+    const int NH = cfg_.num_heads, NKV = cfg_.num_kv_heads, hd = cfg_.head_dim, QD = cfg_.q_dim(), KVD = cfg_.kv_dim();
+    std::vector<float> qg(size_t(n) * 2 * QD), k(size_t(n) * KVD), v(size_t(n) * KVD), o(size_t(n) * QD), q(QD);
+    cpu::matmul(w.q, xn, n, qg.data());
+    cpu::matmul(w.k, xn, n, k.data());
+    cpu::matmul(w.v, xn, n, v.data());
+    L.K.resize(size_t(pos0 + n) * KVD);
+    L.V.resize(size_t(pos0 + n) * KVD);
+    for (int t = 0; t < n; ++t) {
+      const int pos = pos0 + t;
+      float* kt = &L.K[size_t(pos) * KVD];
+      std::memcpy(kt, &k[size_t(t) * KVD], sizeof(float) * KVD);
+      std::memcpy(&L.V[size_t(pos) * KVD], &v[size_t(t) * KVD], sizeof(float) * KVD);
+      for (int j = 0; j < NKV; ++j) {
+        cpu::rmsnorm(kt + size_t(j) * hd, w.k_norm.data(), hd, cfg_.rms_eps, kt + size_t(j) * hd);
+        cpu::rope(kt + size_t(j) * hd, cfg_.rotary_dim, pos, cfg_.rope_theta);
+      }
+      const float* qgt = &qg[size_t(t) * 2 * QD];
+      for (int hh = 0; hh < NH; ++hh) {  // per head [q | gate]
+        cpu::rmsnorm(qgt + size_t(hh) * 2 * hd, w.q_norm.data(), hd, cfg_.rms_eps, &q[size_t(hh) * hd]);
+        cpu::rope(&q[size_t(hh) * hd], cfg_.rotary_dim, pos, cfg_.rope_theta);
+      }
+      float* ot = &o[size_t(t) * QD];
+      cpu::attention(q.data(), L.K.data(), L.V.data(), pos + 1, NH, NKV, hd, ot);
+      for (int hh = 0; hh < NH; ++hh)
+        for (int d = 0; d < hd; ++d) {
+          const float gate = qgt[size_t(hh) * 2 * hd + hd + d];
+          ot[size_t(hh) * hd + d] *= 1.0f / (1.0f + std::exp(-gate));
+        }
+    }
+    cpu::matmul(w.o, o.data(), n, out);
+  }
+
+  // Sparse MoE with the gated shared expert (MODEL.md §6). Tokens are grouped by expert so each
+  // expert's weights are dequantized once per call.
+  void moe(const MoeWeights& w, const float* xn, int n, float* out) {
+    const int H = cfg_.hidden_size, E = cfg_.num_experts, K = cfg_.experts_per_tok;
+    const int I = cfg_.moe_intermediate, S = cfg_.shared_intermediate;
+    std::vector<float> logits(size_t(n) * E), wts(size_t(n) * K);
+    std::vector<int> idx(size_t(n) * K);
+    cpu::matmul(w.router, xn, n, logits.data());
+    for (int t = 0; t < n; ++t) cpu::route_topk(&logits[size_t(t) * E], E, K, &idx[size_t(t) * K], &wts[size_t(t) * K]);
+    std::fill(out, out + size_t(n) * H, 0.0f);
+    std::vector<std::vector<std::pair<int, float>>> by_expert(E);
+    for (int t = 0; t < n; ++t)
+      for (int j = 0; j < K; ++j) by_expert[idx[size_t(t) * K + j]].push_back({t, wts[size_t(t) * K + j]});
+    std::vector<float> X, G, U, D;
+    for (int e = 0; e < E; ++e) {
+      auto& toks = by_expert[e];
+      if (toks.empty()) continue;
+      const int m = int(toks.size());
+      X.resize(size_t(m) * H);
+      G.resize(size_t(m) * I);
+      U.resize(size_t(m) * I);
+      D.resize(size_t(m) * H);
+      for (int r = 0; r < m; ++r) std::memcpy(&X[size_t(r) * H], xn + size_t(toks[r].first) * H, sizeof(float) * H);
+      cpu::matmul(w.gate[e], X.data(), m, G.data());
+      cpu::matmul(w.up[e], X.data(), m, U.data());
+      cpu::swiglu(G.data(), U.data(), m * I, G.data());
+      cpu::matmul(w.down[e], G.data(), m, D.data());
+      for (int r = 0; r < m; ++r) {
+        float* o = out + size_t(toks[r].first) * H;
+        for (int c = 0; c < H; ++c) o[c] += toks[r].second * D[size_t(r) * H + c];
+      }
+    }
+    std::vector<float> sg(size_t(n) * S), su(size_t(n) * S), sd(size_t(n) * H), gate(n);
+    cpu::matmul(w.sh_gate, xn, n, sg.data());
+    cpu::matmul(w.sh_up, xn, n, su.data());
+    cpu::swiglu(sg.data(), su.data(), n * S, sg.data());
+    cpu::matmul(w.sh_down, sg.data(), n, sd.data());
+    cpu::matmul(w.sh_router, xn, n, gate.data());
+    for (int t = 0; t < n; ++t) {
+      const float s = 1.0f / (1.0f + std::exp(-gate[t]));
+      for (int c = 0; c < H; ++c) out[size_t(t) * H + c] += s * sd[size_t(t) * H + c];
+    }
+  }
+
+  ModelConfig cfg_;
+  TensorStore store_;
+  ModelWeights w_;
+};
+
+}  // namespace
+
+std::unique_ptr<Model> make_cpu_model(const std::filesystem::path& dir, const ModelOptions& opt) {
+  return std::make_unique<CpuModel>(dir);
+}
+
+}  // namespace tansy

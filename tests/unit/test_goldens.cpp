@@ -1,0 +1,148 @@
+// The CPU backend against Hugging Face transformers' float32 goldens (tools/make_goldens.py), in
+// both checkpoint formats, and prefill-split invariance (whole == chunked == token by token).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+
+#include "core/error.h"
+#include "model/model.h"
+#include "test_util.h"
+
+namespace tansy {
+namespace {
+
+namespace fs = std::filesystem;
+
+template <typename T>
+std::vector<T> read_vec(const fs::path& p) {
+  std::string s = test::read_file(p);
+  std::vector<T> v(s.size() / sizeof(T));
+  std::memcpy(v.data(), s.data(), v.size() * sizeof(T));
+  return v;
+}
+
+// Every directory of tests/goldens with a golden.json (tools/make_goldens.py writes four).
+std::vector<std::string> golden_models() {
+  std::vector<std::string> names;
+  std::error_code ec;
+  for (auto& e : fs::directory_iterator(test::goldens_dir(), ec))
+    if (fs::exists(e.path() / "golden.json")) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+TEST(Goldens, AllFourArePresent) { EXPECT_EQ(golden_models().size(), 4u); }
+
+class Golden : public ::testing::TestWithParam<std::string> {};
+
+// Per row: max |tansy - HF| / max |HF| <= 1e-3.
+TEST_P(Golden, LogitsMatchTransformers) {
+  const fs::path dir = test::goldens_dir() / GetParam();
+  auto g = nlohmann::json::parse(test::read_file(dir / "golden.json"));
+  auto model = open_model(dir, ModelOptions{});
+  const int V = model->config().vocab_size;
+  double worst = 0;
+  for (auto& s : g["sequences"]) {
+    auto ids = read_vec<int32_t>(dir / s["ids"].get<std::string>());
+    auto ref = read_vec<float>(dir / s["logits"].get<std::string>());
+    ASSERT_EQ(ref.size(), ids.size() * size_t(V));
+    auto st = model->new_state(int(ids.size()));
+    std::vector<float> out(ref.size());
+    model->forward(*st, ids, out, true);
+    for (size_t r = 0; r < ids.size(); ++r) {
+      double mx = 0, diff = 0;
+      for (int c = 0; c < V; ++c) {
+        mx = std::max(mx, double(std::fabs(ref[r * V + c])));
+        diff = std::max(diff, double(std::fabs(out[r * V + c] - ref[r * V + c])));
+      }
+      ASSERT_TRUE(std::isfinite(diff));
+      EXPECT_LE(diff / mx, 1e-3) << "sequence length " << ids.size() << ", row " << r;
+      worst = std::max(worst, diff / mx);
+    }
+  }
+  std::printf("[golden] %s: worst per-row max|dlogit|/max|logit| = %.3g\n", GetParam().c_str(), worst);
+  RecordProperty("worst_rel_err", std::to_string(worst));
+}
+
+TEST_P(Golden, GreedyContinuationMatches) {
+  const fs::path dir = test::goldens_dir() / GetParam();
+  auto g = nlohmann::json::parse(test::read_file(dir / "golden.json"));
+  auto want = g["greedy"]["tokens"].get<std::vector<int32_t>>();
+  auto prompt = read_vec<int32_t>(dir / g["greedy"]["prompt"].get<std::string>());
+  auto model = open_model(dir, ModelOptions{});
+  auto st = model->new_state(int(prompt.size() + want.size()));
+  std::vector<int32_t> got;
+  model->generate_greedy(*st, prompt, int(want.size()), [&](int32_t t) {
+    got.push_back(t);
+    return true;
+  });
+  EXPECT_EQ(got, want);
+}
+
+TEST_P(Golden, PrefillSplitInvariance) {
+  const fs::path dir = test::goldens_dir() / GetParam();
+  auto ids = read_vec<int32_t>(dir / "seq200.ids");
+  auto model = open_model(dir, ModelOptions{});
+  const size_t V = size_t(model->config().vocab_size), n = ids.size();
+  auto run = [&](const std::vector<int>& pieces) {
+    auto st = model->new_state(int(n));
+    std::vector<float> all(n * V);
+    size_t pos = 0;
+    for (int len : pieces) {
+      model->forward(*st, std::span<const int32_t>(ids.data() + pos, len), std::span<float>(all.data() + pos * V, len * V),
+                     true);
+      pos += len;
+    }
+    EXPECT_EQ(pos, n);
+    EXPECT_EQ(st->n_tokens(), int(n));
+    return all;
+  };
+  auto whole = run({int(n)});
+  auto chunked = run({1, 63, 65, 71});
+  auto single = run(std::vector<int>(n, 1));
+  for (size_t i = 0; i < whole.size(); ++i) {
+    ASSERT_NEAR(whole[i], chunked[i], 1e-5f * std::max(1.0f, std::fabs(whole[i]))) << i;
+    ASSERT_NEAR(whole[i], single[i], 1e-5f * std::max(1.0f, std::fabs(whole[i]))) << i;
+  }
+  // Last-position-only output equals the last row; a cloned state continues identically.
+  auto st = model->new_state(int(n));
+  std::vector<float> last(V), cont(V), cont2(V);
+  model->forward(*st, std::span<const int32_t>(ids.data(), n - 1), last, false);
+  auto copy = model->clone_state(*st);
+  model->forward(*st, std::span<const int32_t>(ids.data() + n - 1, 1), cont, false);
+  model->forward(*copy, std::span<const int32_t>(ids.data() + n - 1, 1), cont2, false);
+  for (size_t c = 0; c < V; ++c) {
+    EXPECT_NEAR(last[c], whole[(n - 2) * V + c], 1e-5f * std::max(1.0f, std::fabs(last[c])));
+    EXPECT_EQ(cont[c], cont2[c]);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, Golden, ::testing::ValuesIn(golden_models()),
+                         [](const auto& info) {
+                           std::string s = info.param;
+                           std::replace(s.begin(), s.end(), '-', '_');
+                           return s;
+                         });
+
+TEST(Model, BadInputsAreErrors) {
+  auto model = open_model(test::goldens_dir() / "realdims-mlx", ModelOptions{});
+  auto st = model->new_state(4);
+  std::vector<float> lg(model->config().vocab_size * 8);
+  std::vector<int32_t> bad = {0, model->config().vocab_size};
+  EXPECT_THROW(model->forward(*st, bad, lg, true), Error);
+  std::vector<int32_t> neg = {-1};
+  EXPECT_THROW(model->forward(*st, neg, lg, true), Error);
+  std::vector<int32_t> empty;
+  EXPECT_THROW(model->forward(*st, empty, lg, true), Error);
+  std::vector<int32_t> five = {1, 2, 3, 4, 5};
+  EXPECT_THROW(model->forward(*st, five, lg, true), Error);  // over capacity
+  EXPECT_THROW(open_model(test::goldens_dir() / "no-such-model", ModelOptions{}), Error);
+  ModelOptions o;
+  o.backend = "tpu";
+  EXPECT_THROW(open_model(test::goldens_dir() / "realdims-mlx", o), Error);
+}
+
+}  // namespace
+}  // namespace tansy
