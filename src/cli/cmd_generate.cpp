@@ -11,10 +11,9 @@ namespace tansy::cli {
 namespace {
 
 int run_generate(const std::vector<std::string>& args) {
-  Flags f(args, {"model", "ids", "max-tokens", "backend", "threads"}, {"stop-at-eos"});
+  Flags f(args, {"model", "ids", "max-tokens", "backend"}, {"stop-at-eos"});
   ModelOptions opt;
   opt.backend = f.get("backend", "cpu");
-  opt.threads = int(f.get_int("threads", 0, 0, 1024));
   const int n = int(f.get_int("max-tokens", -1, 1, 1 << 20));
   if (n < 0) fail("missing required option --max-tokens");
   auto ids = read_ids_file(f.get("ids"));

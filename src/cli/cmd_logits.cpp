@@ -12,10 +12,9 @@ namespace tansy::cli {
 namespace {
 
 int run_logits(const std::vector<std::string>& args) {
-  Flags f(args, {"model", "ids", "out", "backend", "threads"});
+  Flags f(args, {"model", "ids", "out", "backend"});
   ModelOptions opt;
   opt.backend = f.get("backend", "cpu");
-  opt.threads = int(f.get_int("threads", 0, 0, 1024));
   auto ids = read_ids_file(f.get("ids"));
   const std::string out_path = f.get("out");
   auto model = open_model(f.get("model"), opt);

@@ -18,22 +18,31 @@ const char* wformat_name(WFormat f) {
   return "?";
 }
 
+namespace {
+// Codes are unpacked with compile-time widths so the compiler turns the shifts into vector ops.
+template <int kBits>
+void dequant_row(const uint32_t* qr, const uint16_t* sr, const uint16_t* br, int in, int group, float* out) {
+  constexpr int kPerWord = 32 / kBits;
+  constexpr uint32_t kMask = (1u << kBits) - 1;
+  for (int w = 0; w < in / kPerWord; ++w) {
+    const uint32_t v = qr[w];
+    for (int k = 0; k < kPerWord; ++k) out[w * kPerWord + k] = float((v >> (kBits * k)) & kMask);
+  }
+  for (int g = 0; g < in / group; ++g) {
+    const float s = bf16_to_f32(sr[g]), b = bf16_to_f32(br[g]);
+    for (int c = g * group; c < (g + 1) * group; ++c) out[c] = s * out[c] + b;
+  }
+}
+}  // namespace
+
 void Linear::row(int r, float* out_row) const {
   switch (fmt) {
     case WFormat::kAffine4:
     case WFormat::kAffine8: {
-      const int b = bits(), per_word = 32 / b, words = in / per_word, groups = in / group;
-      const uint32_t mask = (1u << b) - 1;
+      const size_t words = size_t(in) * bits() / 32, groups = size_t(in / group);
       const uint32_t* qr = q + size_t(r) * words;
-      const uint16_t* sr = scales + size_t(r) * groups;
-      const uint16_t* br = biases + size_t(r) * groups;
-      for (int g = 0; g < groups; ++g) {
-        const float s = bf16_to_f32(sr[g]), bb = bf16_to_f32(br[g]);
-        for (int c = g * group; c < (g + 1) * group; ++c) {
-          uint32_t code = (qr[c / per_word] >> (b * (c % per_word))) & mask;
-          out_row[c] = s * float(code) + bb;
-        }
-      }
+      if (fmt == WFormat::kAffine4) dequant_row<4>(qr, scales + r * groups, biases + r * groups, in, group, out_row);
+      else dequant_row<8>(qr, scales + r * groups, biases + r * groups, in, group, out_row);
       break;
     }
     case WFormat::kBF16:
