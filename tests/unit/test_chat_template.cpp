@@ -1,0 +1,218 @@
+// The Qwen3.6 chat template: every fixture render byte-identical, every fixture error with the
+// same message, Python-compatible value formatting, request parsing and the checkpoint check.
+// tests/python/test_render_vs_jinja.py compares against jinja2 on hundreds of generated cases.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <string>
+
+#include <unistd.h>
+
+#include "core/error.h"
+#include "text/chat_template.h"
+
+namespace fs = std::filesystem;
+using tansy::text::Json;
+using tansy::text::TemplateOptions;
+
+namespace {
+
+fs::path fixture_dir() {
+  const char* env = std::getenv("TANSY_SOURCE_DIR");
+  return fs::path(env ? env : TANSY_SOURCE_DIR) / ".." / "shared" / "fixtures" / "qwen3.6";
+}
+
+std::string read_bytes(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  EXPECT_TRUE(f) << "cannot read " << p;
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+// The fixture JSON as render_fixtures.py passed it to jinja2: absent switches stay undefined.
+TemplateOptions fixture_options(const Json& j) {
+  TemplateOptions o;
+  o.add_generation_prompt = j.at("add_generation_prompt").get<bool>();
+  if (j.contains("enable_thinking")) o.enable_thinking = j["enable_thinking"].get<bool>();
+  if (j.contains("preserve_thinking")) o.preserve_thinking = j["preserve_thinking"].get<bool>();
+  return o;
+}
+
+std::string render_error(const Json& messages, const Json& tools, const TemplateOptions& o = {}) {
+  try {
+    tansy::text::render_chat(messages, tools, o);
+  } catch (const tansy::Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+Json user(const std::string& text) { return Json{{"role", "user"}, {"content", text}}; }
+
+}  // namespace
+
+TEST(ChatTemplate, EmbeddedTemplateIsTheFixtureFile) {
+  std::string file = read_bytes(fixture_dir() / "chat_template.jinja");
+  ASSERT_EQ(file.size(), 7764u);
+  EXPECT_TRUE(file == tansy::text::implemented_template());
+}
+
+TEST(ChatTemplate, FixtureRendersAreByteIdentical) {
+  int renders = 0;
+  for (auto& entry : fs::directory_iterator(fixture_dir() / "renders")) {
+    if (entry.path().extension() != ".json") continue;
+    Json j = Json::parse(read_bytes(entry.path()));
+    if (j.contains("error")) continue;
+    fs::path txt = entry.path();
+    txt.replace_extension(".txt");
+    std::string got = tansy::text::render_chat(j["messages"], j["tools"], fixture_options(j));
+    EXPECT_EQ(got, read_bytes(txt)) << entry.path().filename();
+    // The server path (request parsing first) must give the same prompt.
+    EXPECT_EQ(tansy::text::render_request(j), got) << entry.path().filename();
+    ++renders;
+  }
+  EXPECT_EQ(renders, 10);
+}
+
+TEST(ChatTemplate, FixtureErrorsHaveTheTemplatesMessages) {
+  int errors = 0;
+  for (auto& entry : fs::directory_iterator(fixture_dir() / "renders")) {
+    if (entry.path().extension() != ".json") continue;
+    Json j = Json::parse(read_bytes(entry.path()));
+    if (!j.contains("error")) continue;
+    EXPECT_EQ(render_error(j["messages"], j["tools"], fixture_options(j)), j["error"].get<std::string>())
+        << entry.path().filename();
+    ++errors;
+  }
+  EXPECT_EQ(errors, 6);
+}
+
+TEST(ChatTemplate, WireFormatArgumentsAreParsedBeforeRendering) {
+  Json j = Json::parse(read_bytes(fixture_dir() / "renders" / "err_tool_arguments_json_string.json"));
+  std::string got = tansy::text::render_request(j);
+  Json as_dict = j;
+  as_dict["messages"][1]["tool_calls"][0]["function"]["arguments"] = Json{{"location", "Paris"}};
+  EXPECT_EQ(got, tansy::text::render_chat(as_dict["messages"], as_dict["tools"], fixture_options(j)));
+  EXPECT_NE(got.find("<tool_call>\n<function=get_weather>\n<parameter=location>\nParis\n</parameter>\n</function>\n</tool_call>"),
+            std::string::npos);
+
+  Json bad = j;
+  bad["messages"][1]["tool_calls"][0]["function"]["arguments"] = "{\"location\": ";
+  EXPECT_THROW(tansy::text::render_request(bad), tansy::Error);
+  bad["messages"][1]["tool_calls"][0]["function"]["arguments"] = "[1, 2]";
+  EXPECT_THROW(tansy::text::render_request(bad), tansy::Error);
+}
+
+TEST(ChatTemplate, PythonFloatRepr) {
+  using tansy::text::python_float_repr;
+  EXPECT_EQ(python_float_repr(2.5), "2.5");
+  EXPECT_EQ(python_float_repr(1.0), "1.0");
+  EXPECT_EQ(python_float_repr(-0.0), "-0.0");
+  EXPECT_EQ(python_float_repr(1e-05), "1e-05");
+  EXPECT_EQ(python_float_repr(0.0001), "0.0001");
+  EXPECT_EQ(python_float_repr(0.1 + 0.2), "0.30000000000000004");
+  EXPECT_EQ(python_float_repr(1e15), "1000000000000000.0");
+  EXPECT_EQ(python_float_repr(1e16), "1e+16");
+  EXPECT_EQ(python_float_repr(123456789012345678.0), "1.2345678901234568e+17");
+  EXPECT_EQ(python_float_repr(1.5e-7), "1.5e-07");
+  EXPECT_EQ(python_float_repr(1e100), "1e+100");
+  EXPECT_EQ(python_float_repr(5e-324), "5e-324");
+  EXPECT_EQ(python_float_repr(1.7976931348623157e308), "1.7976931348623157e+308");
+  EXPECT_EQ(python_float_repr(123.456), "123.456");
+}
+
+TEST(ChatTemplate, PythonJsonDumps) {
+  Json v = Json::parse(R"({"z": 1, "a": [true, null, 2.0, -3], "s": "q\"b\\n\n\t\u0001\u001f\u007f/\u2028é"})");
+  EXPECT_EQ(tansy::text::python_json_dumps(v),
+            "{\"z\": 1, \"a\": [true, null, 2.0, -3], \"s\": \"q\\\"b\\\\n\\n\\t\\u0001\\u001f\x7f/\u2028é\"}");
+  EXPECT_EQ(tansy::text::python_json_dumps(Json::object()), "{}");
+  EXPECT_EQ(tansy::text::python_json_dumps(Json::array()), "[]");
+}
+
+TEST(ChatTemplate, PythonStripUsesStrIsspace) {
+  using tansy::text::python_strip;
+  EXPECT_EQ(python_strip(" \t\n\v\f\r\x1c\x1d\x1e\x1fx y\u0085\u00a0\u1680\u2000\u200a\u2028\u2029\u202f\u205f\u3000"), "x y");
+  // Zero-width space, LRM, RLM and BOM are not whitespace to Python.
+  EXPECT_EQ(python_strip("\u200bx\u200e"), "\u200bx\u200e");
+  EXPECT_EQ(python_strip("\ufeff x \u200f"), "\ufeff x \u200f");
+  EXPECT_EQ(python_strip(" \u3000 "), "");
+}
+
+TEST(ChatTemplate, RequestSwitches) {
+  Json body = {{"messages", Json::array({user("hi")})}};
+  auto req = tansy::text::parse_render_request(body);
+  EXPECT_TRUE(req.options.add_generation_prompt);
+  EXPECT_FALSE(req.options.enable_thinking.has_value());
+  EXPECT_TRUE(req.tools.is_null());
+
+  body["enable_thinking"] = true;
+  body["chat_template_kwargs"] = {{"enable_thinking", false}, {"preserve_thinking", true}};
+  req = tansy::text::parse_render_request(body);
+  EXPECT_EQ(req.options.enable_thinking, false);  // chat_template_kwargs wins
+  EXPECT_EQ(req.options.preserve_thinking, true);
+  EXPECT_TRUE(tansy::text::render_request(body).ends_with("<think>\n\n</think>\n\n"));
+
+  // `is false` is an identity test: 0, "false" and null leave thinking on.
+  for (Json v : {Json(0), Json("false"), Json(nullptr)}) {
+    body["chat_template_kwargs"]["enable_thinking"] = v;
+    EXPECT_TRUE(tansy::text::render_request(body).ends_with("assistant\n<think>\n")) << v.dump();
+  }
+
+  body["add_generation_prompt"] = false;
+  EXPECT_EQ(tansy::text::render_request(body), "<|im_start|>user\nhi<|im_end|>\n");
+  body["add_generation_prompt"] = "no";
+  EXPECT_THROW(tansy::text::parse_render_request(body), tansy::Error);
+  EXPECT_THROW(tansy::text::parse_render_request(Json{{"messages", "hi"}}), tansy::Error);
+  EXPECT_THROW(tansy::text::parse_render_request(Json{{"messages", Json::array()}, {"tools", "x"}}), tansy::Error);
+  EXPECT_THROW(tansy::text::parse_render_request(Json::array()), tansy::Error);
+}
+
+TEST(ChatTemplate, PythonExceptionsOnOddValues) {
+  Json none = nullptr;
+  EXPECT_EQ(render_error(Json::array({Json{{"role", "user"}, {"content", 5}}}), none), "Unexpected content type.");
+  EXPECT_EQ(render_error(Json::array({Json{{"role", "user"}, {"content", Json::array({7})}}}), none),
+            "argument of type 'int' is not iterable");
+  EXPECT_EQ(render_error(Json::array({Json{{"role", "user"}, {"content", Json::array({Json{{"x", 1}}})}}}), none),
+            "Unexpected item type in content.");
+  Json assistant = {{"role", "assistant"}, {"content", "x"}, {"tool_calls", Json::array({Json{{"function", {{"arguments", Json::object()}}}}})}};
+  EXPECT_EQ(render_error(Json::array({user("q"), assistant}), none), "'dict object' has no attribute 'name'");
+  assistant["tool_calls"][0]["function"]["name"] = 3;
+  EXPECT_EQ(render_error(Json::array({user("q"), assistant}), none), "can only concatenate str (not \"int\") to str");
+  // A content part's non-string text prints as Python's str().
+  Json parts = {{"role", "user"}, {"content", Json::array({Json{{"text", Json::array({1.0, "a'b", nullptr, true})}}})}};
+  EXPECT_EQ(tansy::text::render_chat(Json::array({parts}), none, {}),
+            "<|im_start|>user\n[1.0, \"a'b\", None, True]<|im_end|>\n<|im_start|>assistant\n<think>\n");
+}
+
+TEST(ChatTemplate, CheckpointTemplateCheck) {
+  fs::path dir = fs::temp_directory_path() / ("tansy_tmpl_check_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  std::string tmpl(tansy::text::implemented_template());
+
+  auto check = tansy::text::check_checkpoint_template(dir);
+  EXPECT_FALSE(check.found);
+
+  std::ofstream(dir / "tokenizer_config.json") << Json{{"chat_template", tmpl}}.dump();
+  check = tansy::text::check_checkpoint_template(dir);
+  EXPECT_TRUE(check.found && check.identical) << check.description;
+
+  std::ofstream(dir / "chat_template.jinja", std::ios::binary) << tmpl << "\n";  // jinja2 drops one final newline
+  check = tansy::text::check_checkpoint_template(dir);
+  EXPECT_TRUE(check.found && check.identical) << check.description;
+
+  std::string edited = tmpl;
+  edited.replace(edited.find("enable_thinking is false"), 24, "enable_thinking is true");
+  std::ofstream(dir / "chat_template.jinja", std::ios::binary) << edited;
+  check = tansy::text::check_checkpoint_template(dir);
+  EXPECT_TRUE(check.found);
+  EXPECT_FALSE(check.identical);
+  EXPECT_NE(check.description.find("differs"), std::string::npos);
+  fs::remove_all(dir);
+
+  // Qwen3's tokenizer_config.json carries the original Qwen3 template, which must be refused.
+  check = tansy::text::check_checkpoint_template(fixture_dir() / ".." / "qwen3-tokenizer");
+  EXPECT_TRUE(check.found);
+  EXPECT_FALSE(check.identical);
+}
