@@ -1,0 +1,60 @@
+#include "cli/engine_setup.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+
+#include "core/error.h"
+#include "text/chat_template.h"
+
+namespace tansy::cli {
+
+namespace fs = std::filesystem;
+
+const std::vector<std::string>& engine_flags() {
+  static const std::vector<std::string> f = {"model", "backend", "threads", "max-seq", "prefix-cache"};
+  return f;
+}
+
+fs::path resolve_model_dir(const Flags& flags) {
+  if (flags.has("model")) {
+    fs::path p = flags.get("model");
+    if (!fs::is_directory(p)) fail("--model {}: not a directory", p.string());
+    return p;
+  }
+  const fs::path rel = fs::path("models") / "tansy-demo";
+  std::vector<fs::path> tried = {fs::current_path() / rel};
+  std::error_code ec;
+  fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  // The executable lives in <repo>/build*/; look upwards from it.
+  for (fs::path d = ec ? fs::path() : exe.parent_path(); !d.empty() && d != d.root_path(); d = d.parent_path())
+    tried.push_back(d / rel);
+  for (auto& p : tried)
+    if (fs::is_directory(p)) return p;
+  fail("no --model given and the default model {} was not found (looked in {} and above the executable)", rel.string(),
+       fs::current_path().string());
+}
+
+LoadedEngine load_engine(const Flags& flags) {
+  LoadedEngine le;
+  le.dir = resolve_model_dir(flags);
+  auto check = text::check_checkpoint_template(le.dir);
+  if (!check.identical) fail("{}", check.description);
+  ModelOptions mo;
+  mo.backend = flags.get("backend", "cpu");
+  if (mo.backend != "cpu" && mo.backend != "cuda") fail("--backend must be cpu or cuda, got '{}'", mo.backend);
+  mo.threads = int(flags.get_int("threads", 0, 0, 1024));
+  le.defaults = load_generation_defaults(le.dir);
+  Tokenizer tok = Tokenizer::load(le.dir);
+  std::fprintf(stderr, "tansy: loading %s on %s\n", le.dir.string().c_str(), mo.backend.c_str());
+  auto model = open_model(le.dir, mo);
+  EngineOptions eo;
+  const int max_pos = model->config().max_position;
+  eo.max_seq = int(flags.get_int("max-seq", std::min(max_pos, 32768), 2, max_pos));
+  eo.prefix_cache_entries = size_t(flags.get_int("prefix-cache", 2, 0, 64));
+  le.engine = std::make_unique<Engine>(std::move(model), std::move(tok), eo);
+  return le;
+}
+
+}  // namespace tansy::cli

@@ -1,0 +1,199 @@
+#include "engine/engine.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "engine/stop.h"
+#include "text/detokenizer.h"
+
+namespace tansy {
+
+const char* finish_name(Finish f) {
+  switch (f) {
+    case Finish::kStop: return "stop";
+    case Finish::kLength: return "length";
+    case Finish::kCancelled: return "cancelled";
+    case Finish::kTimeout: return "timeout";
+  }
+  return "?";
+}
+
+GenerationDefaults load_generation_defaults(const std::filesystem::path& model_dir) {
+  GenerationDefaults d;
+  auto path = model_dir / "generation_config.json";
+  std::ifstream in(path);
+  if (!in) {
+    d.source = "OpenAI defaults (no generation_config.json): temperature 1, top_p 1";
+    return d;
+  }
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(in);
+  } catch (const std::exception& e) {
+    fail("{}: not valid JSON: {}", path.string(), e.what());
+  }
+  if (!j.is_object()) fail("{}: must be a JSON object", path.string());
+  std::vector<std::string> used;
+  auto num = [&](const char* key, double& dst, double lo, double hi) {
+    if (!j.contains(key) || j[key].is_null()) return;
+    if (!j[key].is_number() || j[key].get<double>() < lo || j[key].get<double>() > hi)
+      fail("{}: '{}' must be a number in [{}, {}]", path.string(), key, lo, hi);
+    dst = j[key].get<double>();
+    used.push_back(fmt::format("{} {}", key, dst));
+  };
+  SamplingParams& s = d.sampling;
+  num("temperature", s.temperature, 0, 100);
+  num("top_p", s.top_p, 1e-9, 1);
+  num("min_p", s.min_p, 0, 1);
+  num("repetition_penalty", s.repetition_penalty, 1e-9, 100);
+  num("presence_penalty", s.presence_penalty, -2, 2);
+  num("frequency_penalty", s.frequency_penalty, -2, 2);
+  if (j.contains("top_k") && !j["top_k"].is_null()) {
+    if (!j["top_k"].is_number_integer()) fail("{}: 'top_k' must be an integer", path.string());
+    s.top_k = std::max(0, j["top_k"].get<int>());
+    used.push_back(fmt::format("top_k {}", s.top_k));
+  }
+  // Hugging Face treats do_sample=false as greedy whatever the temperature says.
+  if (j.contains("do_sample") && j["do_sample"].is_boolean() && !j["do_sample"].get<bool>()) {
+    s.temperature = 0;
+    used.push_back("do_sample false (greedy)");
+  }
+  d.source = used.empty() ? "OpenAI defaults (generation_config.json sets no sampling fields): temperature 1, top_p 1"
+                          : fmt::format("{}: {}", path.string(), fmt::join(used, ", "));
+  return d;
+}
+
+Engine::Engine(std::unique_ptr<Model> model, Tokenizer tokenizer, const EngineOptions& opt)
+    : model_(std::move(model)), tok_(std::move(tokenizer)), opt_(opt), cache_(opt.prefix_cache_entries) {
+  TANSY_CHECK(opt_.max_seq >= 2, "max_seq must be at least 2");
+  TANSY_CHECK(opt_.prefill_chunk >= 1, "prefill_chunk must be positive");
+  eos_ = model_->config().eos_token_ids;
+  if (eos_.empty())
+    for (const char* t : {"<|im_end|>", "<|endoftext|>"})
+      if (auto id = tok_.token_id(t)) eos_.push_back(*id);
+  TANSY_CHECK(!eos_.empty(), "the model declares no eos_token_id and the tokenizer has no <|im_end|>");
+}
+
+Engine::CacheStats Engine::cache_stats() const {
+  std::lock_guard lk(mu_);
+  return {cache_.hits(), cache_.misses(), cached_tokens_total_, cache_.size(), cache_.capacity()};
+}
+
+GenResult Engine::generate(const GenRequest& req, const std::function<bool(const GenStep&)>& on_step) {
+  std::unique_lock lk(mu_, std::try_to_lock);
+  TANSY_CHECK(lk.owns_lock(), "engine: generate() called while another request runs (scheduler bug)");
+  const int n_prompt = int(req.prompt.size());
+  const int vocab = model_->config().vocab_size;
+  TANSY_CHECK(n_prompt > 0, "the prompt is empty");
+  TANSY_CHECK(req.max_tokens >= 1, "max_tokens must be at least 1");
+  TANSY_CHECK(int64_t(n_prompt) + req.max_tokens <= opt_.max_seq,
+              "prompt ({} tokens) plus max_tokens ({}) exceeds the context limit of {} tokens", n_prompt,
+              req.max_tokens, opt_.max_seq);
+  for (int32_t id : req.prompt)
+    TANSY_CHECK(id >= 0 && id < vocab, "token id {} is outside the vocabulary [0, {})", id, vocab);
+
+  GenResult res;
+  res.prompt_tokens = n_prompt;
+  auto stop_now = [&]() -> std::optional<Finish> {
+    if (req.cancelled && req.cancelled()) return Finish::kCancelled;
+    if (std::chrono::steady_clock::now() >= req.deadline) return Finish::kTimeout;
+    return std::nullopt;
+  };
+
+  // The last prompt token is always fed, so that its logits exist.
+  PrefixCache::Hit hit = cache_.lookup(*model_, req.prompt, size_t(n_prompt - 1));
+  std::unique_ptr<SequenceState> state = std::move(hit.state);
+  if (!state) state = model_->new_state(opt_.max_seq);
+  res.cached_tokens = hit.n_tokens;
+  cached_tokens_total_ += uint64_t(hit.n_tokens);
+
+  std::vector<float> logits(static_cast<size_t>(vocab));
+  std::vector<int32_t> fed(req.prompt.begin(), req.prompt.begin() + hit.n_tokens);
+  for (int pos = hit.n_tokens; pos < n_prompt;) {
+    if (auto f = stop_now()) {
+      res.finish = *f;
+      return res;
+    }
+    int end = std::min(n_prompt, pos + opt_.prefill_chunk);
+    if (req.cache_cut > size_t(pos) && req.cache_cut < size_t(end)) end = int(req.cache_cut);
+    model_->forward(*state, std::span<const int32_t>(req.prompt.data() + pos, size_t(end - pos)), logits, false);
+    fed.insert(fed.end(), req.prompt.begin() + pos, req.prompt.begin() + end);
+    pos = end;
+    if (size_t(pos) == req.cache_cut && pos < n_prompt) cache_.insert(fed, model_->clone_state(*state));
+  }
+
+  Sampler sampler(req.sampling, req.prompt);
+  StreamDecoder decoder(tok_);
+  StopMatcher stops(req.stop);
+  std::vector<float> raw;
+  bool ended = false;  // by a stop string or an end-of-sequence token
+  std::vector<int32_t> pending;  // forced tokens still to emit, in reverse order
+  bool armed = false;            // forcing happens once per request
+  auto arm_forcing = [&] {
+    pending.assign(req.forced.rbegin(), req.forced.rend());
+    armed = true;
+  };
+  if (!req.force_trigger) arm_forcing();
+  res.finish = Finish::kLength;
+  for (int i = 0; i < req.max_tokens; ++i) {
+    GenStep step;
+    if (req.logprobs >= 0) raw = logits;
+    int32_t tok;
+    if (!pending.empty()) {
+      tok = pending.back();
+      pending.pop_back();
+      step.forced = true;
+    } else {
+      tok = sampler.sample(logits);
+      if (!armed && req.force_trigger && tok == *req.force_trigger) arm_forcing();
+    }
+    sampler.accept(tok);
+    ++res.completion_tokens;
+    step.token = tok;
+    const bool eos = !req.ignore_eos && std::find(eos_.begin(), eos_.end(), tok) != eos_.end();
+    // The end-of-sequence token is not part of the text, so it gets no logprobs entry.
+    if (req.logprobs >= 0 && !eos) step.logprobs = logprobs_of(raw, tok, req.logprobs);
+    if (eos) {
+      res.finish = Finish::kStop;
+      res.stop_token = tok;
+      ended = true;
+    } else {
+      step.text = stops.push(decoder.push(tok));
+      if (stops.stopped()) {
+        res.finish = Finish::kStop;
+        res.stop_string = stops.matched();
+        ended = true;
+      }
+    }
+    if (!on_step(step)) {
+      res.finish = Finish::kCancelled;
+      break;
+    }
+    if (ended || i + 1 == req.max_tokens) break;
+    if (auto f = stop_now()) {
+      res.finish = *f;
+      break;
+    }
+    model_->forward(*state, std::span<const int32_t>(&tok, 1), logits, false);
+    fed.push_back(tok);
+  }
+  if (res.finish == Finish::kLength || (res.finish == Finish::kStop && res.stop_token)) {
+    GenStep last;
+    last.text = stops.push(decoder.flush());
+    if (stops.stopped() && !res.stop_token) {
+      res.finish = Finish::kStop;
+      res.stop_string = stops.matched();
+    } else {
+      last.text += stops.flush();
+    }
+    if (!last.text.empty()) on_step(last);
+  }
+  cache_.insert(std::move(fed), std::move(state));
+  return res;
+}
+
+}  // namespace tansy

@@ -1,0 +1,44 @@
+// Prefix cache: sequence states (KV cache, GDN conv and recurrent state) saved at cut points
+// and keyed by the exact token prefix they hold, so that the next turn of a conversation
+// resumes from the longest stored prefix instead of prefilling it again. Least recently used
+// entries are evicted. Not thread-safe: the engine serves one request at a time.
+#pragma once
+#include <cstdint>
+#include <list>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "model/model.h"
+
+namespace tansy {
+
+class PrefixCache {
+ public:
+  explicit PrefixCache(size_t capacity) : capacity_(capacity) {}
+
+  struct Hit {
+    std::unique_ptr<SequenceState> state;  // a private copy, holding exactly n_tokens tokens
+    int n_tokens = 0;
+  };
+  // The longest stored prefix of `tokens` no longer than max_len tokens; state is null on a miss.
+  Hit lookup(Model& model, std::span<const int32_t> tokens, size_t max_len);
+  // Stores `state`, which holds exactly `tokens`. Replaces an entry with the same key.
+  void insert(std::vector<int32_t> tokens, std::unique_ptr<SequenceState> state);
+
+  size_t capacity() const { return capacity_; }
+  size_t size() const { return entries_.size(); }
+  uint64_t hits() const { return hits_; }
+  uint64_t misses() const { return misses_; }
+
+ private:
+  struct Entry {
+    std::vector<int32_t> tokens;
+    std::unique_ptr<SequenceState> state;
+  };
+  size_t capacity_;
+  std::list<Entry> entries_;  // most recently used first
+  uint64_t hits_ = 0, misses_ = 0;
+};
+
+}  // namespace tansy

@@ -1,0 +1,63 @@
+// Token sampling: OpenAI / vLLM sampling parameters applied to one position's logits.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <random>
+#include <span>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+namespace tansy {
+
+struct SamplingParams {
+  double temperature = 1.0;         // 0: greedy (argmax, lowest id on ties)
+  double top_p = 1.0;               // (0, 1]
+  int top_k = 0;                    // 0 or -1: off
+  double min_p = 0.0;               // [0, 1]: drop tokens below min_p * p(max)
+  double presence_penalty = 0.0;    // OpenAI: on generated tokens
+  double frequency_penalty = 0.0;   // OpenAI: on generated tokens, per occurrence
+  double repetition_penalty = 1.0;  // HF/vLLM: on prompt and generated tokens
+  std::map<int32_t, double> logit_bias;
+  std::optional<uint64_t> seed;     // absent: nondeterministic
+};
+
+struct TokenLogprob {
+  int32_t id = 0;
+  float logprob = 0;
+};
+
+// Log-probabilities of the model's own distribution (raw logits, before penalties and
+// temperature): what vLLM reports by default, and the only choice independent of sampling settings.
+struct LogprobInfo {
+  float logprob = 0;                // of the chosen token
+  std::vector<TokenLogprob> top;    // best first
+};
+
+class Sampler {
+ public:
+  // `prompt` seeds the repetition-penalty set.
+  Sampler(const SamplingParams& p, std::span<const int32_t> prompt);
+
+  // Chooses the next token. `logits` is scratch: it is modified.
+  int32_t sample(std::span<float> logits);
+  // Records a generated token (penalties count it from now on).
+  void accept(int32_t id);
+
+  const SamplingParams& params() const { return p_; }
+
+ private:
+  void apply_penalties(std::span<float> logits) const;
+  SamplingParams p_;
+  std::mt19937_64 rng_;
+  std::unordered_map<int32_t, int> out_counts_;
+  std::unordered_set<int32_t> seen_;
+};
+
+// log(sum(exp(v))), stable.
+double logsumexp(std::span<const float> v);
+// The k most likely tokens of `logits` with their log-probabilities, best first (ties: lower id).
+LogprobInfo logprobs_of(std::span<const float> logits, int32_t chosen, int k);
+
+}  // namespace tansy

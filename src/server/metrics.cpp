@@ -1,0 +1,86 @@
+#include "server/metrics.h"
+
+#include <fmt/format.h>
+
+namespace tansy::server {
+
+void Histogram::observe(double v) {
+  size_t i = 0;
+  while (i < bounds_.size() && v > bounds_[i]) ++i;
+  counts_[i]++;
+  sum_ += v;
+  n_++;
+}
+
+void Histogram::render(std::string& out, const std::string& name) const {
+  uint64_t cum = 0;
+  for (size_t i = 0; i < bounds_.size(); ++i) {
+    cum += counts_[i];
+    out += fmt::format("{}_bucket{{le=\"{}\"}} {}\n", name, bounds_[i], cum);
+  }
+  out += fmt::format("{}_bucket{{le=\"+Inf\"}} {}\n{}_sum {}\n{}_count {}\n", name, n_, name, sum_, name, n_);
+}
+
+Metrics::Metrics()
+    : ttft_({0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60}),
+      itl_({0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1}),
+      duration_({0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300}) {}
+
+void Metrics::request_done(const std::string& endpoint, int status) {
+  std::lock_guard lk(mu_);
+  requests_[{endpoint, status}]++;
+}
+void Metrics::tokens(int prompt, int generated) {
+  std::lock_guard lk(mu_);
+  prompt_tokens_ += uint64_t(prompt);
+  generated_tokens_ += uint64_t(generated);
+}
+void Metrics::time_to_first_token(double s) {
+  std::lock_guard lk(mu_);
+  ttft_.observe(s);
+}
+void Metrics::inter_token_latency(double s) {
+  std::lock_guard lk(mu_);
+  itl_.observe(s);
+}
+void Metrics::request_duration(double s) {
+  std::lock_guard lk(mu_);
+  duration_.observe(s);
+}
+
+std::string Metrics::render(const Snapshot& s) const {
+  std::lock_guard lk(mu_);
+  std::string o;
+  auto head = [&](const char* name, const char* type, const char* help) {
+    o += fmt::format("# HELP {} {}\n# TYPE {} {}\n", name, help, name, type);
+  };
+  head("tansy_requests_total", "counter", "HTTP requests answered, by endpoint and status code.");
+  for (auto& [k, n] : requests_) o += fmt::format("tansy_requests_total{{endpoint=\"{}\",status=\"{}\"}} {}\n", k.first, k.second, n);
+  head("tansy_prompt_tokens_total", "counter", "Prompt tokens of completed generations (cached ones included).");
+  o += fmt::format("tansy_prompt_tokens_total {}\n", prompt_tokens_);
+  head("tansy_generation_tokens_total", "counter", "Tokens sampled.");
+  o += fmt::format("tansy_generation_tokens_total {}\n", generated_tokens_);
+  head("tansy_queue_depth", "gauge", "Requests waiting for their turn.");
+  o += fmt::format("tansy_queue_depth {}\n", s.queue_waiting);
+  head("tansy_requests_running", "gauge", "Requests being generated (0 or 1).");
+  o += fmt::format("tansy_requests_running {}\n", s.running);
+  head("tansy_prefix_cache_hits_total", "counter", "Prompts that resumed from a cached prefix state.");
+  o += fmt::format("tansy_prefix_cache_hits_total {}\n", s.cache_hits);
+  head("tansy_prefix_cache_misses_total", "counter", "Prompts that found no cached prefix.");
+  o += fmt::format("tansy_prefix_cache_misses_total {}\n", s.cache_misses);
+  head("tansy_prefix_cache_cached_tokens_total", "counter", "Prompt tokens restored from the prefix cache.");
+  o += fmt::format("tansy_prefix_cache_cached_tokens_total {}\n", s.cache_tokens);
+  head("tansy_prefix_cache_entries", "gauge", "Sequence states held by the prefix cache.");
+  o += fmt::format("tansy_prefix_cache_entries {}\n", s.cache_entries);
+  head("tansy_prefix_cache_capacity", "gauge", "Most sequence states the prefix cache holds.");
+  o += fmt::format("tansy_prefix_cache_capacity {}\n", s.cache_capacity);
+  head("tansy_time_to_first_token_seconds", "histogram", "From request arrival to the first generated token.");
+  ttft_.render(o, "tansy_time_to_first_token_seconds");
+  head("tansy_inter_token_latency_seconds", "histogram", "Between consecutive generated tokens.");
+  itl_.render(o, "tansy_inter_token_latency_seconds");
+  head("tansy_request_duration_seconds", "histogram", "From arrival to the end of generation.");
+  duration_.render(o, "tansy_request_duration_seconds");
+  return o;
+}
+
+}  // namespace tansy::server

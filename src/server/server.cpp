@@ -1,0 +1,670 @@
+#include "server/server.h"
+
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <fmt/format.h>
+#include <httplib.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <mutex>
+#include <random>
+
+#include "core/error.h"
+#include "engine/scheduler.h"
+#include "server/chat_output.h"
+#include "server/metrics.h"
+#include "server/openai.h"
+#include "text/chat_template.h"
+
+namespace tansy::server {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr int kMaxJsonDepth = 64;  // deeper bodies are refused before parsing: renderers recurse
+
+void log_line(const std::string& s) {
+  static std::mutex mu;
+  std::lock_guard lk(mu);
+  std::fprintf(stderr, "%s\n", s.c_str());
+  std::fflush(stderr);
+}
+
+std::string dump(const Json& j) { return j.dump(-1, ' ', false, Json::error_handler_t::replace); }
+
+// httplib 0.11 does not hand the connection's socket to handlers. Finding it by its addresses
+// lets a request notice that its client went away while it computes (or waits), not only when
+// a write fails, so that the engine stops within one step.
+class ConnectionWatch {
+ public:
+  explicit ConnectionWatch(const httplib::Request& req) {
+    DIR* d = opendir("/proc/self/fd");
+    if (!d) return;
+    while (dirent* e = readdir(d)) {
+      int fd = std::atoi(e->d_name);
+      if (fd <= 2) continue;
+      struct stat st;
+      if (fstat(fd, &st) != 0 || !S_ISSOCK(st.st_mode)) continue;
+      if (endpoint(fd, true) == std::pair(req.remote_addr, req.remote_port) &&
+          endpoint(fd, false).second == req.local_port) {
+        fd_ = fd;
+        break;
+      }
+    }
+    closedir(d);
+  }
+  bool alive() const {
+    if (fd_ < 0) return true;  // unknown: rely on write failures
+    pollfd p{fd_, short(POLLIN | POLLRDHUP), 0};
+    if (poll(&p, 1, 0) < 0) return true;
+    if (p.revents & (POLLHUP | POLLERR | POLLRDHUP | POLLNVAL)) return false;
+    if (p.revents & POLLIN) {
+      char c;
+      if (recv(fd_, &c, 1, MSG_PEEK | MSG_DONTWAIT) == 0) return false;
+    }
+    return true;
+  }
+
+ private:
+  static std::pair<std::string, int> endpoint(int fd, bool peer) {
+    sockaddr_storage ss{};
+    socklen_t len = sizeof(ss);
+    int rc = peer ? getpeername(fd, reinterpret_cast<sockaddr*>(&ss), &len)
+                  : getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len);
+    if (rc != 0) return {"", -1};
+    char buf[INET6_ADDRSTRLEN] = {0};
+    if (ss.ss_family == AF_INET) {
+      auto* a = reinterpret_cast<sockaddr_in*>(&ss);
+      inet_ntop(AF_INET, &a->sin_addr, buf, sizeof(buf));
+      return {buf, ntohs(a->sin_port)};
+    }
+    if (ss.ss_family == AF_INET6) {
+      auto* a = reinterpret_cast<sockaddr_in6*>(&ss);
+      inet_ntop(AF_INET6, &a->sin6_addr, buf, sizeof(buf));
+      return {buf, ntohs(a->sin6_port)};
+    }
+    return {"", -1};
+  }
+  int fd_ = -1;
+};
+
+// Nesting depth of a JSON text, counted outside strings.
+int json_depth(std::string_view s) {
+  int depth = 0, max_depth = 0;
+  bool in_str = false, esc = false;
+  for (char c : s) {
+    if (in_str) {
+      if (esc) esc = false;
+      else if (c == '\\') esc = true;
+      else if (c == '"') in_str = false;
+    } else if (c == '"') {
+      in_str = true;
+    } else if (c == '[' || c == '{') {
+      max_depth = std::max(max_depth, ++depth);
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return max_depth;
+}
+
+Json parse_body(const std::string& body) {
+  if (body.empty()) api_fail(400, "", "the request body is empty; expected a JSON object");
+  if (json_depth(body) > kMaxJsonDepth)
+    api_fail(400, "", fmt::format("the request body nests deeper than {} levels", kMaxJsonDepth));
+  try {
+    return Json::parse(body);
+  } catch (const Json::exception& e) {
+    api_fail(400, "", fmt::format("the request body is not valid JSON: {}", e.what()));
+  }
+}
+
+std::string random_id(const char* prefix) {
+  static std::mutex mu;
+  static std::mt19937_64 rng{std::random_device{}()};
+  std::lock_guard lk(mu);
+  return fmt::format("{}{:016x}{:08x}", prefix, rng(), uint32_t(rng()));
+}
+
+int64_t unix_now() {
+  return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+bool ends_with(std::string_view s, std::string_view suf) {
+  return s.size() >= suf.size() && s.compare(s.size() - suf.size(), suf.size(), suf) == 0;
+}
+
+// A request ready to run: what the engine needs and what the response needs.
+struct Job {
+  ApiRequest api;
+  GenRequest gen;
+  bool starts_in_reasoning = false;
+  std::string id;
+  int64_t created = 0;
+  Clock::time_point arrival;
+  std::string endpoint;
+};
+
+}  // namespace
+
+struct Server::Impl {
+  Engine& engine;
+  ServerOptions opt;
+  Scheduler sched;
+  Metrics metrics;
+  httplib::Server http;
+  int64_t started = unix_now();
+
+  Impl(Engine& e, ServerOptions o) : engine(e), opt(std::move(o)), sched(opt.max_queue) {}
+
+  // ---- preparing requests ------------------------------------------------------------------
+
+  void check_model(const ApiRequest& r) const {
+    if (r.model != opt.model_id)
+      api_fail(404, "model", fmt::format("The model '{}' does not exist (this server serves '{}')", r.model, opt.model_id),
+               "model_not_found");
+  }
+
+  void log_ignored(const ApiRequest& r, const std::string& endpoint) const {
+    if (!r.ignored_fields.empty())
+      log_line(fmt::format("{}: ignoring fields outside the OpenAI schema: {}", endpoint, fmt::join(r.ignored_fields, ", ")));
+  }
+
+  // Fills max_tokens and checks the context limit.
+  void fit_context(Job& j, std::optional<int> max_tokens, const char* what) const {
+    const int64_t n = int64_t(j.gen.prompt.size()), limit = engine.options().max_seq;
+    if (n == 0) api_fail(400, what, "the prompt is empty after tokenization");
+    const int64_t want = max_tokens ? *max_tokens : limit - n;
+    if (n + std::max<int64_t>(want, 1) > limit)
+      api_fail(400, what,
+               fmt::format("This model's maximum context length is {} tokens. However, you requested {} tokens ({} in "
+                           "the {}, {} in the completion). Please reduce the length of the {} or completion.",
+                           limit, n + std::max<int64_t>(want, 1), n, what, std::max<int64_t>(want, 1), what),
+               "context_length_exceeded");
+    j.gen.max_tokens = int(want);
+  }
+
+  void fill_sampling(Job& j) const {
+    j.gen.sampling = j.api.sampling;
+    j.gen.stop = j.api.stop;
+    j.gen.logprobs = j.api.logprobs;
+    j.gen.ignore_eos = j.api.ignore_eos;
+    j.gen.deadline = j.arrival + std::chrono::microseconds(int64_t(opt.request_timeout_s * 1e6));
+  }
+
+  Job prepare_chat(const Json& body) const {
+    Job j;
+    j.arrival = Clock::now();
+    j.endpoint = "/v1/chat/completions";
+    j.api = parse_chat_request(body, opt.defaults, engine.config().vocab_size);
+    check_model(j.api);
+    log_ignored(j.api, j.endpoint);
+    std::string prompt;
+    try {
+      prompt = text::render_chat(j.api.render.messages, j.api.render.tools, j.api.render.options);
+    } catch (const Error& e) {
+      api_fail(400, "messages", e.what());
+    }
+    const Tokenizer& tok = engine.tokenizer();
+    j.gen.prompt = tok.encode(prompt, true);
+    fit_context(j, j.api.max_tokens, "messages");
+    fill_sampling(j);
+    j.starts_in_reasoning = ends_with(prompt, "<think>\n");
+    // Cache the state at the start of the assistant turn: the next request of this conversation
+    // shares everything before it, while the turn itself is re-rendered (reasoning dropped).
+    if (auto im_start = tok.token_id("<|im_start|>")) {
+      for (size_t i = j.gen.prompt.size(); i-- > 0;)
+        if (j.gen.prompt[i] == *im_start) {
+          j.gen.cache_cut = i;
+          break;
+        }
+    }
+    if (j.api.tool_choice == ToolChoice::kRequired || j.api.tool_choice == ToolChoice::kNamed) {
+      // Without constrained decoding, a call is guaranteed by writing its opening ourselves
+      // once the reasoning is over; the model fills in the function (name) and arguments.
+      std::string open = j.api.tool_choice == ToolChoice::kNamed ? "<tool_call>\n<function=" + j.api.tool_name + ">\n"
+                                                                 : std::string("<tool_call>\n<function=");
+      if (j.starts_in_reasoning) {
+        auto end_think = tok.token_id("</think>");
+        if (!end_think) api_fail(500, "", "the tokenizer has no </think> token");
+        j.gen.force_trigger = *end_think;
+        open = "\n\n" + open;
+      }
+      j.gen.forced = tok.encode(open, true);
+    }
+    j.id = random_id("chatcmpl-");
+    j.created = unix_now();
+    return j;
+  }
+
+  Job prepare_completion(const Json& body) const {
+    Job j;
+    j.arrival = Clock::now();
+    j.endpoint = "/v1/completions";
+    j.api = parse_completion_request(body, opt.defaults, engine.config().vocab_size);
+    check_model(j.api);
+    log_ignored(j.api, j.endpoint);
+    j.gen.prompt = j.api.prompt_text ? engine.tokenizer().encode(*j.api.prompt_text, true) : j.api.prompt_ids;
+    fit_context(j, j.api.max_tokens, "prompt");
+    fill_sampling(j);
+    j.id = random_id("cmpl-");
+    j.created = unix_now();
+    return j;
+  }
+
+  // ---- running ---------------------------------------------------------------------------
+
+  // Runs a job whose turn has come. on_step sees every step (after metrics are recorded).
+  GenResult execute(Job& j, const ConnectionWatch& watch, const std::function<bool(const GenStep&)>& on_step) {
+    j.gen.cancelled = [&watch] { return !watch.alive(); };
+    bool first = true;
+    Clock::time_point last{};
+    GenResult r = engine.generate(j.gen, [&](const GenStep& s) {
+      if (s.token >= 0) {
+        auto now = Clock::now();
+        if (first) metrics.time_to_first_token(std::chrono::duration<double>(now - j.arrival).count());
+        else metrics.inter_token_latency(std::chrono::duration<double>(now - last).count());
+        first = false;
+        last = now;
+      }
+      return on_step(s);
+    });
+    metrics.tokens(r.prompt_tokens, r.completion_tokens);
+    metrics.request_duration(std::chrono::duration<double>(Clock::now() - j.arrival).count());
+    return r;
+  }
+
+  Json usage(const GenResult& r) const {
+    return {{"prompt_tokens", r.prompt_tokens},
+            {"completion_tokens", r.completion_tokens},
+            {"total_tokens", r.prompt_tokens + r.completion_tokens},
+            {"prompt_tokens_details", {{"cached_tokens", r.cached_tokens}}}};
+  }
+
+  std::string token_text(int32_t id) const { return utf8_lossy(engine.tokenizer().token_bytes(id)); }
+
+  Json chat_logprob(int32_t id, const LogprobInfo& lp) const {
+    auto entry = [&](int32_t t, float l) {
+      std::string bytes = engine.tokenizer().token_bytes(t);
+      Json b = Json::array();
+      for (unsigned char c : bytes) b.push_back(int(c));
+      return Json{{"token", utf8_lossy(bytes)}, {"logprob", l}, {"bytes", b}};
+    };
+    Json e = entry(id, lp.logprob);
+    e["top_logprobs"] = Json::array();
+    for (auto& t : lp.top) e["top_logprobs"].push_back(entry(t.id, t.logprob));
+    return e;
+  }
+
+  // Completions' legacy logprobs layout, for a run of tokens starting at text offset `offset`.
+  struct LegacyLogprobs {
+    Json tokens = Json::array(), token_logprobs = Json::array(), top = Json::array(), offsets = Json::array();
+    void add(const Impl& s, int32_t id, const LogprobInfo& lp, size_t offset) {
+      tokens.push_back(s.token_text(id));
+      token_logprobs.push_back(lp.logprob);
+      Json t = Json::object();
+      for (auto& x : lp.top) t[s.token_text(x.id)] = x.logprob;
+      top.push_back(t);
+      offsets.push_back(offset);
+    }
+    bool empty() const { return tokens.empty(); }
+    Json take() {
+      Json j{{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top}, {"text_offset", offsets}};
+      *this = LegacyLogprobs{};
+      return j;
+    }
+  };
+
+  std::string chat_finish_reason(const Job& j, const GenResult& r, const ChatOutput& out) const {
+    if (r.finish == Finish::kLength) return "length";
+    if (out.has_tool_calls() && j.api.tool_choice != ToolChoice::kNamed) return "tool_calls";
+    return "stop";
+  }
+
+  // Waits for the job's turn. Throws ApiError on timeout; returns false when the client left.
+  bool wait_turn(Scheduler::Ticket& t, const Job& j, const ConnectionWatch& watch) {
+    bool timed_out = false;
+    bool ok = sched.wait_turn(t, [&] {
+      if (Clock::now() >= j.gen.deadline) timed_out = true;
+      return timed_out || !watch.alive();
+    });
+    if (!ok && timed_out)
+      api_fail(503, "", fmt::format("timed out after {} s waiting for earlier requests", opt.request_timeout_s), "timeout");
+    return ok;
+  }
+
+  void check_outcome(const GenResult& r) const {
+    if (r.finish == Finish::kTimeout)
+      api_fail(504, "", fmt::format("the request did not finish within {} s", opt.request_timeout_s), "timeout");
+  }
+
+  // ---- non-streaming ---------------------------------------------------------------------
+
+  Json run_chat(Job& j, Scheduler::Ticket& t, const ConnectionWatch& watch, GenResult& r) {
+    if (!wait_turn(t, j, watch)) return nullptr;
+    ChatOutput out(j.starts_in_reasoning, j.api.render.tools, j.id);
+    Json lps = Json::array();
+    r = execute(j, watch, [&](const GenStep& s) {
+      out.push(s.text);
+      if (s.logprobs) lps.push_back(chat_logprob(s.token, *s.logprobs));
+      return true;
+    });
+    if (r.finish == Finish::kCancelled) return nullptr;
+    check_outcome(r);
+    out.finish();
+    Json choice{{"index", 0}, {"message", out.message()}, {"logprobs", nullptr},
+                {"finish_reason", chat_finish_reason(j, r, out)}};
+    if (j.gen.logprobs >= 0) choice["logprobs"] = Json{{"content", lps}, {"refusal", nullptr}};
+    if (!r.stop_string.empty()) choice["stop_reason"] = r.stop_string;
+    return Json{{"id", j.id},           {"object", "chat.completion"}, {"created", j.created},
+                {"model", opt.model_id}, {"choices", {choice}},         {"usage", usage(r)},
+                {"system_fingerprint", fingerprint()}};
+  }
+
+  Json run_completion(Job& j, Scheduler::Ticket& t, const ConnectionWatch& watch, GenResult& r) {
+    if (!wait_turn(t, j, watch)) return nullptr;
+    std::string text;
+    LegacyLogprobs lps;
+    r = execute(j, watch, [&](const GenStep& s) {
+      if (s.logprobs) lps.add(*this, s.token, *s.logprobs, text.size());
+      text += s.text;
+      return true;
+    });
+    if (r.finish == Finish::kCancelled) return nullptr;
+    check_outcome(r);
+    Json choice{{"index", 0}, {"text", text}, {"logprobs", nullptr},
+                {"finish_reason", r.finish == Finish::kLength ? "length" : "stop"}};
+    if (j.gen.logprobs >= 0) choice["logprobs"] = lps.take();
+    if (!r.stop_string.empty()) choice["stop_reason"] = r.stop_string;
+    return Json{{"id", j.id},           {"object", "text_completion"}, {"created", j.created},
+                {"model", opt.model_id}, {"choices", {choice}},         {"usage", usage(r)},
+                {"system_fingerprint", fingerprint()}};
+  }
+
+  std::string fingerprint() const { return "tansy-" + engine.model().backend_name(); }
+
+  // ---- streaming -------------------------------------------------------------------------
+
+  // Writes server-sent events; remembers whether the client is still reading.
+  struct SseWriter {
+    httplib::DataSink& sink;
+    bool ok = true;
+    bool event(const Json& j) { return raw("data: " + dump(j) + "\n\n"); }
+    bool raw(const std::string& s) {
+      if (ok) ok = sink.write(s.data(), s.size());
+      return ok;
+    }
+  };
+
+  Json chunk_base(const Job& j) const {
+    Json c{{"id", j.id}, {"object", j.api.chat ? "chat.completion.chunk" : "text_completion"}, {"created", j.created},
+           {"model", opt.model_id}, {"system_fingerprint", fingerprint()}};
+    return c;
+  }
+
+  void stream_job(Job& j, Scheduler::Ticket& t, const ConnectionWatch& watch, SseWriter& w, int& status) {
+    GenResult r;
+    try {
+      if (!wait_turn(t, j, watch)) {
+        status = 499;
+        return;
+      }
+      auto emit = [&](Json choice) {
+        Json c = chunk_base(j);
+        c["choices"] = Json::array({std::move(choice)});
+        if (j.api.include_usage) c["usage"] = nullptr;
+        return w.event(c);
+      };
+      if (j.api.chat) {
+        ChatOutput out(j.starts_in_reasoning, j.api.render.tools, j.id);
+        Json pending_lps = Json::array();
+        auto send_deltas = [&](const std::vector<Json>& deltas) {
+          for (auto& d : deltas) {
+            Json choice{{"index", 0}, {"delta", d}, {"logprobs", nullptr}, {"finish_reason", nullptr}};
+            if (!pending_lps.empty()) {
+              choice["logprobs"] = Json{{"content", pending_lps}, {"refusal", nullptr}};
+              pending_lps = Json::array();
+            }
+            if (!emit(choice)) return false;
+          }
+          return true;
+        };
+        if (!emit(Json{{"index", 0}, {"delta", {{"role", "assistant"}, {"content", ""}}}, {"logprobs", nullptr},
+                       {"finish_reason", nullptr}}))
+          return;
+        r = execute(j, watch, [&](const GenStep& s) {
+          if (s.logprobs) pending_lps.push_back(chat_logprob(s.token, *s.logprobs));
+          return send_deltas(out.push(s.text));
+        });
+        if (r.finish == Finish::kCancelled) {
+          status = 499;
+          return;
+        }
+        check_outcome(r);
+        if (!send_deltas(out.finish())) return;
+        Json last{{"index", 0}, {"delta", Json::object()}, {"logprobs", nullptr},
+                  {"finish_reason", chat_finish_reason(j, r, out)}};
+        if (!pending_lps.empty()) last["logprobs"] = Json{{"content", pending_lps}, {"refusal", nullptr}};
+        if (!r.stop_string.empty()) last["stop_reason"] = r.stop_string;
+        if (!emit(last)) return;
+      } else {
+        LegacyLogprobs lps;
+        size_t offset = 0;
+        auto text_choice = [&](const std::string& text, Json finish) {
+          Json choice{{"index", 0}, {"text", text}, {"logprobs", nullptr}, {"finish_reason", finish}};
+          if (!lps.empty()) choice["logprobs"] = lps.take();
+          return choice;
+        };
+        r = execute(j, watch, [&](const GenStep& s) {
+          if (s.logprobs) lps.add(*this, s.token, *s.logprobs, offset);
+          offset += s.text.size();
+          if (s.text.empty()) return true;  // logprobs travel with the next text
+          return emit(text_choice(s.text, nullptr));
+        });
+        if (r.finish == Finish::kCancelled) {
+          status = 499;
+          return;
+        }
+        check_outcome(r);
+        Json last = text_choice("", r.finish == Finish::kLength ? "length" : "stop");
+        if (!r.stop_string.empty()) last["stop_reason"] = r.stop_string;
+        if (!emit(last)) return;
+      }
+      if (j.api.include_usage) {
+        Json c = chunk_base(j);
+        c["choices"] = Json::array();
+        c["usage"] = usage(r);
+        if (!w.event(c)) return;
+      }
+      w.raw("data: [DONE]\n\n");
+    } catch (const ApiError& e) {
+      status = e.status;
+      w.raw("data: " + e.body() + "\n\n");
+      w.raw("data: [DONE]\n\n");
+    } catch (const std::exception& e) {
+      status = 500;
+      log_line(fmt::format("{} {}: internal error: {}", j.endpoint, j.id, e.what()));
+      w.raw("data: " + ApiError(500, fmt::format("internal error: {}", e.what())).body() + "\n\n");
+      w.raw("data: [DONE]\n\n");
+    }
+    if (!w.ok) status = 499;
+    log_line(fmt::format("{} {} stream status {} prompt {} (cached {}) completion {} finish {}", j.endpoint, j.id, status,
+                         r.prompt_tokens, r.cached_tokens, r.completion_tokens, finish_name(r.finish)));
+  }
+
+  // ---- HTTP plumbing ---------------------------------------------------------------------
+
+  void send_error(httplib::Response& res, const ApiError& e) {
+    res.status = e.status;
+    res.set_content(e.body(), "application/json");
+  }
+
+  void handle_generate(const httplib::Request& req, httplib::Response& res, bool chat) {
+    const char* endpoint = chat ? "/v1/chat/completions" : "/v1/completions";
+    std::shared_ptr<Job> job;
+    try {
+      Json body = parse_body(req.body);
+      job = std::make_shared<Job>(chat ? prepare_chat(body) : prepare_completion(body));
+      std::shared_ptr<Scheduler::Ticket> ticket = sched.enqueue();
+      if (!ticket)
+        api_fail(503, "", fmt::format("the server is busy ({} requests are waiting); retry later", opt.max_queue),
+                 "queue_full");
+      auto watch = std::make_shared<ConnectionWatch>(req);
+      if (job->api.stream) {
+        res.set_header("Cache-Control", "no-cache");
+        res.set_header("X-Accel-Buffering", "no");
+        res.set_chunked_content_provider(
+            "text/event-stream",
+            [this, job, ticket, watch](size_t, httplib::DataSink& sink) {
+              SseWriter w{sink};
+              int status = 200;
+              stream_job(*job, *ticket, *watch, w, status);
+              metrics.request_done(job->endpoint, status);
+              if (w.ok) sink.done();
+              return w.ok;
+            });
+        return;  // counted when the stream ends
+      }
+      GenResult r;
+      Json out = chat ? run_chat(*job, *ticket, *watch, r) : run_completion(*job, *ticket, *watch, r);
+      if (out.is_null()) {  // the client left: nobody reads this
+        send_error(res, ApiError(499, "client closed the request"));
+        metrics.request_done(endpoint, 499);
+        return;
+      }
+      res.set_content(dump(out), "application/json");
+      metrics.request_done(endpoint, 200);
+      log_line(fmt::format("{} {} status 200 prompt {} (cached {}) completion {} finish {}", endpoint, job->id,
+                           r.prompt_tokens, r.cached_tokens, r.completion_tokens, finish_name(r.finish)));
+    } catch (const ApiError& e) {
+      send_error(res, e);
+      metrics.request_done(endpoint, e.status);
+      log_line(fmt::format("{} status {}: {}", endpoint, e.status, e.what()));
+    }
+  }
+
+  bool authorized(const httplib::Request& req) const {
+    if (opt.api_key.empty()) return true;
+    const std::string want = "Bearer " + opt.api_key;
+    const std::string got = req.get_header_value("Authorization");
+    // Constant time in the key's length, so response timing does not reveal a matching prefix.
+    unsigned diff = got.size() != want.size();
+    for (size_t i = 0; i < want.size(); ++i) diff |= unsigned(want[i]) ^ unsigned(i < got.size() ? got[i] : 0);
+    return diff == 0;
+  }
+
+  Json model_card() const {
+    return {{"id", opt.model_id},
+            {"object", "model"},
+            {"created", started},
+            {"owned_by", "tansy"},
+            {"max_model_len", engine.options().max_seq}};
+  }
+
+  void setup() {
+    const int threads = opt.max_queue + 8;  // every waiting request holds a thread; a few spare for /health
+    http.new_task_queue = [threads] { return new httplib::ThreadPool(size_t(threads)); };
+    http.set_payload_max_length(opt.max_body_bytes);
+    http.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+      if (req.path.rfind("/v1/", 0) == 0 && !authorized(req)) {
+        send_error(res, ApiError(401, "Incorrect or missing API key (send 'Authorization: Bearer <key>')", "",
+                                 "invalid_api_key"));
+        metrics.request_done(req.path.rfind("/v1/models", 0) == 0 ? "/v1/models" : req.path, 401);
+        return httplib::Server::HandlerResponse::Handled;
+      }
+      return httplib::Server::HandlerResponse::Unhandled;
+    });
+    http.set_error_handler([this](const httplib::Request& req, httplib::Response& res) {
+      if (!res.body.empty()) return;
+      std::string msg = res.status == 413   ? fmt::format("the request body exceeds {} bytes", opt.max_body_bytes)
+                        : res.status == 404 ? fmt::format("no route for {} {}", req.method, req.path)
+                        : res.status == 405 ? fmt::format("method {} is not allowed on {}", req.method, req.path)
+                                            : fmt::format("HTTP error {}", res.status);
+      res.set_content(ApiError(res.status, msg).body(), "application/json");
+      metrics.request_done("other", res.status);
+    });
+    http.set_exception_handler([this](const httplib::Request& req, httplib::Response& res, std::exception_ptr ep) {
+      std::string what = "unknown exception";
+      try {
+        std::rethrow_exception(ep);
+      } catch (const std::exception& e) {
+        what = e.what();
+      } catch (...) {
+      }
+      log_line(fmt::format("{} {}: internal error: {}", req.method, req.path, what));
+      res.status = 500;
+      res.set_content(ApiError(500, "internal error: " + what).body(), "application/json");
+      metrics.request_done(req.path, 500);
+    });
+
+    http.Post("/v1/chat/completions",
+              [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, true); });
+    http.Post("/v1/completions",
+              [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, false); });
+    http.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
+      res.set_content(dump(Json{{"object", "list"}, {"data", {model_card()}}}), "application/json");
+      metrics.request_done("/v1/models", 200);
+    });
+    http.Get(R"(/v1/models/(.+))", [this](const httplib::Request& req, httplib::Response& res) {
+      if (req.matches[1] != opt.model_id) {
+        send_error(res, ApiError(404, fmt::format("The model '{}' does not exist", req.matches[1].str()), "model",
+                                 "model_not_found"));
+        metrics.request_done("/v1/models", 404);
+        return;
+      }
+      res.set_content(dump(model_card()), "application/json");
+      metrics.request_done("/v1/models", 200);
+    });
+    http.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+      res.set_content(dump(Json{{"status", "ok"}, {"model", opt.model_id}, {"queue", sched.waiting()},
+                                {"busy", sched.busy()}}),
+                      "application/json");
+    });
+    http.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+      Metrics::Snapshot s;
+      s.queue_waiting = sched.waiting();
+      s.running = sched.busy() ? 1 : 0;
+      auto c = engine.cache_stats();
+      s.cache_hits = c.hits;
+      s.cache_misses = c.misses;
+      s.cache_tokens = c.cached_tokens;
+      s.cache_entries = c.entries;
+      s.cache_capacity = c.capacity;
+      res.set_content(metrics.render(s), "text/plain; version=0.0.4; charset=utf-8");
+    });
+  }
+};
+
+Server::Server(Engine& engine, ServerOptions opt) : impl_(std::make_unique<Impl>(engine, std::move(opt))) {
+  impl_->setup();
+}
+
+Server::~Server() = default;
+
+void Server::run() {
+  Impl& s = *impl_;
+  int port = s.opt.port;
+  if (port == 0) {
+    port = s.http.bind_to_any_port(s.opt.host);
+    if (port < 0) fail("cannot bind {}:(any port)", s.opt.host);
+  } else if (!s.http.bind_to_port(s.opt.host, port)) {
+    fail("cannot bind {}:{} (in use, or not an address of this machine?)", s.opt.host, port);
+  }
+  log_line(fmt::format("tansy serve: listening on http://{}:{} (model '{}', {} backend, context {} tokens, prefix cache "
+                       "{} entries, queue {})",
+                       s.opt.host, port, s.opt.model_id, s.engine.model().backend_name(), s.engine.options().max_seq,
+                       s.engine.options().prefix_cache_entries, s.opt.max_queue));
+  log_line("tansy serve: sampling defaults: " + s.opt.defaults_source);
+  if (!s.http.listen_after_bind()) fail("the HTTP server stopped with an error");
+}
+
+void Server::stop() { impl_->http.stop(); }
+
+}  // namespace tansy::server

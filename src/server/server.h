@@ -1,0 +1,39 @@
+// tansy's OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models,
+// /health, /metrics. Requests run one at a time in arrival order (Scheduler); the rest wait
+// in a bounded line.
+#pragma once
+#include <filesystem>
+#include <memory>
+#include <string>
+
+#include "engine/engine.h"
+
+namespace tansy::server {
+
+struct ServerOptions {
+  std::string host = "127.0.0.1";
+  int port = 8000;                      // 0: any free port (the chosen one is printed)
+  std::string api_key;                  // empty: no authentication
+  std::string model_id;                 // the name /v1/models lists and requests must use
+  int max_queue = 16;                   // waiting requests beyond the running one; more get 503
+  double request_timeout_s = 600;       // from arrival, queueing included
+  size_t max_body_bytes = 8u << 20;     // larger bodies get 413
+  SamplingParams defaults;              // for fields a request leaves out
+  std::string defaults_source;          // where they came from (logged, /v1/models)
+};
+
+class Server {
+ public:
+  Server(Engine& engine, ServerOptions opt);
+  ~Server();
+  // Binds and serves until stop(). Throws Error when the address cannot be bound.
+  void run();
+  void stop();
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace tansy::server

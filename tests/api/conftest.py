@@ -1,0 +1,135 @@
+"""Starts the real `tansy serve` on a tiny random-weight model (CPU backend) for the API tests.
+
+The model comes from tools/make_tiny_model.py: random weights, plus two scripted bigram
+continuations (see that file) so that reasoning, tool calls and stop strings can be tested end to
+end. The tokenizer and chat template come from ../shared/fixtures (TANSY_FIXTURES overrides).
+The binary is build/tansy (TANSY_BIN overrides).
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FIXTURES = os.environ.get("TANSY_FIXTURES", os.path.join(REPO, "..", "shared", "fixtures"))
+TANSY = os.environ.get("TANSY_BIN", os.path.join(REPO, "build", "tansy"))
+MODEL_ID = "tiny"
+MAX_SEQ = 1024
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model_dir, log_path, *extra):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        cmd = [TANSY, "serve", "--model", model_dir, "--port", str(self.port), "--served-model-name", MODEL_ID,
+               "--max-seq", str(MAX_SEQ), "--threads", "1", *extra]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tansy serve exited with {self.proc.returncode}:\n{self.log_text()}")
+            try:
+                if requests.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("tansy serve did not become healthy:\n" + self.log_text())
+
+    def log_text(self):
+        self.log.flush()
+        with open(self.log_path) as f:
+            return f.read()
+
+    def alive(self):
+        return self.proc.poll() is None
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+    def metric(self, name):
+        """The value of an unlabelled metric, or the sum over a labelled one's series."""
+        total, found = 0.0, False
+        for line in requests.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                total += float(line.rsplit(" ", 1)[1])
+                found = True
+        assert found, f"metric {name} missing"
+        return total
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    if not os.path.exists(TANSY):
+        pytest.fail(f"{TANSY} is missing: build first (scripts/build)")
+    out = str(tmp_path_factory.mktemp("tiny-model"))
+    subprocess.run([sys.executable, os.path.join(REPO, "tools", "make_tiny_model.py"), out,
+                    "--tokenizer", os.path.join(FIXTURES, "qwen3-tokenizer"),
+                    "--template", os.path.join(FIXTURES, "qwen3.6", "chat_template.jinja")], check=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def scripts(tiny_model):
+    with open(os.path.join(tiny_model, "tiny_model_scripts.json")) as f:
+        return json.load(f)
+
+
+def start(tiny_model, tmp_path_factory, name, *extra):
+    log = str(tmp_path_factory.mktemp("logs") / f"{name}.log")
+    return ServerProcess(tiny_model, log, *extra)
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model, tmp_path_factory):
+    s = start(tiny_model, tmp_path_factory, "main", "--max-queue", "8", "--timeout", "120")
+    yield s
+    alive = s.alive()
+    s.stop()
+    assert alive, "the server died during the tests:\n" + s.log_text()
+
+
+@pytest.fixture
+def client(server):
+    from openai import OpenAI
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def start_server(tiny_model, tmp_path_factory):
+    """Starts extra servers with other flags; all are stopped at the end of the session."""
+    started = []
+
+    def go(name, *extra):
+        s = start(tiny_model, tmp_path_factory, name, *extra)
+        started.append(s)
+        return s
+
+    yield go
+    for s in started:
+        s.stop()
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(tiny_model):
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(os.path.join(tiny_model, "tokenizer.json"))
