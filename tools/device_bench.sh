@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# The benchmark run on the GPU machine, in one device call (BENCHMARK.md, docs/PERFORMANCE.md).
+#
+#   tools/device_bench.sh prepare   # here: CUDA build, then binaries + the shared libraries the
+#                                   # device image lacks + COMMIT into out/device/ (git-ignored)
+#   tools/device_bench.sh run       # there (carry: out/device): synth -> GPU tests -> tansy bench
+#                                   # (all contexts, 2 rounds, per-stage breakdown) -> HF peer arm
+#
+# `run` writes at most 7 files to $OUT: env.txt synth.log gpu_tests.log bench.log bench.json
+# peer.log peer.json. It keeps to a total deadline (DEADLINE_S, default 540 s) and gives each
+# step what is left, so a slow step shortens the later ones instead of losing every result.
+# Knobs (environment): BENCH_CONTEXTS (default: all ten), BENCH_ROUNDS (2), PEER_CONTEXTS
+# (256,512,1024,2048,4096), SKIP_GPU_TESTS=1, SKIP_PEER=1, SKIP_BENCH=1, SYNTH_DIR (/dev/shm/tansy-synth).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+DEV=out/device
+
+prepare() {
+  set -e
+  BUILD_DIR=${BUILD_DIR:-build-bench} scripts/build
+  local b=${BUILD_DIR:-build-bench}
+  rm -rf "$DEV" && mkdir -p "$DEV/lib"
+  cp "$b/tansy" "$DEV/"
+  [ -x "$b/tansy_gpu_tests" ] && cp "$b/tansy_gpu_tests" "$DEV/"
+  # Debian's fmt/ICU/PCRE2 builds are not on the device image (Ubuntu-based CUDA image): carry
+  # every resolved library except glibc, the C++ runtime and CUDA's own (the image has those).
+  for bin in "$DEV"/tansy "$DEV"/tansy_gpu_tests; do
+    [ -x "$bin" ] || continue
+    ldd "$bin" | awk '/=> \//{print $3}' | while read -r lib; do
+      case "$(basename "$lib")" in
+        libc.so*|libm.so*|libpthread.so*|libdl.so*|librt.so*|ld-linux*|libstdc++.so*|libgcc_s.so*) ;;
+        libcuda.so*|libcudart*|libcublas*|libnvidia*) ;;
+        *) cp -L "$lib" "$DEV/lib/" ;;
+      esac
+    done
+  done
+  local commit
+  commit=$(git rev-parse HEAD)
+  git diff --quiet HEAD -- src tests CMakeLists.txt || commit="$commit-dirty"
+  echo "$commit" >"$DEV/COMMIT"
+  du -sh "$DEV"
+  echo "prepared $DEV (commit $commit): $(ls "$DEV" "$DEV/lib" | tr '\n' ' ')"
+}
+
+run() {
+  : "${OUT:?OUT must name the output folder}"
+  local start now left
+  start=$(date +%s)
+  local deadline=${DEADLINE_S:-540}
+  remaining() { now=$(date +%s); echo $((deadline - (now - start))); }
+  local synth_dir=${SYNTH_DIR:-/dev/shm/tansy-synth}
+  local commit
+  commit=$(cat "$DEV/COMMIT" 2>/dev/null || echo unknown)
+  export TANSY_COMMIT=$commit HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+  local cublas_dir
+  cublas_dir=$(python3 -c 'import nvidia.cublas, os; print(os.path.join(os.path.dirname(nvidia.cublas.__file__), "lib"))' 2>/dev/null || true)
+  export LD_LIBRARY_PATH="$PWD/$DEV/lib:/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib${cublas_dir:+:$cublas_dir}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  local T="$DEV/tansy"
+
+  {
+    echo "commit $commit"; date -u; uname -a; nproc; free -g; df -h /dev/shm
+    nvidia-smi; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv
+    echo "== ldd"; ldd "$T"
+  } >"$OUT/env.txt" 2>&1
+  if ldd "$T" | grep -q "not found"; then
+    echo "device_bench: missing libraries for $T:"; ldd "$T" | grep "not found"; return 1
+  fi
+
+  echo "== synth ($(remaining) s left)"
+  rm -rf "$synth_dir"
+  timeout 120 "$T" synth --out "$synth_dir" --seed 1 >"$OUT/synth.log" 2>&1
+  local rc=$?; cat "$OUT/synth.log"
+  [ $rc -eq 0 ] || { echo "device_bench: synth failed ($rc)"; return 1; }
+
+  if [ -z "${SKIP_GPU_TESTS:-}" ] && [ -x "$DEV/tansy_gpu_tests" ]; then
+    left=$(remaining); local cap=$(( left > 480 ? 90 : 45 ))
+    echo "== GPU tests (cap $cap s, $left s left)"
+    TANSY_SYNTH_DIR="$synth_dir" timeout "$cap" "$DEV/tansy_gpu_tests" >"$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests exit $?"; grep -E "^\[  (PASSED|FAILED) |tests? ran|FAILED  \]" "$OUT/gpu_tests.log" | tail -15
+  fi
+
+  if [ -z "${SKIP_BENCH:-}" ]; then
+    left=$(remaining)
+    # Leave the peer arm ~150 s when it is to run.
+    local bench_cap=$((left - 10))
+    [ -z "${SKIP_PEER:-}" ] && bench_cap=$((left - 150))
+    [ "$bench_cap" -lt 30 ] && bench_cap=30
+    echo "== tansy bench (cap $bench_cap s)"
+    local ctx_flag=()
+    [ -n "${BENCH_CONTEXTS:-}" ] && ctx_flag=(--contexts "$BENCH_CONTEXTS")
+    timeout "$bench_cap" "$T" bench --model "$synth_dir" "${ctx_flag[@]}" --rounds "${BENCH_ROUNDS:-2}" \
+      --json "$OUT/bench.json" --commit "$commit" --stages --child-timeout 150 >"$OUT/bench.log" 2>&1
+    echo "bench exit $?"
+  fi
+
+  if [ -z "${SKIP_PEER:-}" ]; then
+    left=$(( $(remaining) - 5 ))
+    echo "== HF transformers peer ($left s left)"
+    if [ "$left" -gt 60 ]; then
+      timeout "$left" python3 tools/peer_hf.py --model "$synth_dir" --contexts "${PEER_CONTEXTS:-256,512,1024,2048,4096}" \
+        --rounds 2 --json "$OUT/peer.json" --commit "$commit" --time-budget-s $((left - 30)) >"$OUT/peer.log" 2>&1
+      echo "peer exit $?"; tail -8 "$OUT/peer.log"
+    else
+      echo "device_bench: no time left for the peer arm" | tee "$OUT/peer.log"
+    fi
+  fi
+  rm -rf "$synth_dir"
+  echo "== tansy bench table"
+  [ -f "$OUT/bench.log" ] && grep -v "^tansy bench: round" "$OUT/bench.log" | tail -60
+  echo "device_bench: done in $(( $(date +%s) - start )) s"
+}
+
+case "${1:-}" in
+  prepare) prepare ;;
+  run) run ;;
+  *) echo "usage: tools/device_bench.sh prepare|run" >&2; exit 2 ;;
+esac
