@@ -27,11 +27,27 @@ const Json kTools = Json::parse(R"([
   {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {}}}}
 ])");
 
+bool valid_utf8(const std::string& s) {
+  for (size_t i = 0; i < s.size();) {
+    auto b = static_cast<unsigned char>(s[i]);
+    size_t len = b < 0x80 ? 1 : (b >> 5) == 6 ? 2 : (b >> 4) == 14 ? 3 : (b >> 3) == 30 ? 4 : 0;
+    if (len == 0 || i + len > s.size()) return false;
+    for (size_t k = 1; k < len; ++k)
+      if ((static_cast<unsigned char>(s[i + k]) >> 6) != 2) return false;
+    i += len;
+  }
+  return true;
+}
+
 // Collects deltas the way an API client would, checking their order as it goes.
 struct Collected {
   ParsedOutput out;
+  bool utf8_chunks = false;  // chunks were whole characters, so every delta must be too
   void add(const std::vector<Delta>& deltas) {
     for (const Delta& d : deltas) {
+      if (utf8_chunks) {
+        EXPECT_TRUE(valid_utf8(d.text)) << d.text;
+      }
       switch (d.kind) {
         case Delta::Kind::Reasoning:
           EXPECT_FALSE(d.text.empty());
@@ -57,6 +73,8 @@ struct Collected {
 ParsedOutput stream(const std::string& text, const std::vector<size_t>& cuts, bool in_reasoning) {
   StreamingOutputParser parser(in_reasoning, kTools);
   Collected c;
+  c.utf8_chunks = true;
+  for (size_t cut : cuts) c.utf8_chunks = c.utf8_chunks && (cut >= text.size() || (static_cast<unsigned char>(text[cut]) >> 6) != 2);
   size_t prev = 0;
   for (size_t cut : cuts) {
     c.add(parser.push(std::string_view(text).substr(prev, cut - prev)));
@@ -209,9 +227,11 @@ TEST(OutputParser, StreamingEqualsCompleteForEverySplit) {
       expect_same(whole, stream(text, every, in_reasoning), text);
       ++splits;
       for (int s = 0; s < 6; ++s) {
+        // Half of the chunkings cut only between characters, as the streaming detokenizer does.
+        bool whole_chars = s % 2 == 0;
         std::vector<size_t> cuts;
         for (size_t i = 1; i < text.size(); ++i)
-          if (rng() % 4 == 0) cuts.push_back(i);
+          if (rng() % 4 == 0 && (!whole_chars || (static_cast<unsigned char>(text[i]) >> 6) != 2)) cuts.push_back(i);
         expect_same(whole, stream(text, cuts, in_reasoning), text);
         ++splits;
       }
