@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The benchmark run on the GPU machine, in one device call (BENCHMARK.md, docs/PERFORMANCE.md).
 #
-#   tools/device_bench.sh prepare   # here: CUDA build, then binaries + the shared libraries the
-#                                   # device image lacks + COMMIT into out/device/ (git-ignored)
-#   tools/device_bench.sh run       # there (carry: out/device): synth -> GPU tests -> tansy bench
-#                                   # (all contexts, 2 rounds, per-stage breakdown) -> HF peer arm
+#   tools/device_bench.sh prepare   # here: CUDA build, then stripped binaries + the shared
+#                                   # libraries the device image lacks + COMMIT, packed into
+#                                   # out/device.tar.xz (git-ignored; xz keeps ICU's 31 MB data
+#                                   # library and the binaries inside the 64 MiB carry limit)
+#   tools/device_bench.sh run       # there (carry: out/device.tar.xz): synth -> GPU tests ->
+#                                   # tansy bench (all contexts, 2 rounds, per-stage breakdown)
+#                                   # -> HF peer arm
 #
 # `run` writes at most 7 files to $OUT: env.txt synth.log gpu_tests.log bench.log bench.json
 # peer.log peer.json. It keeps to a total deadline (DEADLINE_S, default 540 s) and gives each
@@ -34,16 +37,20 @@ prepare() {
       esac
     done
   done
+  strip --strip-unneeded "$DEV"/tansy*
   local commit
   commit=$(git rev-parse HEAD)
   git diff --quiet HEAD -- src tests CMakeLists.txt || commit="$commit-dirty"
   echo "$commit" >"$DEV/COMMIT"
-  du -sh "$DEV"
-  echo "prepared $DEV (commit $commit): $(ls "$DEV" "$DEV/lib" | tr '\n' ' ')"
+  tar -cJf out/device.tar.xz -C "$DEV" .
+  du -sh "$DEV" out/device.tar.xz
+  echo "prepared out/device.tar.xz (commit $commit): $(ls "$DEV" "$DEV/lib" | tr '\n' ' ')"
 }
 
 run() {
   : "${OUT:?OUT must name the output folder}"
+  if [ -f out/device.tar.xz ]; then rm -rf "$DEV" && mkdir -p "$DEV" && tar -xJf out/device.tar.xz -C "$DEV" || return 1; fi
+  [ -x "$DEV/tansy" ] || { echo "device_bench: $DEV/tansy missing (run 'prepare' here and carry out/device.tar.xz)"; return 1; }
   local start now left
   start=$(date +%s)
   local deadline=${DEADLINE_S:-540}
