@@ -221,7 +221,11 @@ class CudaModel final : public Model {
   const ModelConfig& config() const override { return cfg_; }
   std::string backend_name() const override { return "cuda"; }
 
-  std::unique_ptr<SequenceState> new_state(int max_tokens) override {
+  std::unique_ptr<SequenceState> new_state(int max_tokens) override { return make_state(max_tokens, true); }
+
+  // The decode graph is captured with the state (it bakes in the state's buffers), so that the
+  // first generated token does not pay for capture and instantiation.
+  std::unique_ptr<CudaState> make_state(int max_tokens, bool with_graph) {
     if (max_tokens <= 0) fail("new_state: max_tokens must be positive");
     auto s = std::make_unique<CudaState>();
     s->max_tokens = max_tokens;
@@ -240,13 +244,14 @@ class CudaModel final : public Model {
         CUDA_CHECK(cudaMemset(L.S.get(), 0, L.S.bytes()));
       }
     }
+    if (with_graph) capture_decode_graph(*s);
     return s;
   }
 
   std::unique_ptr<SequenceState> clone_state(const SequenceState& src) override {
     const auto& a = dynamic_cast<const CudaState&>(src);
     CUDA_CHECK(cudaStreamSynchronize(stream_));
-    auto s = std::unique_ptr<CudaState>(static_cast<CudaState*>(new_state(a.max_tokens).release()));
+    auto s = make_state(a.max_tokens, true);
     s->n = a.n;
     CUDA_CHECK(cudaMemcpyAsync(s->pos.get(), a.pos.get(), sizeof(int), cudaMemcpyDeviceToDevice, stream_));
     for (size_t i = 0; i < a.layers.size(); ++i) {
@@ -312,7 +317,6 @@ class CudaModel final : public Model {
       // The state holds exactly the tokens fed: a token is fed only after on_token accepted it.
       if (!on_token(tok) || i + 1 == n) return;
       if (st.n + 1 > st.max_tokens) fail("generate: the state's capacity {} is exhausted", st.max_tokens);
-      if (!st.decode_graph) capture_decode_graph(st);
       CUDA_CHECK(cudaGraphLaunch(st.decode_graph, stream_));
       st.n += 1;
       tok = fetch_token();
@@ -448,9 +452,9 @@ class CudaModel final : public Model {
   // One eager decode step on a throwaway state: loads every decode kernel and sets its
   // attributes outside of any graph capture (lazy module loading must not happen mid-capture).
   void warm_up() {
-    auto st = new_state(1);
+    auto st = make_state(1, false);
     CUDA_CHECK(cudaMemsetAsync(d_tok_.get(), 0, sizeof(int), stream_));
-    run_layers(static_cast<CudaState&>(*st), d_tok_.get(), 1, /*tc=*/false);
+    run_layers(*st, d_tok_.get(), 1, /*tc=*/false);
     lm_head(0, 1);
     argmax(d_logits_.get(), cfg_.vocab_size, d_argmax_.get(), d_tok_.get(), nullptr, nullptr, stream_);
     CUDA_CHECK(cudaStreamSynchronize(stream_));
