@@ -14,18 +14,13 @@ namespace {
 
 using tansy::text::Json;
 
-Json parse_body(const std::string& text) {
-  Json body = Json::parse(text, nullptr, false);
-  if (body.is_discarded()) tansy::fail("request body is not valid JSON");
-  return body;
-}
 
 int run_jsonl() {
   std::string line;
   while (std::getline(std::cin, line)) {
     Json result = Json::object();
     try {
-      result["prompt"] = tansy::text::render_request(parse_body(line));
+      result["prompt"] = tansy::text::render_request(tansy::text::parse_json_exact(line, "request body"));
     } catch (const tansy::Error& e) {
       result["error"] = e.what();
     }
@@ -40,7 +35,7 @@ int run(const std::vector<std::string>& args) {
   if (!check.identical) tansy::fail("{}", check.description);
   if (flags.has("jsonl")) return run_jsonl();
   std::string input((std::istreambuf_iterator<char>(std::cin)), std::istreambuf_iterator<char>());
-  std::string prompt = tansy::text::render_request(parse_body(input));
+  std::string prompt = tansy::text::render_request(tansy::text::parse_json_exact(input, "request body"));
   std::fwrite(prompt.data(), 1, prompt.size(), stdout);
   return 0;
 }

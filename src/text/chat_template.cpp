@@ -682,9 +682,9 @@ void parse_string_arguments(Json& messages) {
       Json& target = call.contains("function") ? call["function"] : call;
       if (!target.is_object() || !target.contains("arguments") || !target["arguments"].is_string()) continue;
       const std::string text = target["arguments"].get<std::string>();
-      Json parsed = python_strip(text).empty() ? Json::object() : Json::parse(text, nullptr, false);
-      if (parsed.is_discarded())
-        fail("messages[{}].tool_calls[{}]: function.arguments is a string that is not valid JSON", i, j);
+      Json parsed = python_strip(text).empty()
+                        ? Json::object()
+                        : parse_json_exact(text, fmt::format("messages[{}].tool_calls[{}]: function.arguments", i, j));
       if (!parsed.is_object())
         fail("messages[{}].tool_calls[{}]: function.arguments must encode a JSON object, got {}", i, j,
              parsed.type_name());
@@ -702,6 +702,27 @@ std::string read_file(const std::filesystem::path& p) {
 }
 
 }  // namespace
+
+Json parse_json_exact(std::string_view text, std::string_view what) {
+  // The DOM builder nlohmann itself uses, intercepting the one lossy conversion.
+  struct Sax : nlohmann::detail::json_sax_dom_parser<Json> {
+    using json_sax_dom_parser::json_sax_dom_parser;
+    std::string too_big;
+    bool number_float(double v, const std::string& literal) {
+      if (literal.find_first_of(".eE") == std::string::npos) {
+        too_big = literal;
+        return false;
+      }
+      return json_sax_dom_parser::number_float(v, literal);
+    }
+  };
+  Json result;
+  Sax sax(result, false);
+  bool ok = Json::sax_parse(text, &sax);
+  if (!sax.too_big.empty()) fail("{}: integer {} does not fit in 64 bits", what, sax.too_big);
+  if (!ok) fail("{} is not valid JSON", what);
+  return result;
+}
 
 RenderRequest parse_render_request(const Json& body) {
   if (!body.is_object()) fail("request body must be a JSON object");

@@ -47,6 +47,12 @@ struct RenderRequest {
 // error.
 RenderRequest parse_render_request(const Json& body);
 
+// Parses a request body (or a wire-format arguments string) into ordered JSON. Python keeps
+// integers of any size exactly while nlohmann would silently round those beyond 64 bits to
+// floats (changing the prompt), so such integers are an error here. `what` names the text in
+// error messages.
+Json parse_json_exact(std::string_view text, std::string_view what);
+
 // Convenience: parse_render_request + render_chat.
 std::string render_request(const Json& body);
 

@@ -64,14 +64,30 @@ def parse_arguments(messages):
                     parsed = json.loads(text)
                 except ValueError:
                     raise ServerSideError("arguments not JSON")
+                check_integers(parsed)
                 if not isinstance(parsed, dict):
                     raise ServerSideError("arguments not an object")
                 target["arguments"] = parsed
 
 
+def check_integers(value):
+    """tansy refuses integers beyond 64 bits rather than rounding them (Python keeps them exact)."""
+    if isinstance(value, bool):
+        return
+    if isinstance(value, int) and not -(2**63) <= value < 2**64:
+        raise ServerSideError("integer out of range")
+    if isinstance(value, dict):
+        for v in value.values():
+            check_integers(v)
+    if isinstance(value, list):
+        for v in value:
+            check_integers(v)
+
+
 def reference(body):
     """('ok', prompt) | ('error', message) | ('server', None)."""
     try:
+        check_integers(body)
         body = json.loads(json.dumps(body))  # a private copy
         messages = body["messages"]
         parse_arguments(messages)
@@ -150,7 +166,7 @@ def rand_value(rng, depth=0):
     if depth > 2 or r < 0.55:
         kind = rng.randrange(6)
         if kind == 0:
-            return rng.choice([0, 1, -7, 42, 2**53 + 1, -(2**63), 2**63 - 1, 2**64 - 1])
+            return rng.choice([0, 1, -7, 42, 2**53 + 1, -(2**63), 2**63 - 1, 2**64 - 1] + [2**64, -(2**63) - 1] * (rng.random() < 0.05))
         if kind == 1:
             return rng.choice(FLOATS + [rng.uniform(-1e3, 1e3), rng.random() * 10 ** rng.randint(-12, 25)])
         if kind == 2:

@@ -216,3 +216,14 @@ TEST(ChatTemplate, CheckpointTemplateCheck) {
   EXPECT_TRUE(check.found);
   EXPECT_FALSE(check.identical);
 }
+
+TEST(ChatTemplate, ExactJsonParsing) {
+  using tansy::text::parse_json_exact;
+  Json v = parse_json_exact(R"({"z": 18446744073709551615, "a": -9223372036854775808, "f": 1e5})", "t");
+  EXPECT_EQ(tansy::text::python_json_dumps(v), R"({"z": 18446744073709551615, "a": -9223372036854775808, "f": 100000.0})");
+  // Python would keep these exact; rounding them to floats would change the prompt.
+  EXPECT_THROW(parse_json_exact(R"({"a": 18446744073709551616})", "t"), tansy::Error);
+  EXPECT_THROW(parse_json_exact(R"([-9223372036854775809])", "t"), tansy::Error);
+  EXPECT_THROW(parse_json_exact(R"({"a": )", "t"), tansy::Error);
+  EXPECT_THROW(parse_json_exact(R"({} x)", "t"), tansy::Error);
+}
