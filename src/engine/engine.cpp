@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -79,8 +80,13 @@ Engine::Engine(std::unique_ptr<Model> model, Tokenizer tokenizer, const EngineOp
 }
 
 Engine::CacheStats Engine::cache_stats() const {
-  std::lock_guard lk(mu_);
-  return {cache_.hits(), cache_.misses(), cached_tokens_total_, cache_.size(), cache_.capacity()};
+  return {hits_.load(), misses_.load(), cached_tokens_total_.load(), entries_.load(), cache_.capacity()};
+}
+
+void Engine::publish_cache_stats() {
+  hits_ = cache_.hits();
+  misses_ = cache_.misses();
+  entries_ = cache_.size();
 }
 
 GenResult Engine::generate(const GenRequest& req, const std::function<bool(const GenStep&)>& on_step) {
@@ -110,8 +116,15 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
   if (!state) state = model_->new_state(opt_.max_seq);
   res.cached_tokens = hit.n_tokens;
   cached_tokens_total_ += uint64_t(hit.n_tokens);
+  publish_cache_stats();
 
   std::vector<float> logits(static_cast<size_t>(vocab));
+  // Embedding rows past the tokenizer's last id are padding: never sample or report them.
+  const size_t n_real = size_t(std::min(vocab, tok_.vocab_size()));
+  auto forward = [&](std::span<const int32_t> ids) {
+    model_->forward(*state, ids, logits, false);
+    std::fill(logits.begin() + std::ptrdiff_t(n_real), logits.end(), -std::numeric_limits<float>::infinity());
+  };
   std::vector<int32_t> fed(req.prompt.begin(), req.prompt.begin() + hit.n_tokens);
   for (int pos = hit.n_tokens; pos < n_prompt;) {
     if (auto f = stop_now()) {
@@ -120,10 +133,13 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
     }
     int end = std::min(n_prompt, pos + opt_.prefill_chunk);
     if (req.cache_cut > size_t(pos) && req.cache_cut < size_t(end)) end = int(req.cache_cut);
-    model_->forward(*state, std::span<const int32_t>(req.prompt.data() + pos, size_t(end - pos)), logits, false);
+    forward(std::span<const int32_t>(req.prompt.data() + pos, size_t(end - pos)));
     fed.insert(fed.end(), req.prompt.begin() + pos, req.prompt.begin() + end);
     pos = end;
-    if (size_t(pos) == req.cache_cut && pos < n_prompt) cache_.insert(fed, model_->clone_state(*state));
+    if (size_t(pos) == req.cache_cut && pos < n_prompt) {
+      cache_.insert(fed, model_->clone_state(*state));
+      publish_cache_stats();
+    }
   }
 
   Sampler sampler(req.sampling, req.prompt);
@@ -178,7 +194,7 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
       res.finish = *f;
       break;
     }
-    model_->forward(*state, std::span<const int32_t>(&tok, 1), logits, false);
+    forward(std::span<const int32_t>(&tok, 1));
     fed.push_back(tok);
   }
   if (res.finish == Finish::kLength || (res.finish == Finish::kStop && res.stop_token)) {
@@ -193,6 +209,7 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
     if (!last.text.empty()) on_step(last);
   }
   cache_.insert(std::move(fed), std::move(state));
+  publish_cache_stats();
   return res;
 }
 

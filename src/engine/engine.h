@@ -2,6 +2,7 @@
 // model, the tokenizer and the prefix cache; serves one request at a time (the Scheduler decides
 // whose turn it is).
 #pragma once
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
@@ -97,8 +98,11 @@ class Engine {
   EngineOptions opt_;
   std::vector<int32_t> eos_;
   PrefixCache cache_;
-  mutable std::mutex mu_;  // generate() is not reentrant; also guards the stats
-  uint64_t cached_tokens_total_ = 0;
+  void publish_cache_stats();
+  std::mutex mu_;  // generate() is not reentrant
+  // Copies of the cache's counters, readable (by /metrics) while a request runs.
+  std::atomic<uint64_t> hits_{0}, misses_{0}, cached_tokens_total_{0};
+  std::atomic<size_t> entries_{0};
 };
 
 }  // namespace tansy

@@ -254,6 +254,9 @@ struct Server::Impl {
     j.gen.prompt = j.api.prompt_text ? engine.tokenizer().encode(*j.api.prompt_text, true) : j.api.prompt_ids;
     fit_context(j, j.api.max_tokens, "prompt");
     fill_sampling(j);
+    // A repeated or extended prompt resumes after all but its last token (which must be fed
+    // again for its logits).
+    j.gen.cache_cut = j.gen.prompt.size() - 1;
     j.id = random_id("cmpl-");
     j.created = unix_now();
     return j;

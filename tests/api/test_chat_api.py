@@ -292,7 +292,8 @@ def test_concurrent_clients_match_running_alone(server):
     with cf.ThreadPoolExecutor(len(all_jobs)) as ex:
         together = list(ex.map(run, all_jobs))
     assert together == alone
-    assert len(set(alone)) == len(alone)
+    # The random continuations differ from each other (the chat ones may all follow a script).
+    assert len(set(alone[:len(jobs)])) == len(jobs)
 
 
 def test_cancellation_stops_generation(server):
