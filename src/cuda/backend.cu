@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/bf16.h"
@@ -468,6 +469,8 @@ class CudaModel final : public Model {
 
   void capture_decode_graph(CudaState& st) {
     cudaGraph_t g = nullptr;
+    // Tracing synchronises the stream, which a capture forbids; graphs are never traced.
+    TraceFn saved = std::exchange(trace_, nullptr);
     CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed));
     try {
       run_layers(st, d_tok_.get(), 1, /*tc=*/false);
@@ -476,8 +479,10 @@ class CudaModel final : public Model {
     } catch (...) {
       cudaStreamEndCapture(stream_, &g);
       if (g) cudaGraphDestroy(g);
+      trace_ = std::move(saved);
       throw;
     }
+    trace_ = std::move(saved);
     CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
     cudaError_t e = cudaGraphInstantiate(&st.decode_graph, g, 0);
     cudaGraphDestroy(g);
