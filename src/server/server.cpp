@@ -568,7 +568,16 @@ struct Server::Impl {
             {"object", "model"},
             {"created", started},
             {"owned_by", "tansy"},
-            {"max_model_len", engine.options().max_seq}};
+            {"max_model_len", engine.options().max_seq},
+            {"sampling_defaults", sampling_defaults()}};
+  }
+
+  Json sampling_defaults() const {
+    const SamplingParams& d = opt.defaults;
+    return {{"temperature", d.temperature},           {"top_p", d.top_p},
+            {"top_k", d.top_k},                       {"min_p", d.min_p},
+            {"presence_penalty", d.presence_penalty}, {"frequency_penalty", d.frequency_penalty},
+            {"repetition_penalty", d.repetition_penalty}};
   }
 
   void setup() {

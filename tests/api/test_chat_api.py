@@ -59,6 +59,9 @@ def test_models_and_health(server, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_ID]
     assert models.data[0].model_extra["max_model_len"] == MAX_SEQ
+    # the tiny model's generation_config.json sets these; the rest are OpenAI's defaults
+    d = models.data[0].model_extra["sampling_defaults"]
+    assert (d["temperature"], d["top_p"], d["top_k"], d["min_p"]) == (0.9, 0.95, 50, 0.0)
     assert client.models.retrieve(MODEL_ID).id == MODEL_ID
     h = requests.get(server.url + "/health").json()
     assert h["status"] == "ok"
