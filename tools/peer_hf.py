@@ -261,7 +261,7 @@ def main() -> int:
             wp, wd, wids = measure_once(model, prompt, a.device)  # warm-up, same shape
             p, d, ids = measure_once(model, prompt, a.device)
             run = {"prefill_tps": c / p, "decode_tps": DECODE_STEPS / d, "digest": f"{fnv1a64_ids(ids[1:]):016x}",
-                   "warmup_digest": f"{fnv1a64_ids(wids[1:]):016x}", "first_token": ids[0],
+                   "warmup_digest": f"{fnv1a64_ids(wids[1:]):016x}", "first_token": ids[0], "ids": ids,
                    "warmup_prefill_tps": c / wp, "warmup_decode_tps": DECODE_STEPS / wd}
             runs[c].append(run)
             print(f"peer_hf: round {r + 1}/{a.rounds} context {c}: prefill {run['prefill_tps']:.1f} tok/s, "
@@ -279,6 +279,7 @@ def main() -> int:
                         "prefill_tps": statistics.median(x["prefill_tps"] for x in rs),
                         "decode_tps": statistics.median(x["decode_tps"] for x in rs),
                         "digest": digests[0], "digests_agree": agree, "rounds_measured": len(rs),
+                        "first_token": rs[0]["first_token"], "ids": rs[0]["ids"],
                         "prefill_tps_rounds": [x["prefill_tps"] for x in rs],
                         "decode_tps_rounds": [x["decode_tps"] for x in rs], "digest_rounds": digests})
     report = {

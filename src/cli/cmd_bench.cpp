@@ -127,6 +127,7 @@ json child_context(const std::string& dir, const std::string& backend, int ctx) 
               {"warmup_prefill_tps", ctx / warm.prefill_s},
               {"warmup_decode_tps", kDecodeSteps / warm.decode_s},
               {"first_token", r.ids[0]},
+              {"ids", r.ids},
               {"backend", model->backend_name()}};
 }
 
@@ -430,6 +431,9 @@ int run_bench(const std::vector<std::string>& args) {
       row["prefill_tps"] = median(pre);
       row["decode_tps"] = median(dec);
       row["digest"] = digests[0];
+      row["first_token"] = runs[i][0]["first_token"];
+      row["ids"] = runs[i][0]["ids"];  // all 65 generated ids of round 1, for cross-engine comparison
+      row["load_s"] = runs[i][0]["load_s"];
       row["digests_agree"] = agree;
       row["prefill_tps_rounds"] = pre;
       row["decode_tps_rounds"] = dec;
