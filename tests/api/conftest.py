@@ -30,13 +30,15 @@ def free_port():
 
 class ServerProcess:
     def __init__(self, model_dir, log_path, *extra):
+        """model_dir None: the server's default model, found from the repository as cwd."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.log = open(log_path, "w")
-        cmd = [TANSY, "serve", "--model", model_dir, "--port", str(self.port), "--served-model-name", MODEL_ID,
-               "--max-seq", str(MAX_SEQ), "--threads", "1", *extra]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        cmd = [TANSY, "serve", "--port", str(self.port), "--threads", "1"]
+        if model_dir:
+            cmd += ["--model", model_dir, "--served-model-name", MODEL_ID, "--max-seq", str(MAX_SEQ)]
+        self.proc = subprocess.Popen(cmd + list(extra), stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
         deadline = time.time() + 120
         while time.time() < deadline:
             if self.proc.poll() is not None:
