@@ -52,7 +52,7 @@ LoadedEngine load_engine(const Flags& flags) {
   EngineOptions eo;
   const int max_pos = model->config().max_position;
   eo.max_seq = int(flags.get_int("max-seq", std::min(max_pos, 32768), 2, max_pos));
-  eo.prefix_cache_entries = size_t(flags.get_int("prefix-cache", 2, 0, 64));
+  eo.prefix_cache_entries = size_t(flags.get_int("prefix-cache", long(eo.prefix_cache_entries), 0, 64));
   le.engine = std::make_unique<Engine>(std::move(model), std::move(tok), eo);
   return le;
 }

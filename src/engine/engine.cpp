@@ -208,7 +208,10 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
     }
     if (!last.text.empty()) on_step(last);
   }
-  cache_.insert(std::move(fed), std::move(state));
+  // The end state is stored cold: measured on multi-turn chat (tools/measure_prefix_cache.py,
+  // docs/API.md), the next turn resumes from the cut inside the prompt, because the template
+  // re-renders the answer; an end state kept hot would evict the cuts of other conversations.
+  cache_.insert(std::move(fed), std::move(state), /*cold=*/req.cache_cut > 0);
   publish_cache_stats();
   return res;
 }

@@ -22,7 +22,7 @@ namespace tansy {
 
 struct EngineOptions {
   int max_seq = 32768;           // tokens per sequence (prompt + generated)
-  size_t prefix_cache_entries = 2;
+  size_t prefix_cache_entries = 4;
   int prefill_chunk = 256;       // cancellation is checked between chunks of this many prompt tokens
 };
 

@@ -21,10 +21,16 @@ PrefixCache::Hit PrefixCache::lookup(Model& model, std::span<const int32_t> toke
   return {model.clone_state(*best->state), int(best->tokens.size())};
 }
 
-void PrefixCache::insert(std::vector<int32_t> tokens, std::unique_ptr<SequenceState> state) {
+void PrefixCache::insert(std::vector<int32_t> tokens, std::unique_ptr<SequenceState> state, bool cold) {
   if (capacity_ == 0 || tokens.empty()) return;
-  entries_.remove_if([&](const Entry& e) { return e.tokens == tokens; });
-  entries_.push_front({std::move(tokens), std::move(state)});
+  // A hot entry supersedes the entries it extends: the conversation they belonged to has moved on,
+  // and keeping them would evict other conversations' states.
+  entries_.remove_if([&](const Entry& e) {
+    return e.tokens.size() <= tokens.size() && (!cold || e.tokens.size() == tokens.size()) &&
+           std::equal(e.tokens.begin(), e.tokens.end(), tokens.begin());
+  });
+  if (cold) entries_.push_back({std::move(tokens), std::move(state)});
+  else entries_.push_front({std::move(tokens), std::move(state)});
   while (entries_.size() > capacity_) entries_.pop_back();
 }
 

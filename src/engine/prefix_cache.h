@@ -23,8 +23,10 @@ class PrefixCache {
   };
   // The longest stored prefix of `tokens` no longer than max_len tokens; state is null on a miss.
   Hit lookup(Model& model, std::span<const int32_t> tokens, size_t max_len);
-  // Stores `state`, which holds exactly `tokens`. Replaces an entry with the same key.
-  void insert(std::vector<int32_t> tokens, std::unique_ptr<SequenceState> state);
+  // Stores `state`, which holds exactly `tokens`, as the most recently used entry (or, when
+  // `cold`, as the least recently used one: kept only while there is room). Replaces an entry
+  // with the same key; a hot entry also replaces the entries whose tokens it extends.
+  void insert(std::vector<int32_t> tokens, std::unique_ptr<SequenceState> state, bool cold = false);
 
   size_t capacity() const { return capacity_; }
   size_t size() const { return entries_.size(); }

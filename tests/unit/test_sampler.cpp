@@ -176,8 +176,8 @@ std::unique_ptr<SequenceState> state_of(std::vector<int32_t> t) {
 TEST(PrefixCache, LongestPrefixWithinLimitAndLru) {
   ListModel m;
   PrefixCache c(2);
-  c.insert({1, 2}, state_of({1, 2}));
   c.insert({1, 2, 3, 4}, state_of({1, 2, 3, 4}));
+  c.insert({1, 2}, state_of({1, 2}));  // shorter, so it does not replace the longer one
   std::vector<int32_t> q = {1, 2, 3, 4, 5};
   auto h = c.lookup(m, q, q.size() - 1);
   ASSERT_TRUE(h.state);
@@ -201,6 +201,33 @@ TEST(PrefixCache, LongestPrefixWithinLimitAndLru) {
   auto h2 = c.lookup(m, q, 4);
   static_cast<ListState&>(*h2.state).toks.push_back(99);
   EXPECT_EQ(static_cast<ListState&>(*c.lookup(m, q, 4).state).toks, (std::vector<int32_t>{1, 2}));
+}
+
+TEST(PrefixCache, ColdEntriesAreEvictedFirst) {
+  ListModel m;
+  PrefixCache c(2);
+  c.insert({1}, state_of({1}));
+  c.insert({1, 2, 3}, state_of({1, 2, 3}), /*cold=*/true);  // room left: kept
+  std::vector<int32_t> q = {1, 2, 3, 4};
+  EXPECT_EQ(c.lookup(m, q, 3).n_tokens, 3);  // a hit makes it hot
+  c.insert({5}, state_of({5}));               // evicts {1}, the least recently used
+  c.insert({5, 6, 7}, state_of({5, 6, 7}), /*cold=*/true);  // full: the cold entry itself goes
+  EXPECT_EQ(c.size(), 2u);
+  std::vector<int32_t> q2 = {5, 6, 7, 8};
+  EXPECT_EQ(c.lookup(m, q2, 3).n_tokens, 1);
+  EXPECT_EQ(c.lookup(m, q, 3).n_tokens, 3);
+}
+
+TEST(PrefixCache, AHotEntryReplacesThePrefixesItExtends) {
+  ListModel m;
+  PrefixCache c(4);
+  c.insert({1, 2}, state_of({1, 2}));
+  c.insert({1, 2, 3, 4}, state_of({1, 2, 3, 4}), /*cold=*/true);  // cold: the hot prefix stays
+  EXPECT_EQ(c.size(), 2u);
+  c.insert({1, 2, 3}, state_of({1, 2, 3}));  // hot: {1,2} goes, {1,2,3,4} is not its prefix
+  EXPECT_EQ(c.size(), 2u);
+  std::vector<int32_t> q = {1, 2, 9};
+  EXPECT_FALSE(c.lookup(m, q, 2).state);
 }
 
 TEST(PrefixCache, ZeroCapacityStoresNothing) {
