@@ -61,28 +61,30 @@ run() {
   export TANSY_COMMIT=$commit HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
   local cublas_dir
   cublas_dir=$(python3 -c 'import nvidia.cublas, os; print(os.path.join(os.path.dirname(nvidia.cublas.__file__), "lib"))' 2>/dev/null || true)
-  export LD_LIBRARY_PATH="$PWD/$DEV/lib:/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib${cublas_dir:+:$cublas_dir}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  # Only tansy's processes see the carried Debian libraries (python3 keeps the image's own).
+  local tld="$PWD/$DEV/lib:/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib${cublas_dir:+:$cublas_dir}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   local T="$DEV/tansy"
+  tenv() { env LD_LIBRARY_PATH="$tld" "$@"; }
 
   {
     echo "commit $commit"; date -u; uname -a; nproc; free -g; df -h /dev/shm
     nvidia-smi; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv
-    echo "== ldd"; ldd "$T"
+    echo "== ldd"; tenv ldd "$T"
   } >"$OUT/env.txt" 2>&1
-  if ldd "$T" | grep -q "not found"; then
-    echo "device_bench: missing libraries for $T:"; ldd "$T" | grep "not found"; return 1
+  if tenv ldd "$T" | grep -q "not found"; then
+    echo "device_bench: missing libraries for $T:"; tenv ldd "$T" | grep "not found"; return 1
   fi
 
   echo "== synth ($(remaining) s left)"
   rm -rf "$synth_dir"
-  timeout 120 "$T" synth --out "$synth_dir" --seed 1 >"$OUT/synth.log" 2>&1
+  timeout 120 env LD_LIBRARY_PATH="$tld" "$T" synth --out "$synth_dir" --seed 1 >"$OUT/synth.log" 2>&1
   local rc=$?; cat "$OUT/synth.log"
   [ $rc -eq 0 ] || { echo "device_bench: synth failed ($rc)"; return 1; }
 
   if [ -z "${SKIP_GPU_TESTS:-}" ] && [ -x "$DEV/tansy_gpu_tests" ]; then
     left=$(remaining); local cap=$(( left > 480 ? 90 : 45 ))
     echo "== GPU tests (cap $cap s, $left s left)"
-    TANSY_SYNTH_DIR="$synth_dir" timeout "$cap" "$DEV/tansy_gpu_tests" >"$OUT/gpu_tests.log" 2>&1
+    TANSY_SYNTH_DIR="$synth_dir" timeout "$cap" env LD_LIBRARY_PATH="$tld" "$DEV/tansy_gpu_tests" >"$OUT/gpu_tests.log" 2>&1
     echo "gpu tests exit $?"; grep -E "^\[  (PASSED|FAILED) |tests? ran|FAILED  \]" "$OUT/gpu_tests.log" | tail -15
   fi
 
@@ -95,7 +97,7 @@ run() {
     echo "== tansy bench (cap $bench_cap s)"
     local ctx_flag=()
     [ -n "${BENCH_CONTEXTS:-}" ] && ctx_flag=(--contexts "$BENCH_CONTEXTS")
-    timeout "$bench_cap" "$T" bench --model "$synth_dir" "${ctx_flag[@]}" --rounds "${BENCH_ROUNDS:-2}" \
+    timeout "$bench_cap" env LD_LIBRARY_PATH="$tld" "$T" bench --model "$synth_dir" "${ctx_flag[@]}" --rounds "${BENCH_ROUNDS:-2}" \
       --json "$OUT/bench.json" --commit "$commit" --stages --child-timeout 150 >"$OUT/bench.log" 2>&1
     echo "bench exit $?"
   fi
