@@ -13,7 +13,7 @@ import httpx
 import pytest
 import requests
 
-from conftest import MAX_SEQ, MODEL_ID
+from api_support import MAX_SEQ, MODEL_ID
 
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 WEATHER_TOOL = {

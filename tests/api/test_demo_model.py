@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from conftest import REPO, ServerProcess
+from api_support import REPO, ServerProcess
 
 DEMO = os.path.join(REPO, "models", "tansy-demo")
 pytestmark = pytest.mark.skipif(not os.path.isdir(DEMO), reason="models/tansy-demo is not in this checkout")

@@ -10,7 +10,7 @@ import openai
 import pytest
 import requests
 
-from conftest import MAX_SEQ, MODEL_ID
+from api_support import MAX_SEQ, MODEL_ID
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
