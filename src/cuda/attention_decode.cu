@@ -3,11 +3,22 @@
 
 #include "cuda/attention_decode.cuh"
 
+#include "cuda/pdl.cuh"
+
 namespace tansy::cuda {
 namespace {
 
 constexpr int kWarps = 8;
 constexpr int kKeysPerStep = 8;  // keys whose loads are in flight together
+// Splits shorter than this cost more in the merge than they save; short contexts use fewer.
+constexpr int kMinKeysPerSplit = 16;
+
+// Keys per split for a context of `len` keys and at most `splits` splits; the splits in use are
+// ceil(len / keys), none of them empty. Both kernels derive the same numbers from the position.
+__device__ __forceinline__ int split_keys(int len, int splits) {
+  const int used = min(splits, (len + kMinKeysPerSplit - 1) / kMinKeysPerSplit);
+  return (len + used - 1) / used;
+}
 constexpr double kTwoPi = 6.283185307179586476925286766559;
 
 // Block per (head, token); head < n_heads is a query head, else a kv head. blockDim = 256.
@@ -17,6 +28,8 @@ __global__ void __launch_bounds__(kHeadDim) qk_norm_rope_kernel(QkvLayout L, con
                                                                 double theta, bf16* k_cache, bf16* v_cache) {
   __shared__ float xs[kHeadDim];
   __shared__ float red[kHeadDim / 32];
+  pdl_wait();
+  pdl_launch_dependents();
   const int head = blockIdx.x, t = blockIdx.y, d = threadIdx.x;
   const int p = *pos + t;
   const bool is_q = head < L.n_heads;
@@ -72,9 +85,12 @@ __global__ void __launch_bounds__(kWarps * 32) attn_split_kernel(QkvLayout L, co
   const int kvh = blockIdx.x, s = blockIdx.y, t = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = L.n_heads / L.n_kv;
+  pdl_wait();
+  pdl_launch_dependents();
   const int len = *pos + t + 1;
-  const int chunk = (len + splits - 1) / splits;
-  const int b = min(len, s * chunk), e = min(len, b + chunk);
+  const int chunk = split_keys(len, splits);
+  if (s * chunk >= len) return;  // a split the merge does not read
+  const int b = s * chunk, e = min(len, b + chunk);
   const float scale = rsqrtf(float(kHeadDim));
   const int64_t kv_stride = int64_t(L.n_kv) * kHeadDim;
   const bf16* kbase = k_cache + int64_t(kvh) * kHeadDim + lane * 8;
@@ -85,10 +101,14 @@ __global__ void __launch_bounds__(kWarps * 32) attn_split_kernel(QkvLayout L, co
     bf16x8_to_f32(*reinterpret_cast<const uint4*>(L.base + int64_t(t) * L.ld + int64_t(h) * 2 * kHeadDim + lane * 8), q);
     float m = -FLT_MAX, l = 0.f, acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int j0 = b; j0 < e; j0 += kKeysPerStep) {
-      uint4 kr[kKeysPerStep];
+      // The step's keys and values are loaded together: one memory latency per step.
+      uint4 kr[kKeysPerStep], vr[kKeysPerStep];
 #pragma unroll
-      for (int u = 0; u < kKeysPerStep; ++u)
-        kr[u] = j0 + u < e ? *reinterpret_cast<const uint4*>(kbase + int64_t(j0 + u) * kv_stride) : make_uint4(0, 0, 0, 0);
+      for (int u = 0; u < kKeysPerStep; ++u) {
+        const bool in = j0 + u < e;
+        kr[u] = in ? *reinterpret_cast<const uint4*>(kbase + int64_t(j0 + u) * kv_stride) : make_uint4(0, 0, 0, 0);
+        vr[u] = in ? *reinterpret_cast<const uint4*>(vbase + int64_t(j0 + u) * kv_stride) : make_uint4(0, 0, 0, 0);
+      }
       float sc[kKeysPerStep];
 #pragma unroll
       for (int u = 0; u < kKeysPerStep; ++u) {
@@ -116,11 +136,10 @@ __global__ void __launch_bounds__(kWarps * 32) attn_split_kernel(QkvLayout L, co
       m = mx;
 #pragma unroll
       for (int u = 0; u < kKeysPerStep; ++u) {
-        if (j0 + u >= e) break;
-        const float pr = __expf(sc[u] - m);
+        const float pr = j0 + u < e ? __expf(sc[u] - m) : 0.f;
         l += pr;
         float vf[8];
-        bf16x8_to_f32(*reinterpret_cast<const uint4*>(vbase + int64_t(j0 + u) * kv_stride), vf);
+        bf16x8_to_f32(vr[u], vf);
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[i] = fmaf(pr, vf[i], acc[i]);
       }
@@ -129,21 +148,27 @@ __global__ void __launch_bounds__(kWarps * 32) attn_split_kernel(QkvLayout L, co
     *reinterpret_cast<float4*>(part + lane * 8) = make_float4(acc[0], acc[1], acc[2], acc[3]);
     *reinterpret_cast<float4*>(part + lane * 8 + 4) = make_float4(acc[4], acc[5], acc[6], acc[7]);
     if (lane == 0) {
-      part[kHeadDim] = b < e ? m : -FLT_MAX;
+      part[kHeadDim] = m;
       part[kHeadDim + 1] = l;
     }
   }
 }
 
 // Block per (head, token), thread per dim: merge the splits, normalise, gate.
-__global__ void __launch_bounds__(kHeadDim) attn_combine_kernel(QkvLayout L, int splits, const float* __restrict__ scratch,
+__global__ void __launch_bounds__(kHeadDim) attn_combine_kernel(QkvLayout L, const int* __restrict__ pos, int splits,
+                                                                const float* __restrict__ scratch,
                                                                 bf16* __restrict__ out, int64_t ldo) {
   const int h = blockIdx.x, t = blockIdx.y, d = threadIdx.x;
+  pdl_wait();
+  pdl_launch_dependents();
+  const int len = *pos + t + 1, chunk = split_keys(len, splits), used = (len + chunk - 1) / chunk;
   const float* part = scratch + (int64_t(t) * L.n_heads + h) * splits * kAttnPartStride;
   float M = -FLT_MAX;
-  for (int s = 0; s < splits; ++s) M = fmaxf(M, part[s * kAttnPartStride + kHeadDim]);
+#pragma unroll 8
+  for (int s = 0; s < used; ++s) M = fmaxf(M, part[s * kAttnPartStride + kHeadDim]);
   float l = 0.f, o = 0.f;
-  for (int s = 0; s < splits; ++s) {
+#pragma unroll 4
+  for (int s = 0; s < used; ++s) {
     const float* p = part + s * kAttnPartStride;
     if (p[kHeadDim + 1] == 0.f) continue;  // empty split
     const float f = __expf(p[kHeadDim] - M);
@@ -172,9 +197,8 @@ void qk_norm_rope(const QkvLayout& qkv, int n, const int* pos, const float* q_no
   TANSY_CHECK(rotary_dim >= 0 && rotary_dim <= kHeadDim && rotary_dim % 2 == 0, "qk_norm_rope: rotary_dim {} invalid",
               rotary_dim);
   TANSY_CHECK(theta > 0 && pos && q_norm && k_norm && k_cache && v_cache, "qk_norm_rope: bad arguments");
-  qk_norm_rope_kernel<<<dim3(qkv.n_heads + qkv.n_kv, n), kHeadDim, 0, stream>>>(qkv, pos, q_norm, k_norm, eps,
-                                                                                 rotary_dim, theta, k_cache, v_cache);
-  CUDA_LAUNCH_CHECK();
+  pdl_launch(qk_norm_rope_kernel, dim3(qkv.n_heads + qkv.n_kv, n), dim3(kHeadDim), 0, stream, qkv, pos, q_norm,
+             k_norm, eps, rotary_dim, theta, k_cache, v_cache);
 }
 
 void attention_decode(const QkvLayout& qkv, int n, const int* pos, const bf16* k_cache, const bf16* v_cache,
@@ -185,10 +209,9 @@ void attention_decode(const QkvLayout& qkv, int n, const int* pos, const bf16* k
   TANSY_CHECK(pos && k_cache && v_cache && scratch && out && ldo >= int64_t(qkv.n_heads) * kHeadDim,
               "attention_decode: bad arguments");
   TANSY_CHECK(aligned16(k_cache) && aligned16(v_cache) && aligned16(scratch), "attention_decode: misaligned buffers");
-  attn_split_kernel<<<dim3(qkv.n_kv, splits, n), kWarps * 32, 0, stream>>>(qkv, pos, k_cache, v_cache, splits, scratch);
-  CUDA_LAUNCH_CHECK();
-  attn_combine_kernel<<<dim3(qkv.n_heads, n), kHeadDim, 0, stream>>>(qkv, splits, scratch, out, ldo);
-  CUDA_LAUNCH_CHECK();
+  pdl_launch(attn_split_kernel, dim3(qkv.n_kv, splits, n), dim3(kWarps * 32), 0, stream, qkv, pos, k_cache, v_cache,
+             splits, scratch);
+  pdl_launch(attn_combine_kernel, dim3(qkv.n_heads, n), dim3(kHeadDim), 0, stream, qkv, pos, splits, scratch, out, ldo);
 }
 
 }  // namespace tansy::cuda

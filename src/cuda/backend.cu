@@ -42,7 +42,7 @@ namespace {
 
 constexpr int kChunk = 4096;       // tokens per forward chunk (bounds the scratch buffers)
 constexpr int kLogitRows = 32;     // lm_head rows computed per pass when all positions are wanted
-constexpr int kDecodeSplits = 64;  // key-range splits of decode attention (x2 kv heads = 128 blocks)
+constexpr int kDecodeSplits = 128;  // most key-range splits of decode attention (short contexts use fewer)
 constexpr int kPrefillSplitKeys = 2048;  // GEMV-path prefill: keys per split
 
 // ---- weight upload ----

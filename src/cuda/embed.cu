@@ -1,9 +1,13 @@
 #include "cuda/embed.cuh"
 
+#include "cuda/pdl.cuh"
+
 namespace tansy::cuda {
 namespace {
 
 __global__ void embed_kernel(DevLinear E, const int* __restrict__ ids, bf16* __restrict__ h) {
+  pdl_wait();
+  pdl_launch_dependents();
   const int t = blockIdx.x, id = ids[t];
   bf16* out = h + int64_t(t) * E.in;
   const bool ok = id >= 0 && id < E.out;
@@ -47,6 +51,8 @@ __device__ unsigned long long block_max(unsigned long long k) {
 }
 
 __global__ void argmax_partial(const float* __restrict__ logits, int n, unsigned long long* scratch) {
+  pdl_wait();
+  pdl_launch_dependents();
   unsigned long long best = 0;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
     const unsigned long long k = argmax_key(logits[i], i);
@@ -57,6 +63,8 @@ __global__ void argmax_partial(const float* __restrict__ logits, int n, unsigned
 }
 
 __global__ void argmax_final(const unsigned long long* scratch, int* dst, int* ring, int* counter) {
+  pdl_wait();
+  pdl_launch_dependents();
   unsigned long long best = threadIdx.x < kArgmaxBlocks ? scratch[threadIdx.x] : 0;
   for (int i = threadIdx.x + blockDim.x; i < kArgmaxBlocks; i += blockDim.x) best = scratch[i] > best ? scratch[i] : best;
   best = block_max(best);
@@ -67,7 +75,11 @@ __global__ void argmax_final(const unsigned long long* scratch, int* dst, int* r
   }
 }
 
-__global__ void advance_kernel(int* pos, int n) { *pos += n; }
+__global__ void advance_kernel(int* pos, int n) {
+  pdl_wait();
+  pdl_launch_dependents();
+  *pos += n;
+}
 
 }  // namespace
 
@@ -75,22 +87,18 @@ void embed(const DevLinear& E, const int* ids, int n, bf16* h, cudaStream_t stre
   TANSY_CHECK(E.fmt == WFormat::kBF16 || E.fmt == WFormat::kAffine4 || E.fmt == WFormat::kAffine8,
               "embed: format {} unsupported", wformat_name(E.fmt));
   TANSY_CHECK(E.in % kQuantGroup == 0 && n >= 1 && ids && h, "embed: bad arguments (in {}, n {})", E.in, n);
-  embed_kernel<<<n, 256, 0, stream>>>(E, ids, h);
-  CUDA_LAUNCH_CHECK();
+  pdl_launch(embed_kernel, dim3(n), dim3(256), 0, stream, E, ids, h);
 }
 
 void argmax(const float* logits, int n, unsigned long long* scratch, int* dst, int* ring, int* counter,
             cudaStream_t stream) {
   TANSY_CHECK(n >= 1 && logits && scratch && dst && (!ring || counter), "argmax: bad arguments");
-  argmax_partial<<<kArgmaxBlocks, 256, 0, stream>>>(logits, n, scratch);
-  CUDA_LAUNCH_CHECK();
-  argmax_final<<<1, 256, 0, stream>>>(scratch, dst, ring, counter);
-  CUDA_LAUNCH_CHECK();
+  pdl_launch(argmax_partial, dim3(kArgmaxBlocks), dim3(256), 0, stream, logits, n, scratch);
+  pdl_launch(argmax_final, dim3(1), dim3(256), 0, stream, scratch, dst, ring, counter);
 }
 
 void advance_pos(int* pos, int n, cudaStream_t stream) {
-  advance_kernel<<<1, 1, 0, stream>>>(pos, n);
-  CUDA_LAUNCH_CHECK();
+  pdl_launch(advance_kernel, dim3(1), dim3(1), 0, stream, pos, n);
 }
 
 }  // namespace tansy::cuda

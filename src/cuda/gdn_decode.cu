@@ -1,5 +1,7 @@
 #include "cuda/gdn_decode.cuh"
 
+#include "cuda/pdl.cuh"
+
 namespace tansy::cuda {
 namespace {
 
@@ -18,6 +20,8 @@ __device__ float sum128(float v, float* red) {  // blockDim == 128
 // the window held in registers. Block x == conv_dim/128: the gates of the same tokens.
 __global__ void __launch_bounds__(kGdnDim) gdn_conv_kernel(GdnConvArgs A, int update_window) {
   __shared__ float red[4];
+  pdl_wait();
+  pdl_launch_dependents();
   const int C = (2 * A.n_k_heads + A.n_v_heads) * kGdnDim;
   const int t0 = blockIdx.y * kConvTokensPerBlock, t1 = min(A.n, t0 + kConvTokensPerBlock);
   const int K = A.kernel;
@@ -102,6 +106,8 @@ constexpr int kColsPerBlock = 32;
 __global__ void __launch_bounds__(128) gdn_recurrent_kernel(GdnPrefillArgs A) {
   __shared__ float qs[kGdnDim], ks[kGdnDim];
   __shared__ float red_u[4][32], red_o[4][32];
+  pdl_wait();
+  pdl_launch_dependents();
   const int h = blockIdx.x, c0 = blockIdx.y * kColsPerBlock;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int hk = h / (A.n_v_heads / A.n_k_heads);
@@ -156,8 +162,7 @@ void gdn_conv(const GdnConvArgs& a, cudaStream_t stream) {
   const int C = (2 * a.n_k_heads + a.n_v_heads) * kGdnDim;
   const unsigned chunks = ceil_div(a.n, kConvTokensPerBlock);
   TANSY_CHECK(chunks <= 65535u, "gdn_conv: {} tokens exceed the grid limit", a.n);
-  gdn_conv_kernel<<<dim3(C / kGdnDim + 1, chunks), kGdnDim, 0, stream>>>(a, chunks == 1 ? 1 : 0);
-  CUDA_LAUNCH_CHECK();
+  pdl_launch(gdn_conv_kernel, dim3(C / kGdnDim + 1, chunks), dim3(kGdnDim), 0, stream, a, chunks == 1 ? 1 : 0);
   if (chunks > 1) {
     conv_window_kernel<<<ceil_div(C, 256), 256, 0, stream>>>(a);
     CUDA_LAUNCH_CHECK();
@@ -168,8 +173,7 @@ void gdn_recurrent(const GdnPrefillArgs& a, cudaStream_t stream) {
   TANSY_CHECK(a.n >= 1 && a.n_k_heads >= 1 && a.n_v_heads % a.n_k_heads == 0, "gdn_recurrent: n {} heads {}/{} invalid",
               a.n, a.n_k_heads, a.n_v_heads);
   TANSY_CHECK(a.q && a.k && a.v && a.beta && a.g && a.state && (a.o_f32 || a.o_bf16), "gdn_recurrent: missing buffers");
-  gdn_recurrent_kernel<<<dim3(a.n_v_heads, kGdnDim / kColsPerBlock), 128, 0, stream>>>(a);
-  CUDA_LAUNCH_CHECK();
+  pdl_launch(gdn_recurrent_kernel, dim3(a.n_v_heads, kGdnDim / kColsPerBlock), dim3(128), 0, stream, a);
 }
 
 }  // namespace tansy::cuda

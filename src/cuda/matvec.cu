@@ -5,6 +5,8 @@
 // turns the affine dequant into one multiply-add per chunk: Σ(s·q+b)x = s·Σqx + b·Σx.
 #include "cuda/matvec.cuh"
 
+#include "cuda/pdl.cuh"
+
 namespace tansy::cuda {
 
 DevLinear DevLinear::rows(int r0, int n) const {
@@ -38,7 +40,9 @@ namespace {
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
-static_assert(kMatvecRowsPerBlock % kWarps == 0);
+// Output rows a warp streams at once (registers: the SwiGLU modes read two rows per output row,
+// and the multi-token variant, a prefill path, keeps one row).
+constexpr int max_rows_per_warp(int T, int MODE) { return T > 1 ? 1 : MODE == 0 ? 4 : 2; }
 constexpr int kMaxTopK = 16;
 
 template <int BITS>
@@ -154,13 +158,19 @@ __device__ __forceinline__ float swiglu_bf16(float g, float u) {
 // MODE 0: plain, T token rows per block (blockIdx.y picks the T-row chunk).
 // MODE 1: SwiGLU over interleaved row pairs, T token rows per block.
 // MODE 2: SwiGLU over expert idx[slot] of a stacked matrix, one slot per blockIdx.y (T == 1).
+// Each warp owns `rpw` (1..max_rows_per_warp) output rows and streams them together, so that
+// rpw times as many loads are in flight as with one row at a time (decode is latency-bound on
+// small matrices); the launcher lowers rpw when that leaves too few blocks to fill the chip.
 template <int BITS, int T, int MODE>
 __global__ void __launch_bounds__(kThreads) matvec_kernel(DevLinear W, const bf16* __restrict__ X, int64_t ldx, int n,
                                                           void* Y, int64_t ldy, int y_f32, int out_rows,
-                                                          const int* __restrict__ idx, int k, int rows_per_expert) {
+                                                          const int* __restrict__ idx, int k, int rows_per_expert,
+                                                          int rpw) {
   extern __shared__ float4 smem4[];
   float* xs = reinterpret_cast<float*>(smem4);
   constexpr int S = Chunk<BITS>::kStride;
+  pdl_wait();
+  pdl_launch_dependents();
   const int cpr = W.in / Chunk<BITS>::kCols;
   int t0 = blockIdx.y * T;
   int64_t row_base = 0;
@@ -173,34 +183,51 @@ __global__ void __launch_bounds__(kThreads) matvec_kernel(DevLinear W, const bf1
   __syncthreads();
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int i = 0; i < kMatvecRowsPerBlock / kWarps; ++i) {
-    const int r = blockIdx.x * kMatvecRowsPerBlock + i * kWarps + warp;
-    if (r >= out_rows) break;
-    float acc[T], acc2[T];
+  constexpr int R = max_rows_per_warp(T, MODE);
+  int rows[R];
+  bool ok[R];
+  int64_t r1[R];
+  float acc[R][T], acc2[R][T];
 #pragma unroll
-    for (int t = 0; t < T; ++t) acc[t] = acc2[t] = 0.f;
-    const int64_t r1 = MODE == 0 ? r : row_base + 2 * int64_t(r);
+  for (int i = 0; i < R; ++i) {
+    rows[i] = (blockIdx.x * rpw + i) * kWarps + warp;
+    ok[i] = i < rpw && rows[i] < out_rows;
+    r1[i] = MODE == 0 ? int64_t(rows[i]) : row_base + 2 * int64_t(rows[i]);
+#pragma unroll
+    for (int t = 0; t < T; ++t) acc[i][t] = acc2[i][t] = 0.f;
+  }
 #pragma unroll 2
-    for (int c = lane; c < cpr; c += 32) {
-      const uint4 w1 = load_chunk<BITS>(W, r1, c);
-      uint4 w2;
-      if constexpr (MODE != 0) w2 = load_chunk<BITS>(W, r1 + 1, c);
+  for (int c = lane; c < cpr; c += 32) {
+    uint4 w1[R], w2[R];
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      if (!ok[i]) continue;
+      w1[i] = load_chunk<BITS>(W, r1[i], c);
+      if constexpr (MODE != 0) w2[i] = load_chunk<BITS>(W, r1[i] + 1, c);
+    }
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      if (!ok[i]) continue;
 #pragma unroll
       for (int t = 0; t < T; ++t) {
         const float* xc = xs + (t * cpr + c) * S;
-        acc[t] += chunk_dot<BITS>(W, r1, c, w1, xc);
-        if constexpr (MODE != 0) acc2[t] += chunk_dot<BITS>(W, r1 + 1, c, w2, xc);
+        acc[i][t] += chunk_dot<BITS>(W, r1[i], c, w1[i], xc);
+        if constexpr (MODE != 0) acc2[i][t] += chunk_dot<BITS>(W, r1[i] + 1, c, w2[i], xc);
       }
     }
+  }
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    if (i >= rpw) break;  // uniform across the warp: the shuffles below need every lane
 #pragma unroll
     for (int t = 0; t < T; ++t) {
-      const float a = group_sum<32>(acc[t]);
+      const float a = group_sum<32>(acc[i][t]);
       float y = a;
-      if constexpr (MODE != 0) y = swiglu_bf16(a, group_sum<32>(acc2[t]));
-      if (lane == t && t0 + t < n) {
+      if constexpr (MODE != 0) y = swiglu_bf16(a, group_sum<32>(acc2[i][t]));
+      if (ok[i] && lane == t && t0 + t < n) {
         const int64_t row = MODE == 2 ? int64_t(blockIdx.y) : int64_t(t0 + t);
-        if (y_f32) static_cast<float*>(Y)[row * ldy + r] = y;
-        else static_cast<bf16*>(Y)[row * ldy + r] = __float2bfloat16(y);
+        if (y_f32) static_cast<float*>(Y)[row * ldy + rows[i]] = y;
+        else static_cast<bf16*>(Y)[row * ldy + rows[i]] = __float2bfloat16(y);
       }
     }
   }
@@ -227,15 +254,29 @@ size_t stage_bytes(int in, int rows) {
   return size_t(rows) * (in / Chunk<BITS>::kCols) * Chunk<BITS>::kStride * sizeof(float);
 }
 
+// Rows per warp: as many as keep at least two blocks per multiprocessor.
+int rows_per_warp(int max_rpw, int out_rows, unsigned grid_y) {
+  static const int sms = [] {
+    int dev = 0, n = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    return n;
+  }();
+  int rpw = max_rpw;
+  while (rpw > 1 && int64_t(ceil_div(out_rows, kWarps * rpw)) * grid_y < 2 * sms) rpw /= 2;
+  return rpw;
+}
+
 template <int BITS, int T, int MODE>
 void launch_matvec_t(const DevLinear& W, const bf16* X, int64_t ldx, int n, void* Y, int64_t ldy, bool y_f32,
                      int out_rows, const int* idx, int k, int rows_per_expert, unsigned grid_y, cudaStream_t stream) {
   const size_t smem = stage_bytes<BITS>(W.in, T);
   constexpr auto kern = matvec_kernel<BITS, T, MODE>;
   allow_smem<kern>(smem, "matvec");
-  dim3 grid(ceil_div(out_rows, kMatvecRowsPerBlock), grid_y);
-  kern<<<grid, kThreads, smem, stream>>>(W, X, ldx, n, Y, ldy, y_f32 ? 1 : 0, out_rows, idx, k, rows_per_expert);
-  CUDA_LAUNCH_CHECK();
+  const int rpw = rows_per_warp(max_rows_per_warp(T, MODE), out_rows, grid_y);
+  dim3 grid(ceil_div(out_rows, kWarps * rpw), grid_y);
+  pdl_launch(kern, grid, dim3(kThreads), smem, stream, W, X, ldx, n, Y, ldy, y_f32 ? 1 : 0, out_rows, idx, k,
+             rows_per_expert, rpw);
 }
 
 // Token rows per block for the multi-row variant: one weight pass serves 4 token rows.
@@ -278,6 +319,8 @@ __global__ void __launch_bounds__(kThreads) moe_down_kernel(DevLinear Wd, int H,
   __shared__ int s_e[kMaxTopK];
   __shared__ float s_w[kMaxTopK];
   constexpr int S = Chunk<BITS>::kStride;
+  pdl_wait();
+  pdl_launch_dependents();
   const int t = blockIdx.y, cpr = Wd.in / Chunk<BITS>::kCols;
   for (int j = 0; j < k; ++j) stage_row<BITS>(act + (int64_t(t) * k + j) * Wd.in, Wd.in, true, xs + j * cpr * S);
   if (threadIdx.x < k) {
@@ -353,9 +396,8 @@ void moe_down_combine(const DevLinear& Wd, int n_experts, const int* idx, const 
     auto launch = [&]<int G>() {
       constexpr auto kern = moe_down_kernel<BITS, G>;
       allow_smem<kern>(smem, "moe_down_combine");
-      kern<<<dim3(ceil_div(H, kThreads / G), n), kThreads, smem, stream>>>(Wd, H, idx, wts, act, k, shared,
-                                                                                   sh_logit, sh_ld, out);
-      CUDA_LAUNCH_CHECK();
+      pdl_launch(kern, dim3(ceil_div(H, kThreads / G), n), dim3(kThreads), smem, stream, Wd, H, idx, wts, act, k,
+                 shared, sh_logit, sh_ld, out);
     };
     if (cpr >= 32) launch.template operator()<32>();
     else if (cpr >= 16) launch.template operator()<16>();

@@ -11,7 +11,6 @@ namespace tansy::cuda {
 
 constexpr int kQuantGroup = 64;      // affine group size along `in` (MLX's only group size here)
 constexpr int kMatvecMaxIn = 8192;  // up to 4 x rows are staged in shared memory as f32
-constexpr int kMatvecRowsPerBlock = 32;
 
 // Device view of a weight matrix [out, in] in its checkpoint layout (as tansy::Linear):
 // affine: q u32 [out, in*bits/32], scales/biases bf16 [out, in/64]; bf16: w [out, in].

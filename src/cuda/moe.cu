@@ -1,13 +1,13 @@
-// Router: one block per token. k rounds of a block-wide argmax pick the experts; k and E are
-// small (8 of 256), so this is a few microseconds and keeps the ids on the device.
+// Router: one warp per token, the E logits in registers (PER per lane). k rounds of a warp-wide
+// argmax (shuffles only, no block barriers) pick the experts; the ids stay on the device.
 #include <cfloat>
 
 #include "cuda/moe.cuh"
 
+#include "cuda/pdl.cuh"
+
 namespace tansy::cuda {
 namespace {
-
-constexpr int kThreads = 256;
 
 struct ArgMax {
   float v;
@@ -18,71 +18,65 @@ __device__ __forceinline__ ArgMax better(ArgMax a, ArgMax b) {
   return (b.v > a.v || (b.v == a.v && b.i < a.i)) ? b : a;
 }
 
-__device__ ArgMax block_argmax(ArgMax m, ArgMax* red) {
+__device__ __forceinline__ ArgMax warp_argmax(ArgMax m) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    ArgMax other{__shfl_xor_sync(0xffffffffu, m.v, o), __shfl_xor_sync(0xffffffffu, m.i, o)};
-    m = better(m, other);
-  }
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __syncthreads();
-  if (lane == 0) red[warp] = m;
-  __syncthreads();
-  ArgMax r = red[0];
-  for (int w = 1; w < kThreads / 32; ++w) r = better(r, red[w]);
-  return r;
+  for (int o = 16; o > 0; o >>= 1) m = better(m, ArgMax{__shfl_xor_sync(0xffffffffu, m.v, o), __shfl_xor_sync(0xffffffffu, m.i, o)});
+  return m;
 }
 
-__device__ float block_sum(float v, float* red) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  __syncthreads();
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
-  __syncthreads();
-  float r = 0.f;
-  for (int w = 0; w < kThreads / 32; ++w) r += red[w];
-  return r;
-}
-
-__global__ void __launch_bounds__(kThreads) route_kernel(const float* __restrict__ logits, int64_t ld, int E, int k,
-                                                         int* __restrict__ idx, float* __restrict__ wout) {
-  __shared__ float p[kRouteMaxExperts];
-  __shared__ ArgMax red[kThreads / 32];
-  __shared__ float fred[kThreads / 32];
-  const int t = blockIdx.x;
+// Lane l holds experts l, l+32, ... (ascending in j, so a strict > keeps the lower index on ties).
+template <int PER>
+__global__ void __launch_bounds__(32) route_kernel(const float* __restrict__ logits, int64_t ld, int E, int k,
+                                                   int* __restrict__ idx, float* __restrict__ wout) {
+  pdl_wait();
+  pdl_launch_dependents();
+  const int t = blockIdx.x, lane = threadIdx.x;
   const float* l = logits + int64_t(t) * ld;
-  ArgMax m{-FLT_MAX, 0x7fffffff};
-  for (int e = threadIdx.x; e < E; e += kThreads) {
-    p[e] = l[e];
-    m = better(m, ArgMax{l[e], e});
+  float p[PER];
+  float mx = -FLT_MAX;
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    const int e = lane + 32 * j;
+    p[j] = e < E ? l[e] : -FLT_MAX;
+    mx = fmaxf(mx, p[j]);
   }
-  const float mx = block_argmax(m, red).v;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
   float s = 0.f;
-  for (int e = threadIdx.x; e < E; e += kThreads) {
-    p[e] = expf(p[e] - mx);
-    s += p[e];
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    if (lane + 32 * j < E) {
+      p[j] = expf(p[j] - mx);
+      s += p[j];
+    }  // else p[j] stays -FLT_MAX, below every probability
   }
-  const float inv = 1.f / block_sum(s, fred);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  const float inv = 1.f / s;
   // Top-k on the probabilities (same order as on the logits; exp is monotone, ties stay ties).
   float chosen_sum = 0.f, my_w = 0.f;
   int my_i = 0;
-  for (int j = 0; j < k; ++j) {
+  for (int r = 0; r < k; ++r) {
     ArgMax c{-FLT_MAX, 0x7fffffff};
-    for (int e = threadIdx.x; e < E; e += kThreads) c = better(c, ArgMax{p[e], e});
-    const ArgMax best = block_argmax(c, red);
+#pragma unroll
+    for (int j = 0; j < PER; ++j)
+      if (p[j] > c.v) c = ArgMax{p[j], lane + 32 * j};
+    const ArgMax best = warp_argmax(c);
     const float pw = best.v * inv;
     chosen_sum += pw;
-    if (threadIdx.x == j) {
+    if (lane == r) {
       my_w = pw;
       my_i = best.i;
     }
-    __syncthreads();
-    if (threadIdx.x == 0) p[best.i] = -FLT_MAX;
-    __syncthreads();
+    if (lane == best.i % 32) {
+#pragma unroll
+      for (int j = 0; j < PER; ++j)
+        if (j == best.i / 32) p[j] = -FLT_MAX;
+    }
   }
-  if (threadIdx.x < k) {
-    idx[t * k + threadIdx.x] = my_i;
-    wout[t * k + threadIdx.x] = my_w / chosen_sum;
+  if (lane < k) {
+    idx[t * k + lane] = my_i;
+    wout[t * k + lane] = my_w / chosen_sum;
   }
 }
 
@@ -92,8 +86,9 @@ void route_topk(const float* logits, int64_t ld, int n, int E, int k, int* idx, 
   TANSY_CHECK(E >= 1 && E <= kRouteMaxExperts, "route_topk: {} experts outside 1..{}", E, kRouteMaxExperts);
   TANSY_CHECK(k >= 1 && k <= kRouteMaxTopK && k <= E, "route_topk: top-{} of {} experts unsupported", k, E);
   TANSY_CHECK(n >= 1 && ld >= E && logits && idx && w, "route_topk: bad arguments (n {}, ld {})", n, ld);
-  route_kernel<<<n, kThreads, 0, stream>>>(logits, ld, E, k, idx, w);
-  CUDA_LAUNCH_CHECK();
+  static_assert(kRouteMaxExperts <= 32 * 32 && kRouteMaxTopK <= 32);
+  if (E <= 8 * 32) pdl_launch(route_kernel<8>, dim3(n), dim3(32), 0, stream, logits, ld, E, k, idx, w);
+  else pdl_launch(route_kernel<32>, dim3(n), dim3(32), 0, stream, logits, ld, E, k, idx, w);
 }
 
 }  // namespace tansy::cuda

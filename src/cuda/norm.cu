@@ -1,5 +1,7 @@
 #include "cuda/norm.cuh"
 
+#include "cuda/pdl.cuh"
+
 namespace tansy::cuda {
 namespace {
 
@@ -17,25 +19,41 @@ __device__ float block_sum(float v, float* red) {
   return r;
 }
 
-__global__ void __launch_bounds__(kThreads) add_rmsnorm_kernel(bf16* h, const bf16* __restrict__ r,
-                                                               const float* __restrict__ w, int dim, float eps,
-                                                               bf16* __restrict__ xn) {
+// The row is held in registers (PER values per thread), so every load is issued before the
+// first store and the block pays one memory latency instead of one per loop trip.
+template <int PER>
+__global__ void __launch_bounds__(kThreads) add_rmsnorm_kernel(bf16* h, const bf16* r, const float* __restrict__ w,
+                                                               int dim, float eps, bf16* __restrict__ xn) {
   __shared__ float red[kThreads / 32];
+  pdl_wait();
+  pdl_launch_dependents();
   bf16* hr = h + int64_t(blockIdx.x) * dim;
   const bf16* rr = r ? r + int64_t(blockIdx.x) * dim : nullptr;
-  float ss = 0.f;
-  for (int i = threadIdx.x; i < dim; i += kThreads) {
-    float v = __bfloat162float(hr[i]);
-    if (rr) {
-      const bf16 s = __float2bfloat16(v + __bfloat162float(rr[i]));
-      hr[i] = s;
-      v = __bfloat162float(s);
+  float v[PER];
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    const int i = threadIdx.x + j * kThreads;
+    float x = 0.f;
+    if (i < dim) {
+      x = __bfloat162float(hr[i]);
+      if (rr) x = __bfloat162float(__float2bfloat16(x + __bfloat162float(rr[i])));
     }
-    ss += v * v;
+    v[j] = x;
+  }
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    const int i = threadIdx.x + j * kThreads;
+    if (rr && i < dim) hr[i] = __float2bfloat16(v[j]);
+    ss += v[j] * v[j];
   }
   const float scale = rsqrtf(block_sum<kThreads>(ss, red) / float(dim) + eps);
   bf16* xr = xn + int64_t(blockIdx.x) * dim;
-  for (int i = threadIdx.x; i < dim; i += kThreads) xr[i] = __float2bfloat16(__bfloat162float(hr[i]) * scale * w[i]);
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    const int i = threadIdx.x + j * kThreads;
+    if (i < dim) xr[i] = __float2bfloat16(v[j] * scale * w[i]);
+  }
 }
 
 // One block per (head, token); blockDim = head_dim.
@@ -43,6 +61,8 @@ __global__ void gated_rmsnorm_kernel(const float* __restrict__ o, int64_t ldo, c
                                      const float* __restrict__ w, int head_dim, float eps, bf16* __restrict__ y,
                                      int64_t ldy) {
   __shared__ float red[32];
+  pdl_wait();
+  pdl_launch_dependents();
   const int j = blockIdx.x, t = blockIdx.y, d = threadIdx.x;
   const float v = o[int64_t(t) * ldo + int64_t(j) * head_dim + d];
   float s = v * v;
@@ -62,8 +82,11 @@ __global__ void gated_rmsnorm_kernel(const float* __restrict__ o, int64_t ldo, c
 void add_rmsnorm(bf16* h, const bf16* r, const float* w, int n, int dim, float eps, bf16* xn, cudaStream_t stream) {
   TANSY_CHECK(n >= 1 && dim >= 1 && dim <= kNormMaxDim, "add_rmsnorm: n {} dim {} outside limits", n, dim);
   TANSY_CHECK(h && w && xn, "add_rmsnorm: missing buffers");
-  add_rmsnorm_kernel<<<n, kThreads, 0, stream>>>(h, r, w, dim, eps, xn);
-  CUDA_LAUNCH_CHECK();
+  // One register per value for the model's hidden sizes; wider rows take the 64-per-thread variant.
+  constexpr int kSmall = 8;
+  static_assert(kNormMaxDim <= 64 * kThreads);
+  if (dim <= kSmall * kThreads) pdl_launch(add_rmsnorm_kernel<kSmall>, dim3(n), dim3(kThreads), 0, stream, h, r, w, dim, eps, xn);
+  else pdl_launch(add_rmsnorm_kernel<64>, dim3(n), dim3(kThreads), 0, stream, h, r, w, dim, eps, xn);
 }
 
 void gated_rmsnorm(const float* o, int64_t ldo, const bf16* z, int64_t ldz, const float* w, int n, int n_heads,
@@ -72,8 +95,8 @@ void gated_rmsnorm(const float* o, int64_t ldo, const bf16* z, int64_t ldz, cons
               head_dim);
   TANSY_CHECK(n >= 1 && n <= 65535 && n_heads >= 1, "gated_rmsnorm: n {} heads {} outside limits", n, n_heads);
   TANSY_CHECK(o && z && w && y, "gated_rmsnorm: missing buffers");
-  gated_rmsnorm_kernel<<<dim3(n_heads, n), head_dim, 0, stream>>>(o, ldo, z, ldz, w, head_dim, eps, y, ldy);
-  CUDA_LAUNCH_CHECK();
+  pdl_launch(gated_rmsnorm_kernel, dim3(n_heads, n), dim3(head_dim), 0, stream, o, ldo, z, ldz, w, head_dim, eps, y,
+             ldy);
 }
 
 }  // namespace tansy::cuda

@@ -282,7 +282,7 @@ TEST(DecodeKernels, RouteTopk) {
 // ---- norms, embedding, argmax ----
 
 TEST(DecodeKernels, AddRmsnorm) {
-  for (auto [n, dim] : {std::pair{1, 2048}, std::pair{5, 2048}, std::pair{3, 64}}) {
+  for (auto [n, dim] : {std::pair{1, 2048}, std::pair{5, 2048}, std::pair{3, 64}, std::pair{2, 5000}}) {
     auto h = randn(size_t(n) * dim, 3.f), r = randn(size_t(n) * dim), w = randn(dim, 0.2f, 1.f);
     round_bf16_inplace(h);
     round_bf16_inplace(r);

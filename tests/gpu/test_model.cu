@@ -19,6 +19,7 @@
 #include <span>
 #include <string>
 
+#include <cuda_profiler_api.h>
 #include <nlohmann/json.hpp>
 
 #include "cpu/backend.h"
@@ -355,6 +356,23 @@ TEST(Synthetic, Timing) {
                 ctx, ctx / prefill_s, prefill_s, 64 / decode_s, 1e3 * decode_s / 64,
                 static_cast<unsigned long long>(digest));
   }
+}
+
+// Not a pass/fail test: with TANSY_PROFILE_DECODE set, brackets the decode steps after a 4,096-token
+// prefill with cudaProfilerStart/Stop, for `ncu --profile-from-start off` (per-kernel times).
+TEST(Synthetic, DecodeProfile) {
+  if (!synth_dir() || !std::getenv("TANSY_PROFILE_DECODE")) GTEST_SKIP() << "set TANSY_SYNTH_DIR and TANSY_PROFILE_DECODE";
+  auto m = open_cuda(synth_dir(), "tc");
+  const auto prompt = bench_prompt(4096, m->config().vocab_size);
+  auto st = m->new_state(4096 + 8);
+  int got = 0;
+  m->generate_greedy(*st, prompt, 3, [&](int32_t) {
+    if (got++ == 0) CUDA_CHECK(cudaProfilerStart());
+    return true;
+  });
+  CUDA_CHECK(cudaDeviceSynchronize());
+  CUDA_CHECK(cudaProfilerStop());
+  EXPECT_EQ(got, 3);
 }
 
 }  // namespace
