@@ -154,30 +154,57 @@ __global__ void __launch_bounds__(kWarps * 32) attn_split_kernel(QkvLayout L, co
   }
 }
 
-// Block per (head, token), thread per dim: merge the splits, normalise, gate.
-__global__ void __launch_bounds__(kHeadDim) attn_combine_kernel(QkvLayout L, const int* __restrict__ pos, int splits,
-                                                                const float* __restrict__ scratch,
-                                                                bf16* __restrict__ out, int64_t ldo) {
-  const int h = blockIdx.x, t = blockIdx.y, d = threadIdx.x;
+template <bool MAX>
+__device__ float block_reduce(float v, float* red) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = MAX ? fmaxf(v, w) : v + w;
+  }
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
+  __syncthreads();
+  float r = red[0];
+  for (int w = 1; w < int(blockDim.x / 32); ++w) r = MAX ? fmaxf(r, red[w]) : r + red[w];
+  __syncthreads();  // red is reused by the next reduction
+  return r;
+}
+
+// Block per (head, token): merge the splits, normalise, gate. Thread s first reads split s's max
+// and sum (so the merge weights cost one load latency, not one per split); then kCombineGroups
+// groups of kHeadDim threads (thread = dim) sum interleaved splits' partial outputs with many
+// loads in flight, and group 0 adds the groups up.
+constexpr int kCombineGroups = 4;
+constexpr int kCombineThreads = kHeadDim * kCombineGroups;
+static_assert(kMaxAttnSplits <= kCombineThreads);
+
+__global__ void __launch_bounds__(kCombineThreads) attn_combine_kernel(QkvLayout L, const int* __restrict__ pos,
+                                                                       int splits, const float* __restrict__ scratch,
+                                                                       bf16* __restrict__ out, int64_t ldo) {
+  __shared__ float f[kMaxAttnSplits];
+  __shared__ float red[kCombineThreads / 32];
+  __shared__ float part_o[kCombineGroups - 1][kHeadDim];
+  const int h = blockIdx.x, t = blockIdx.y, tid = threadIdx.x, d = tid % kHeadDim, g = tid / kHeadDim;
   pdl_wait();
   pdl_launch_dependents();
   const int len = *pos + t + 1, chunk = split_keys(len, splits), used = (len + chunk - 1) / chunk;
   const float* part = scratch + (int64_t(t) * L.n_heads + h) * splits * kAttnPartStride;
-  float M = -FLT_MAX;
+  const float ms = tid < used ? part[int64_t(tid) * kAttnPartStride + kHeadDim] : -FLT_MAX;
+  const float ls = tid < used ? part[int64_t(tid) * kAttnPartStride + kHeadDim + 1] : 0.f;
+  const float M = block_reduce<true>(ms, red);
+  const float fs = ls != 0.f ? __expf(ms - M) : 0.f;  // every split in use holds >= 1 key: ls >= 1
+  if (tid < kMaxAttnSplits) f[tid] = fs;
+  const float l = block_reduce<false>(fs * ls, red);  // its barriers also publish f
+  float o = 0.f;
 #pragma unroll 8
-  for (int s = 0; s < used; ++s) M = fmaxf(M, part[s * kAttnPartStride + kHeadDim]);
-  float l = 0.f, o = 0.f;
-#pragma unroll 4
-  for (int s = 0; s < used; ++s) {
-    const float* p = part + s * kAttnPartStride;
-    if (p[kHeadDim + 1] == 0.f) continue;  // empty split
-    const float f = __expf(p[kHeadDim] - M);
-    l += p[kHeadDim + 1] * f;
-    o += p[d] * f;
-  }
+  for (int s = g; s < used; s += kCombineGroups) o = fmaf(part[int64_t(s) * kAttnPartStride + d], f[s], o);
+  if (g > 0) part_o[g - 1][d] = o;
+  __syncthreads();
+  if (g != 0) return;
+#pragma unroll
+  for (int i = 0; i < kCombineGroups - 1; ++i) o += part_o[i][d];
   o /= l;
-  const float g = __bfloat162float(L.base[int64_t(t) * L.ld + int64_t(h) * 2 * kHeadDim + kHeadDim + d]);
-  out[int64_t(t) * ldo + int64_t(h) * kHeadDim + d] = __float2bfloat16(o / (1.f + __expf(-g)));
+  const float gt = __bfloat162float(L.base[int64_t(t) * L.ld + int64_t(h) * 2 * kHeadDim + kHeadDim + d]);
+  out[int64_t(t) * ldo + int64_t(h) * kHeadDim + d] = __float2bfloat16(o / (1.f + __expf(-gt)));
 }
 
 void check_layout(const QkvLayout& L, int n, const char* what) {
@@ -211,7 +238,8 @@ void attention_decode(const QkvLayout& qkv, int n, const int* pos, const bf16* k
   TANSY_CHECK(aligned16(k_cache) && aligned16(v_cache) && aligned16(scratch), "attention_decode: misaligned buffers");
   pdl_launch(attn_split_kernel, dim3(qkv.n_kv, splits, n), dim3(kWarps * 32), 0, stream, qkv, pos, k_cache, v_cache,
              splits, scratch);
-  pdl_launch(attn_combine_kernel, dim3(qkv.n_heads, n), dim3(kHeadDim), 0, stream, qkv, pos, splits, scratch, out, ldo);
+  pdl_launch(attn_combine_kernel, dim3(qkv.n_heads, n), dim3(kCombineThreads), 0, stream, qkv, pos, splits, scratch,
+             out, ldo);
 }
 
 }  // namespace tansy::cuda

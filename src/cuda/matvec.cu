@@ -118,6 +118,24 @@ __device__ __forceinline__ float chunk_dot(const DevLinear& W, int64_t r, int c,
   }
 }
 
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
+// Asks L2 for row r of W (codes or bf16 values, and its scales and biases), 128-byte lines
+// spread over the warp's lanes.
+template <int BITS>
+__device__ __forceinline__ void prefetch_row(const DevLinear& W, int64_t r, int lane) {
+  constexpr int kLine = 128;
+  const int64_t bytes = int64_t(W.in) * BITS / 8;
+  const char* row = BITS == 16 ? reinterpret_cast<const char*>(W.w + r * W.in)
+                               : reinterpret_cast<const char*>(W.q + r * (int64_t(W.in) * BITS / 32));
+  for (int64_t off = int64_t(lane) * kLine; off < bytes; off += 32 * kLine) prefetch_l2(row + off);
+  if constexpr (BITS != 16) {
+    const int groups = W.in / kQuantGroup;
+    if (lane == 0) prefetch_l2(W.scales + r * groups);
+    if (lane == 1) prefetch_l2(W.biases + r * groups);
+  }
+}
+
 // Stages row `t` of X (in columns) into smem chunks with their Σx; zeros when `valid` is false.
 template <int BITS>
 __device__ void stage_row(const bf16* x, int in, bool valid, float* dst_base) {
@@ -169,6 +187,18 @@ __global__ void __launch_bounds__(kThreads) matvec_kernel(DevLinear W, const bf1
   extern __shared__ float4 smem4[];
   float* xs = reinterpret_cast<float*>(smem4);
   constexpr int S = Chunk<BITS>::kStride;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // The weights never depend on earlier kernels: start pulling this block's rows into L2 while
+  // the predecessor still runs (expert rows depend on the router's output, so not those).
+  if constexpr (MODE != 2) {
+#pragma unroll
+    for (int i = 0; i < max_rows_per_warp(T, MODE); ++i) {
+      const int r = (blockIdx.x * rpw + i) * kWarps + warp;
+      if (i >= rpw || r >= out_rows) break;
+      prefetch_row<BITS>(W, MODE == 0 ? int64_t(r) : 2 * int64_t(r), lane);
+      if constexpr (MODE == 1) prefetch_row<BITS>(W, 2 * int64_t(r) + 1, lane);
+    }
+  }
   pdl_wait();
   pdl_launch_dependents();
   const int cpr = W.in / Chunk<BITS>::kCols;
@@ -182,7 +212,6 @@ __global__ void __launch_bounds__(kThreads) matvec_kernel(DevLinear W, const bf1
   for (int t = 0; t < T; ++t) stage_row<BITS>(X + int64_t(t0 + t) * ldx, W.in, t0 + t < n, xs + t * cpr * S);
   __syncthreads();
 
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   constexpr int R = max_rows_per_warp(T, MODE);
   int rows[R];
   bool ok[R];
