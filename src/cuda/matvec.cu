@@ -136,25 +136,37 @@ __device__ __forceinline__ void prefetch_row(const DevLinear& W, int64_t r, int 
   }
 }
 
-// Stages row `t` of X (in columns) into smem chunks with their Σx; zeros when `valid` is false.
+// Stages one chunk of x (kCols values) as f32 plus its Σx; zeros when `valid` is false. The
+// chunk's loads all precede its shared-memory stores (which the compiler cannot tell apart from
+// the source), so they are in flight together.
 template <int BITS>
-__device__ void stage_row(const bf16* x, int in, bool valid, float* dst_base) {
+__device__ __forceinline__ void stage_chunk(const bf16* src, bool valid, float* dst) {
+  constexpr int C = Chunk<BITS>::kCols;
+  uint4 raw[C / 8];
+#pragma unroll
+  for (int v = 0; v < C / 8; ++v) raw[v] = valid ? *reinterpret_cast<const uint4*>(src + v * 8) : make_uint4(0, 0, 0, 0);
+  float sum = 0.f;
+#pragma unroll
+  for (int v = 0; v < C / 8; ++v) {
+    const float f[8] = {bf_lo(raw[v].x), bf_hi(raw[v].x), bf_lo(raw[v].y), bf_hi(raw[v].y),
+                        bf_lo(raw[v].z), bf_hi(raw[v].z), bf_lo(raw[v].w), bf_hi(raw[v].w)};
+#pragma unroll
+    for (int e = 0; e < 8; ++e) sum += f[e];
+    reinterpret_cast<float4*>(dst)[2 * v] = make_float4(f[0], f[1], f[2], f[3]);
+    reinterpret_cast<float4*>(dst)[2 * v + 1] = make_float4(f[4], f[5], f[6], f[7]);
+  }
+  dst[C] = sum;
+}
+
+// Stages `rows` rows of X (`ldx` apart, `in` columns) into smem chunks, row j at xs + j*cpr*kStride;
+// rows from `valid_rows` on are zeros. The block's threads share all rows' chunks at once.
+template <int BITS>
+__device__ void stage_rows(const bf16* x, int64_t ldx, int rows, int valid_rows, int in, float* xs) {
   constexpr int C = Chunk<BITS>::kCols, S = Chunk<BITS>::kStride;
   const int cpr = in / C;
-  for (int c = threadIdx.x; c < cpr; c += blockDim.x) {
-    float* dst = dst_base + c * S;
-    float sum = 0.f;
-#pragma unroll
-    for (int v = 0; v < C / 8; ++v) {
-      uint4 raw = valid ? *reinterpret_cast<const uint4*>(x + c * C + v * 8) : make_uint4(0, 0, 0, 0);
-      const float f[8] = {bf_lo(raw.x), bf_hi(raw.x), bf_lo(raw.y), bf_hi(raw.y),
-                          bf_lo(raw.z), bf_hi(raw.z), bf_lo(raw.w), bf_hi(raw.w)};
-#pragma unroll
-      for (int e = 0; e < 8; ++e) sum += f[e];
-      reinterpret_cast<float4*>(dst)[2 * v] = make_float4(f[0], f[1], f[2], f[3]);
-      reinterpret_cast<float4*>(dst)[2 * v + 1] = make_float4(f[4], f[5], f[6], f[7]);
-    }
-    dst[C] = sum;
+  for (int it = threadIdx.x; it < rows * cpr; it += blockDim.x) {
+    const int j = it / cpr, c = it - j * cpr;
+    stage_chunk<BITS>(x + j * ldx + int64_t(c) * C, j < valid_rows, xs + (j * cpr + c) * S);
   }
 }
 
@@ -208,8 +220,7 @@ __global__ void __launch_bounds__(kThreads) matvec_kernel(DevLinear W, const bf1
     t0 = blockIdx.y / k;
     row_base = int64_t(idx[blockIdx.y]) * rows_per_expert;
   }
-#pragma unroll
-  for (int t = 0; t < T; ++t) stage_row<BITS>(X + int64_t(t0 + t) * ldx, W.in, t0 + t < n, xs + t * cpr * S);
+  stage_rows<BITS>(X + int64_t(t0) * ldx, ldx, T, n - t0, W.in, xs);
   __syncthreads();
 
   constexpr int R = max_rows_per_warp(T, MODE);
@@ -283,7 +294,7 @@ size_t stage_bytes(int in, int rows) {
   return size_t(rows) * (in / Chunk<BITS>::kCols) * Chunk<BITS>::kStride * sizeof(float);
 }
 
-// Rows per warp: as many as keep at least two blocks per multiprocessor.
+// Rows per warp: as many as still give every multiprocessor a block.
 int rows_per_warp(int max_rpw, int out_rows, unsigned grid_y) {
   static const int sms = [] {
     int dev = 0, n = 0;
@@ -292,7 +303,7 @@ int rows_per_warp(int max_rpw, int out_rows, unsigned grid_y) {
     return n;
   }();
   int rpw = max_rpw;
-  while (rpw > 1 && int64_t(ceil_div(out_rows, kWarps * rpw)) * grid_y < 2 * sms) rpw /= 2;
+  while (rpw > 1 && int64_t(ceil_div(out_rows, kWarps * rpw)) * grid_y < sms) rpw /= 2;
   return rpw;
 }
 
@@ -351,7 +362,7 @@ __global__ void __launch_bounds__(kThreads) moe_down_kernel(DevLinear Wd, int H,
   pdl_wait();
   pdl_launch_dependents();
   const int t = blockIdx.y, cpr = Wd.in / Chunk<BITS>::kCols;
-  for (int j = 0; j < k; ++j) stage_row<BITS>(act + (int64_t(t) * k + j) * Wd.in, Wd.in, true, xs + j * cpr * S);
+  stage_rows<BITS>(act + int64_t(t) * k * Wd.in, Wd.in, k, k, Wd.in, xs);
   if (threadIdx.x < k) {
     s_e[threadIdx.x] = idx[t * k + threadIdx.x];
     s_w[threadIdx.x] = wts[t * k + threadIdx.x];
