@@ -35,7 +35,8 @@ TEST(Safetensors, ParsesValidFile) {
   std::string data(32, '\0');
   float one = 1.0f;
   std::memcpy(&data[4], &one, 4);
-  auto v = parse(safetensors_image(h, data));
+  const std::string img = safetensors_image(h, data);  // the views point into it: keep it alive
+  auto v = parse(img);
   ASSERT_EQ(v.size(), 2u);
   const TensorView& a = v[0].name == "a" ? v[0] : v[1];
   EXPECT_EQ(a.dtype, DType::F32);
