@@ -11,9 +11,10 @@ weights. Needs torch and transformers >= 5 (qwen3_5_moe). Usage:
 import argparse
 import json
 import os
-import struct
 
 import numpy as np
+
+from safetensors_np import write_safetensors
 import torch
 import transformers
 from transformers import Qwen3_5MoeForCausalLM
@@ -65,23 +66,6 @@ def quantize_affine(w, bits, group=64):
     lead = shape[:-1]
     return (deq, packed.reshape(*lead, shape[-1] // per_word),
             scale_b.reshape(*lead, shape[-1] // group), bias_b.reshape(*lead, shape[-1] // group))
-
-
-def save_safetensors(path, tensors):
-    """tensors: name -> (dtype string, numpy array of the right byte layout)."""
-    header, blobs, off = {}, [], 0
-    for name, (dt, arr) in tensors.items():
-        b = np.ascontiguousarray(arr).tobytes()
-        header[name] = {"dtype": dt, "shape": list(arr.shape), "data_offsets": [off, off + len(b)]}
-        blobs.append(b)
-        off += len(b)
-    h = json.dumps(header, separators=(",", ":")).encode()
-    h += b" " * ((8 - len(h) % 8) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(h)))
-        f.write(h)
-        for b in blobs:
-            f.write(b)
 
 
 def random_weights(cfg, rng):
@@ -259,7 +243,7 @@ def main():
             name = f"{cname}-{fmt}"
             d = os.path.join(args.out, name)
             os.makedirs(d, exist_ok=True)
-            save_safetensors(os.path.join(d, "model.safetensors"), tensors)
+            write_safetensors(os.path.join(d, "model.safetensors"), tensors)
             with open(os.path.join(d, "config.json"), "w") as f:
                 json.dump(hf_config_dict(cfg, fmt == "mlx"), f, indent=1)
             model = build_hf(cfg, ref)

@@ -28,10 +28,11 @@ import argparse
 import json
 import os
 import shutil
-import struct
 import sys
 
 import numpy as np
+
+from safetensors_np import write_safetensors
 
 # Newlines are scarce: "\n" itself starts a script, and no vocabulary token joins "\n" to a
 # following "<". So the tool call is spelled without the optional newlines of the format.
@@ -131,22 +132,6 @@ def bf16(a):
     """float32 array -> bf16 bit patterns (round to nearest even)."""
     u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def write_safetensors(path, tensors):
-    header, blobs, off = {}, [], 0
-    for name, (dtype, arr) in tensors.items():
-        data = arr.tobytes()
-        header[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [off, off + len(data)]}
-        blobs.append(data)
-        off += len(data)
-    h = json.dumps(header, separators=(",", ":")).encode()
-    h += b" " * ((8 - len(h) % 8) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(h)))
-        f.write(h)
-        for b in blobs:
-            f.write(b)
 
 
 def main():
