@@ -1,5 +1,6 @@
 // tansy synth: writes a synthetic checkpoint (real tensor layout, random values) for benchmarks
-// and full-size tests. BENCHMARK.md "The weights".
+// and full-size tests, with a synthetic tokenizer and the chat template so that tansy serve can
+// load it (unless --no-tokenizer). BENCHMARK.md "The weights".
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -13,7 +14,7 @@
 namespace {
 
 int run_synth(const std::vector<std::string>& args) {
-  tansy::cli::Flags f(args, {"out", "seed", "config", "threads", "shard-gb"});
+  tansy::cli::Flags f(args, {"out", "seed", "config", "threads", "shard-gb"}, {"no-tokenizer"});
   const std::string out = f.get("out");
   const std::string which = f.get("config", "real");
   tansy::SynthOptions opt;
@@ -22,6 +23,8 @@ int run_synth(const std::vector<std::string>& args) {
   double shard_gb = f.get_double("shard-gb", 5.0);
   if (!(shard_gb > 0 && shard_gb <= 1000)) tansy::fail("--shard-gb must be in (0, 1000], got {}", shard_gb);
   opt.shard_bytes = size_t(shard_gb * 1e9);
+  // A synthetic tokenizer (synth.h) makes the directory servable: tansy serve / chat load it.
+  opt.tokenizer = !f.has("no-tokenizer");
 
   nlohmann::json config;
   if (which == "real") {
@@ -41,12 +44,15 @@ int run_synth(const std::vector<std::string>& args) {
   std::printf("synth: wrote %d tensors, %.3f GB in %d shard(s) to %s in %.1f s (%.2f GB/s), seed %llu\n", r.tensors,
               double(r.data_bytes) / 1e9, r.shards, out.c_str(), s, double(r.data_bytes) / 1e9 / s,
               static_cast<unsigned long long>(opt.seed));
+  if (opt.tokenizer)
+    std::printf("synth: wrote a synthetic byte-level BPE tokenizer (%d ids) and the chat template in %.2f s\n",
+                r.tokenizer_ids, r.tokenizer_s);
   return 0;
 }
 
 tansy::cli::Register reg("synth",
                          "write a synthetic checkpoint: --out DIR [--seed S] [--config real|FILE] [--threads N] "
-                         "[--shard-gb 5]",
+                         "[--shard-gb 5] [--no-tokenizer]",
                          run_synth);
 
 }  // namespace

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -468,9 +469,16 @@ SynthResult write_synthetic_checkpoint(const nlohmann::json& config_in, const st
   write_text(dir / "model.safetensors.index.json", index.dump(2) + "\n");
   write_text(dir / "tansy_synth.json",
              nlohmann::json{{"generator", "tansy synth"}, {"seed", opt.seed}, {"model", cfg.name}}.dump(2) + "\n");
+  SynthResult result{total, int(specs.size()), n_shards};
+  if (opt.tokenizer) {
+    const auto t0 = std::chrono::steady_clock::now();
+    write_synthetic_tokenizer(cfg, dir);
+    result.tokenizer_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    result.tokenizer_ids = synth_tokenizer_layout(cfg).vocab_size();
+  }
   // config.json last: a directory with a config is a complete checkpoint.
   write_text(dir / "config.json", config.dump(2) + "\n");
-  return SynthResult{total, int(specs.size()), n_shards};
+  return result;
 }
 
 std::vector<int32_t> synthetic_prompt(int n, int vocab_size) {

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <span>
+#include <string>
 #include <vector>
 
 namespace tansy {
@@ -28,19 +29,49 @@ struct SynthOptions {
   int threads = 0;                              // 0: hardware concurrency
   size_t shard_bytes = size_t(5) << 30;         // start a new shard past this many data bytes
   size_t chunk_bytes = size_t(32) << 20;        // unit of work per thread and per write
+  bool tokenizer = false;                       // also write_synthetic_tokenizer (before config.json)
 };
 
 struct SynthResult {
   size_t data_bytes = 0;  // tensor bytes over all shards
   int tensors = 0;
   int shards = 0;
+  int tokenizer_ids = 0;     // with SynthOptions::tokenizer: the tokenizer's vocab_size()
+  double tokenizer_s = 0;    // time spent writing it
 };
 
 // Writes DIR/config.json, DIR/model-0000k-of-0000N.safetensors and
-// DIR/model.safetensors.index.json. DIR must be absent or empty. Output depends only on
-// (config, seed), never on the thread count. Throws Error.
+// DIR/model.safetensors.index.json, plus the tokenizer files with SynthOptions::tokenizer. DIR
+// must be absent or empty. Output depends only on (config, seed), never on the thread count.
+// Throws Error.
 SynthResult write_synthetic_checkpoint(const nlohmann::json& config, const std::filesystem::path& dir,
                                        const SynthOptions& opt);
+
+struct ModelConfig;
+
+// Synthetic tokenizers: a deterministic byte-level BPE vocabulary (256 byte tokens, then merges
+// into ASCII pairs, two-byte UTF-8 characters and ASCII triples, every merged token complete
+// UTF-8) plus added tokens, in the Hugging Face tokenizer.json format Tokenizer::load reads.
+// It round-trips any text; it is not the real model's vocabulary.
+struct SynthToken {
+  std::string content;
+  int32_t id = 0;
+  bool special = false;
+};
+struct SynthTokenizerLayout {
+  int n_ordinary = 0;            // ids [0, n_ordinary): byte tokens and merges
+  std::vector<SynthToken> added; // ids at or above n_ordinary
+  int vocab_size() const;        // highest id + 1
+};
+// For the real configuration (ModelConfig::is_qwen36_35b_a3b): the real special-token ids
+// (MODEL.md §9; see the source for which are UNVERIFIED) and 248070 ids in all, below the
+// embedding's 248320 rows. Otherwise <|endoftext|>, <|im_start|>, <|im_end|>, <think>, </think>
+// take the top five ids of vocab_size. Throws Error when the vocabulary is too small (< 261).
+SynthTokenizerLayout synth_tokenizer_layout(const ModelConfig& cfg);
+std::string synthetic_tokenizer_json(const SynthTokenizerLayout& layout);
+// Writes DIR/tokenizer.json, DIR/tokenizer_config.json and DIR/chat_template.jinja (the Qwen3.6
+// template tansy implements). Throws Error.
+void write_synthetic_tokenizer(const ModelConfig& cfg, const std::filesystem::path& dir);
 
 // Synthetic benchmark workload (BENCHMARK.md "The workload").
 
@@ -48,8 +79,6 @@ SynthResult write_synthetic_checkpoint(const nlohmann::json& config, const std::
 std::vector<int32_t> synthetic_prompt(int n, int vocab_size);
 // 64-bit FNV-1a over the ids' little-endian 4-byte encodings.
 uint64_t fnv1a64_ids(std::span<const int32_t> ids);
-
-struct ModelConfig;
 
 // The benchmark's floors (BENCHMARK.md "The limits"), computed from the configuration's shapes
 // and the stored format (MODEL.md §10): 4-bit/8-bit affine with bf16 scale+bias per group of 64.

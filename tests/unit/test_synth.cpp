@@ -1,7 +1,9 @@
 // Synthetic checkpoints: layout accepted by the strict loader, determinism, value scales.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -15,6 +17,8 @@
 #include "model/config.h"
 #include "model/synth.h"
 #include "model/weights.h"
+#include "text/chat_template.h"
+#include "text/tokenizer.h"
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -168,6 +172,91 @@ TEST(Synth, RefusesNonEmptyDirectoryAndBadConfig) {
   bad["hidden_size"] = 100;  // not a multiple of the group size
   EXPECT_THROW(tansy::write_synthetic_checkpoint(bad, e.path, opts(1, 1, 1 << 20)), tansy::Error);
   EXPECT_THROW(tansy::write_synthetic_checkpoint(json::array(), e.path, opts(1, 1, 1 << 20)), tansy::Error);
+}
+
+TEST(SynthTokenizer, RealLayoutUsesTheModelsSpecialIds) {
+  const auto cfg = tansy::parse_config(tansy::real_model_config_json());
+  const auto layout = tansy::synth_tokenizer_layout(cfg);
+  EXPECT_EQ(layout.n_ordinary, 248044);
+  EXPECT_EQ(layout.vocab_size(), 248070);
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string text = tansy::synthetic_tokenizer_json(layout);
+  const auto t1 = std::chrono::steady_clock::now();
+  auto tok = tansy::Tokenizer::from_json(text);
+  const auto t2 = std::chrono::steady_clock::now();
+  std::printf("synthetic tokenizer: %.1f MB, generated in %.3f s, loaded in %.3f s\n", double(text.size()) / 1e6,
+              std::chrono::duration<double>(t1 - t0).count(), std::chrono::duration<double>(t2 - t1).count());
+  EXPECT_LT(std::chrono::duration<double>(t2 - t1).count(), 20.0);  // seconds even under sanitizers
+  EXPECT_EQ(tok.vocab_size(), 248070);
+  EXPECT_LT(tok.vocab_size(), cfg.vocab_size);  // embedding rows past it are padding
+  // MODEL.md §9 (and the config's eos list).
+  EXPECT_EQ(tok.token_id("<|endoftext|>"), 248044);
+  EXPECT_EQ(tok.token_id("<|im_start|>"), 248045);
+  EXPECT_EQ(tok.token_id("<|im_end|>"), 248046);
+  EXPECT_EQ(tok.token_id("<think>"), 248068);
+  EXPECT_EQ(tok.token_id("</think>"), 248069);
+  for (int eos : cfg.eos_token_ids) EXPECT_TRUE(tok.is_special(eos)) << eos;
+  EXPECT_FALSE(tok.is_special(248068));
+  // Every id decodes; every merged token is complete UTF-8 on its own, so a streamed token is
+  // held back only when it is a lone UTF-8 lead byte.
+  int held_back = 0;
+  for (int32_t id = 0; id < tok.vocab_size(); ++id) {
+    ASSERT_TRUE(tok.is_valid(id)) << id;
+    const std::string b = tok.token_bytes(id);
+    ASSERT_FALSE(b.empty()) << id;
+    if (id >= 256) {
+      ASSERT_EQ(tansy::utf8_lossy(b), b) << id;
+    } else {
+      held_back += tansy::utf8_incomplete_tail(b) == 0;
+    }
+  }
+  EXPECT_EQ(held_back, 0xF4 - 0xC2 + 1);
+  // Round trips, and merges are used.
+  for (std::string s : {"Hello, world! The quick brown fox jumps over the lazy dog.\n",
+                        "caf\xC3\xA9 \xCE\xB1\xCE\xB2\xCE\xB3 \xE4\xB8\xAD\xE6\x96\x87 \xF0\x9F\x99\x82 tab\tend",
+                        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n"}) {
+    auto ids = tok.encode(s);
+    EXPECT_EQ(tok.decode(ids), s);
+    EXPECT_LT(ids.size(), s.size());
+  }
+  std::vector<int32_t> want = {248045};
+  for (int32_t id : tok.encode("user")) want.push_back(id);
+  EXPECT_EQ(tok.encode("<|im_start|>user"), want);
+  EXPECT_EQ(tansy::synthetic_tokenizer_json(layout), text);  // deterministic
+}
+
+TEST(SynthTokenizer, OtherConfigsPutTheNamedTokensOnTop) {
+  auto cfg = tansy::parse_config(tiny_text_config());
+  auto layout = tansy::synth_tokenizer_layout(cfg);
+  EXPECT_EQ(layout.vocab_size(), 384);
+  auto tok = tansy::Tokenizer::from_json(tansy::synthetic_tokenizer_json(layout));
+  EXPECT_EQ(tok.vocab_size(), 384);
+  EXPECT_EQ(tok.token_id("<|endoftext|>"), 379);
+  EXPECT_EQ(tok.token_id("<|im_start|>"), 380);
+  EXPECT_EQ(tok.token_id("<|im_end|>"), 381);
+  EXPECT_EQ(tok.token_id("<think>"), 382);
+  EXPECT_EQ(tok.token_id("</think>"), 383);
+  const std::string s = "abc \xC3\xA9\n";
+  EXPECT_EQ(tok.decode(tok.encode(s)), s);
+  cfg.vocab_size = 260;
+  EXPECT_THROW(tansy::synth_tokenizer_layout(cfg), tansy::Error);
+}
+
+TEST(SynthTokenizer, CheckpointWithTokenizerIsServable) {
+  TempDir d;
+  auto o = opts(3, 2, 1 << 30);
+  o.tokenizer = true;
+  auto r = tansy::write_synthetic_checkpoint(tiny_text_config(), d.path, o);
+  EXPECT_EQ(r.tokenizer_ids, 384);
+  EXPECT_EQ(files_of(d.path), (std::vector<std::string>{"chat_template.jinja", "config.json", "model-00001-of-00001.safetensors",
+                                                        "model.safetensors.index.json", "tansy_synth.json",
+                                                        "tokenizer.json", "tokenizer_config.json"}));
+  EXPECT_TRUE(tansy::text::check_checkpoint_template(d.path).identical);
+  auto tok = tansy::Tokenizer::load(d.path);
+  EXPECT_EQ(tok.vocab_size(), tansy::load_config(d.path).vocab_size);
+  auto tc = json::parse(read_all(d.path / "tokenizer_config.json"));
+  EXPECT_EQ(tc["add_bos_token"], false);
+  EXPECT_EQ(tc["added_tokens_decoder"]["381"]["content"], "<|im_end|>");
 }
 
 TEST(BenchWorkload, PromptAndDigestFollowTheContract) {
