@@ -68,6 +68,13 @@ GenerationDefaults load_generation_defaults(const std::filesystem::path& model_d
   return d;
 }
 
+bool is_plain_greedy(const SamplingParams& p) {
+  // Sampler::sample: penalties and logit_bias apply before the temperature test; with none of
+  // them and temperature <= 0 it returns the argmax of the raw logits (lowest id on ties).
+  return p.temperature <= 0.0 && p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 &&
+         p.frequency_penalty == 0.0 && p.logit_bias.empty();
+}
+
 Engine::Engine(std::unique_ptr<Model> model, Tokenizer tokenizer, const EngineOptions& opt)
     : model_(std::move(model)), tok_(std::move(tokenizer)), opt_(opt), cache_(opt.prefix_cache_entries) {
   TANSY_CHECK(opt_.max_seq >= 2, "max_seq must be at least 2");
@@ -143,6 +150,11 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
   }
 
   Sampler sampler(req.sampling, req.prompt);
+  // Plain greedy: the host path would take the argmax over [0, n_real), so the model may fuse
+  // feeding a token with choosing the next one (Model::greedy_step: on CUDA the logits stay on
+  // the device). Forced tokens still pending take precedence, as they do on the host path.
+  const bool greedy_fast = opt_.greedy_fast_path && is_plain_greedy(req.sampling) && req.logprobs < 0;
+  std::optional<int32_t> next_greedy;  // the next token, already chosen by greedy_step
   StreamDecoder decoder(tok_);
   StopMatcher stops(req.stop);
   std::vector<float> raw;
@@ -164,9 +176,10 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
       pending.pop_back();
       step.forced = true;
     } else {
-      tok = sampler.sample(logits);
+      tok = next_greedy ? *next_greedy : sampler.sample(logits);
       if (!armed && req.force_trigger && tok == *req.force_trigger) arm_forcing();
     }
+    next_greedy.reset();
     sampler.accept(tok);
     ++res.completion_tokens;
     step.token = tok;
@@ -194,7 +207,10 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
       res.finish = *f;
       break;
     }
-    forward(std::span<const int32_t>(&tok, 1));
+    if (greedy_fast && pending.empty())
+      next_greedy = model_->greedy_step(*state, tok, int(n_real));
+    else
+      forward(std::span<const int32_t>(&tok, 1));
     fed.push_back(tok);
   }
   if (res.finish == Finish::kLength || (res.finish == Finish::kStop && res.stop_token)) {

@@ -24,7 +24,15 @@ struct EngineOptions {
   int max_seq = 32768;           // tokens per sequence (prompt + generated)
   size_t prefix_cache_entries = 4;
   int prefill_chunk = 256;       // cancellation is checked between chunks of this many prompt tokens
+  // Plain greedy requests (is_plain_greedy, no logprobs) decode through Model::greedy_step, which
+  // a backend may run without moving the logits to the host. Off: every token goes through
+  // forward() and the host sampler (tests compare the two paths).
+  bool greedy_fast_path = true;
 };
+
+// True when Sampler would pick exactly the argmax of the raw logits: temperature <= 0 and no
+// repetition/presence/frequency penalty or logit_bias.
+bool is_plain_greedy(const SamplingParams& p);
 
 enum class Finish { kStop, kLength, kCancelled, kTimeout };
 const char* finish_name(Finish f);

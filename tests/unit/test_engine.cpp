@@ -1,0 +1,398 @@
+// The generation loop's greedy fast path (Model::greedy_step) against the general path
+// (forward() + host sampler): same tokens, text, finish reasons and prefix-cache contents.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "engine/engine.h"
+#include "model/config.h"
+#include "model/model.h"
+#include "model/synth.h"
+#include "test_util.h"
+#include "text/tokenizer.h"
+
+namespace {
+
+using tansy::Engine;
+using tansy::EngineOptions;
+using tansy::Finish;
+using tansy::GenRequest;
+using tansy::GenResult;
+using tansy::GenStep;
+using tansy::Model;
+using tansy::SequenceState;
+
+constexpr int kTokIds = 400;           // ids the tokenizer defines (n_real)
+constexpr int kVocab = kTokIds + 24;   // embedding rows: the rest is padding
+
+uint64_t mix(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+struct FakeState : SequenceState {
+  std::vector<int32_t> toks;
+  int max_tokens = 0;
+  int n_tokens() const override { return int(toks.size()); }
+};
+
+// Logits are a pure function of every token fed so far, so a skipped, repeated or reordered
+// token changes all later choices. The padding rows hold the largest logits (the first padding
+// id above all), so a limit past the tokenizer's ids picks a token the host path never would.
+class FakeModel : public Model {
+ public:
+  explicit FakeModel(std::vector<int> eos = {}) {
+    cfg_.vocab_size = kVocab;
+    cfg_.max_position = 4096;
+    cfg_.eos_token_ids = std::move(eos);
+    cfg_.name = "fake";
+  }
+  const tansy::ModelConfig& config() const override { return cfg_; }
+  std::string backend_name() const override { return "fake"; }
+  std::unique_ptr<SequenceState> new_state(int max_tokens) override {
+    auto s = std::make_unique<FakeState>();
+    s->max_tokens = max_tokens;
+    return s;
+  }
+  std::unique_ptr<SequenceState> clone_state(const SequenceState& s) override {
+    return std::make_unique<FakeState>(dynamic_cast<const FakeState&>(s));
+  }
+  void forward(SequenceState& state, std::span<const int32_t> ids, std::span<float> logits, bool all) override {
+    auto& st = dynamic_cast<FakeState&>(state);
+    if (all) tansy::fail("fake model: all_positions is not implemented");
+    if (logits.size() != size_t(kVocab)) tansy::fail("fake model: logits has {} entries", logits.size());
+    for (int32_t id : ids) {
+      if (id < 0 || id >= kVocab) tansy::fail("fake model: id {} fed", id);
+      st.toks.push_back(id);
+    }
+    if (st.n_tokens() > st.max_tokens) tansy::fail("fake model: state overflow");
+    ++forward_calls;
+    fill(st.toks, logits);
+  }
+  int32_t greedy_step(SequenceState& state, int32_t tok, int limit) override {
+    ++greedy_calls;
+    limits.push_back(limit);
+    return Model::greedy_step(state, tok, limit);
+  }
+
+  static void fill(const std::vector<int32_t>& toks, std::span<float> logits) {
+    uint64_t h = 0x1234;
+    for (int32_t t : toks) h = mix(h ^ uint64_t(uint32_t(t)));
+    for (int v = 0; v < kVocab; ++v) logits[size_t(v)] = float(mix(h + uint64_t(v)) >> 40) * (4.0f / 16777216.0f);
+    for (int v = kTokIds; v < kVocab; ++v) logits[size_t(v)] = 100.0f - float(v - kTokIds);
+    if (h % 3 == 0) {  // a tie between two real ids: the lower one must win
+      int a = int(h % 97), b = a + 1 + int((h >> 8) % 200);
+      logits[size_t(a)] = logits[size_t(b)] = 9.0f;
+    }
+  }
+
+  int greedy_calls = 0, forward_calls = 0;
+  std::vector<int> limits;
+
+ private:
+  tansy::ModelConfig cfg_;
+};
+
+tansy::Tokenizer synth_tokenizer() {
+  tansy::ModelConfig c;
+  c.vocab_size = kTokIds;
+  return tansy::Tokenizer::from_json(tansy::synthetic_tokenizer_json(tansy::synth_tokenizer_layout(c)));
+}
+
+// Greedy continuation computed outside the engine: argmax over the tokenizer's ids.
+std::vector<int32_t> oracle(const std::vector<int32_t>& prompt, int n) {
+  std::vector<int32_t> toks = prompt, out;
+  std::vector<float> logits(kVocab);
+  for (int i = 0; i < n; ++i) {
+    FakeModel::fill(toks, logits);
+    int32_t t = tansy::argmax(std::span<const float>(logits.data(), size_t(kTokIds)));
+    out.push_back(t);
+    toks.push_back(t);
+  }
+  return out;
+}
+
+struct Outcome {
+  GenResult res;
+  std::vector<int32_t> tokens;
+  std::vector<bool> forced;
+  std::string text;
+  int greedy_calls = 0;
+  std::vector<int> limits;
+};
+
+struct Harness {
+  FakeModel* model;
+  std::unique_ptr<Engine> engine;
+  Harness(bool fast, std::vector<int> eos = {}, size_t cache_entries = 4) {
+    auto m = std::make_unique<FakeModel>(std::move(eos));
+    model = m.get();
+    EngineOptions o;
+    o.max_seq = 1024;
+    o.prefill_chunk = 7;  // several prefill chunks
+    o.prefix_cache_entries = cache_entries;
+    o.greedy_fast_path = fast;
+    engine = std::make_unique<Engine>(std::move(m), synth_tokenizer(), o);
+  }
+  Outcome run(const GenRequest& req, int stop_after = -1) {
+    Outcome r;
+    const int before = model->greedy_calls;
+    model->limits.clear();
+    r.res = engine->generate(req, [&](const GenStep& s) {
+      if (s.token >= 0) {
+        r.tokens.push_back(s.token);
+        r.forced.push_back(s.forced);
+      }
+      r.text += s.text;
+      return stop_after < 0 || int(r.tokens.size()) < stop_after;
+    });
+    r.greedy_calls = model->greedy_calls - before;
+    r.limits = model->limits;
+    return r;
+  }
+};
+
+GenRequest greedy_request(std::vector<int32_t> prompt, int max_tokens) {
+  GenRequest r;
+  r.prompt = std::move(prompt);
+  r.max_tokens = max_tokens;
+  r.sampling.temperature = 0;
+  return r;
+}
+
+std::vector<int32_t> prompt_of(int n, int seed) {
+  std::vector<int32_t> p;
+  for (int i = 0; i < n; ++i) p.push_back(int32_t(mix(uint64_t(seed * 1000 + i)) % kTokIds));
+  return p;
+}
+
+void expect_same(const Outcome& a, const Outcome& b) {
+  EXPECT_EQ(a.tokens, b.tokens);
+  EXPECT_EQ(a.forced, b.forced);
+  EXPECT_EQ(a.text, b.text);
+  EXPECT_EQ(a.res.finish, b.res.finish);
+  EXPECT_EQ(a.res.completion_tokens, b.res.completion_tokens);
+  EXPECT_EQ(a.res.stop_string, b.res.stop_string);
+  EXPECT_EQ(a.res.stop_token, b.res.stop_token);
+  EXPECT_EQ(a.res.cached_tokens, b.res.cached_tokens);
+}
+
+}  // namespace
+
+TEST(Engine, PlainGreedyMatchesTheSampler) {
+  tansy::SamplingParams p;
+  p.temperature = 0;
+  EXPECT_TRUE(tansy::is_plain_greedy(p));
+  p.temperature = -1;
+  EXPECT_TRUE(tansy::is_plain_greedy(p));
+  p.top_p = 0.5, p.top_k = 3, p.min_p = 0.2, p.seed = 7;  // irrelevant at temperature 0
+  EXPECT_TRUE(tansy::is_plain_greedy(p));
+  auto with = [](auto f) {
+    tansy::SamplingParams q;
+    q.temperature = 0;
+    f(q);
+    return tansy::is_plain_greedy(q);
+  };
+  EXPECT_FALSE(with([](auto& q) { q.temperature = 0.1; }));
+  EXPECT_FALSE(with([](auto& q) { q.presence_penalty = 0.5; }));
+  EXPECT_FALSE(with([](auto& q) { q.frequency_penalty = -0.5; }));
+  EXPECT_FALSE(with([](auto& q) { q.repetition_penalty = 1.1; }));
+  EXPECT_FALSE(with([](auto& q) { q.logit_bias[3] = 1.0; }));
+}
+
+TEST(Engine, GreedyFastPathEqualsTheGeneralPath) {
+  for (int seed = 0; seed < 4; ++seed) {
+    const auto prompt = prompt_of(5 + 9 * seed, seed);
+    const int n = 40;
+    GenRequest req = greedy_request(prompt, n);
+    req.ignore_eos = true;
+    Harness fast(true), slow(false);
+    Outcome a = fast.run(req), b = slow.run(req);
+    expect_same(a, b);
+    EXPECT_EQ(a.tokens, oracle(prompt, n));
+    // The fast path ran every decode step (the first token comes from the prefill's logits),
+    // always with the tokenizer's id count as the limit; the general path never.
+    EXPECT_EQ(a.greedy_calls, n - 1);
+    EXPECT_EQ(b.greedy_calls, 0);
+    EXPECT_EQ(a.limits, std::vector<int>(size_t(n - 1), kTokIds));
+    EXPECT_EQ(a.res.finish, Finish::kLength);
+  }
+}
+
+TEST(Engine, GreedyFastPathStopsLikeTheGeneralPath) {
+  const auto prompt = prompt_of(11, 9);
+  const auto ref = oracle(prompt, 60);
+  // End of sequence: the 20th token of the continuation is declared an eos id.
+  {
+    Harness fast(true, {ref[19]}), slow(false, {ref[19]});
+    GenRequest req = greedy_request(prompt, 60);
+    Outcome a = fast.run(req), b = slow.run(req);
+    expect_same(a, b);
+    EXPECT_EQ(a.res.finish, Finish::kStop);
+    ASSERT_TRUE(a.res.stop_token.has_value());
+    EXPECT_EQ(*a.res.stop_token, ref[19]);
+    EXPECT_LE(a.tokens.size(), 20u);
+    EXPECT_GT(a.greedy_calls, 0);
+  }
+  // A stop string taken from the middle of the continuation's text.
+  {
+    Harness fast(true), slow(false);
+    GenRequest req = greedy_request(prompt, 60);
+    req.ignore_eos = true;
+    Outcome full = slow.run(req);
+    std::string stop;
+    for (size_t k = full.text.size() / 3; k + 2 < full.text.size() && stop.empty(); ++k) {
+      std::string cand = full.text.substr(k, 2);
+      if (std::all_of(cand.begin(), cand.end(), [](char c) { return c > ' ' && c <= '~'; })) stop = cand;
+    }
+    ASSERT_FALSE(stop.empty()) << "no ASCII run in " << full.text;
+    req.stop = {stop};
+    Harness fast2(true), slow2(false);
+    Outcome a = fast2.run(req), b = slow2.run(req);
+    expect_same(a, b);
+    EXPECT_EQ(a.res.finish, Finish::kStop);
+    EXPECT_EQ(a.res.stop_string, stop);
+    EXPECT_GT(a.greedy_calls, 0);
+  }
+  // The client goes away after 7 tokens: nothing further is fed.
+  {
+    Harness fast(true), slow(false);
+    GenRequest req = greedy_request(prompt, 60);
+    req.ignore_eos = true;
+    Outcome a = fast.run(req, 7), b = slow.run(req, 7);
+    expect_same(a, b);
+    EXPECT_EQ(a.res.finish, Finish::kCancelled);
+    EXPECT_EQ(a.greedy_calls, 6);
+  }
+}
+
+TEST(Engine, ForcedTokensTakePrecedenceOverTheFastPath) {
+  const auto prompt = prompt_of(9, 3);
+  const auto ref = oracle(prompt, 30);
+  GenRequest req = greedy_request(prompt, 30);
+  req.ignore_eos = true;
+  req.force_trigger = ref[4];
+  req.forced = {'x', 'y', 'z'};
+  Harness fast(true), slow(false);
+  Outcome a = fast.run(req), b = slow.run(req);
+  expect_same(a, b);
+  // The trigger fires on the first occurrence of ref[4] (at index 4 or earlier).
+  size_t at = size_t(std::find(ref.begin(), ref.end(), ref[4]) - ref.begin());
+  ASSERT_GT(a.tokens.size(), at + 3);
+  EXPECT_EQ(std::vector<int32_t>(a.tokens.begin() + long(at) + 1, a.tokens.begin() + long(at) + 4),
+            (std::vector<int32_t>{'x', 'y', 'z'}));
+  EXPECT_TRUE(a.forced[at + 1] && a.forced[at + 2] && a.forced[at + 3]);
+  // Steps whose successor is forced feed through forward(): three fewer greedy steps.
+  EXPECT_EQ(a.greedy_calls, 30 - 1 - 3);
+  // Forcing from the first step (no trigger).
+  req.force_trigger.reset();
+  Harness fast2(true), slow2(false);
+  Outcome c = fast2.run(req), d = slow2.run(req);
+  expect_same(c, d);
+  EXPECT_EQ(std::vector<int32_t>(c.tokens.begin(), c.tokens.begin() + 3), (std::vector<int32_t>{'x', 'y', 'z'}));
+  EXPECT_EQ(c.greedy_calls, 30 - 1 - 2);
+}
+
+TEST(Engine, OtherSamplingKeepsTheGeneralPath) {
+  const auto prompt = prompt_of(13, 5);
+  std::vector<std::function<void(GenRequest&)>> variants = {
+      [](GenRequest& r) { r.sampling.presence_penalty = 0.5; },
+      [](GenRequest& r) { r.sampling.frequency_penalty = 0.5; },
+      [](GenRequest& r) { r.sampling.repetition_penalty = 1.3; },
+      [](GenRequest& r) { r.sampling.logit_bias[7] = 2.5; },
+      [](GenRequest& r) { r.logprobs = 2; },
+      [](GenRequest& r) { r.sampling.temperature = 0.8, r.sampling.seed = 11; },
+  };
+  for (size_t i = 0; i < variants.size(); ++i) {
+    GenRequest req = greedy_request(prompt, 25);
+    req.ignore_eos = true;
+    variants[i](req);
+    Harness fast(true), slow(false);
+    Outcome a = fast.run(req), b = slow.run(req);
+    SCOPED_TRACE(i);
+    expect_same(a, b);
+    EXPECT_EQ(a.greedy_calls, 0);
+  }
+}
+
+TEST(Engine, GreedyFastPathKeepsThePrefixCacheExact) {
+  const auto prompt = prompt_of(20, 7);
+  GenRequest first = greedy_request(prompt, 12);
+  first.ignore_eos = true;
+  Harness fast(true);
+  Outcome a = fast.run(first);
+  ASSERT_EQ(a.tokens.size(), 12u);
+  // The end state holds the prompt and every generated token but the last (never fed). A prompt
+  // extending exactly that resumes from it; its continuation must equal a fresh computation.
+  std::vector<int32_t> ext = prompt;
+  ext.insert(ext.end(), a.tokens.begin(), a.tokens.end() - 1);
+  ext.push_back(a.tokens.back());
+  ext.push_back(42);
+  GenRequest second = greedy_request(ext, 15);
+  second.ignore_eos = true;
+  Outcome b = fast.run(second);
+  EXPECT_EQ(b.res.cached_tokens, int(prompt.size()) + 11);
+  EXPECT_EQ(b.tokens, oracle(ext, 15));
+  Harness fresh(false, {}, 0);
+  Outcome c = fresh.run(second);
+  EXPECT_EQ(c.res.cached_tokens, 0);
+  EXPECT_EQ(b.tokens, c.tokens);
+  EXPECT_EQ(b.text, c.text);
+}
+
+// The CPU backend on the bundled demo model: a real forward pass, its own greedy_step.
+TEST(Engine, GreedyFastPathOnTheDemoModel) {
+  const auto dir = tansy::test::source_dir() / "models" / "tansy-demo";
+  if (!std::filesystem::exists(dir / "config.json")) GTEST_SKIP() << "no " << dir;
+  struct Counting : Model {
+    std::unique_ptr<Model> in;
+    int greedy = 0;
+    explicit Counting(std::unique_ptr<Model> m) : in(std::move(m)) {}
+    const tansy::ModelConfig& config() const override { return in->config(); }
+    std::string backend_name() const override { return in->backend_name(); }
+    std::unique_ptr<SequenceState> new_state(int n) override { return in->new_state(n); }
+    std::unique_ptr<SequenceState> clone_state(const SequenceState& s) override { return in->clone_state(s); }
+    void forward(SequenceState& s, std::span<const int32_t> ids, std::span<float> l, bool all) override {
+      in->forward(s, ids, l, all);
+    }
+    int32_t greedy_step(SequenceState& s, int32_t tok, int limit) override {
+      ++greedy;
+      return in->greedy_step(s, tok, limit);
+    }
+  };
+  auto run = [&](bool fast, const std::string& text, int n, int* calls) {
+    tansy::ModelOptions mo;
+    mo.backend = "cpu";
+    auto counting = std::make_unique<Counting>(tansy::open_model(dir, mo));
+    Counting* c = counting.get();
+    EngineOptions eo;
+    eo.max_seq = 512;
+    eo.greedy_fast_path = fast;
+    Engine e(std::move(counting), tansy::Tokenizer::load(dir), eo);
+    GenRequest req = greedy_request(e.tokenizer().encode(text), n);
+    req.ignore_eos = true;
+    std::pair<std::vector<int32_t>, std::string> out;
+    e.generate(req, [&](const GenStep& s) {
+      if (s.token >= 0) out.first.push_back(s.token);
+      out.second += s.text;
+      return true;
+    });
+    *calls = c->greedy;
+    return out;
+  };
+  const std::string prompt = "<|im_start|>user\nWhat does the word apple mean?<|im_end|>\n<|im_start|>assistant\n<think>\n";
+  int fast_calls = 0, slow_calls = 0;
+  auto a = run(true, prompt, 48, &fast_calls);
+  auto b = run(false, prompt, 48, &slow_calls);
+  EXPECT_EQ(a.first, b.first);
+  EXPECT_EQ(a.second, b.second);
+  EXPECT_EQ(a.first.size(), 48u);
+  EXPECT_EQ(fast_calls, 47);
+  EXPECT_EQ(slow_calls, 0);
+}
