@@ -1,8 +1,9 @@
-// tansy generate --model DIR --ids FILE --max-tokens N [--backend cpu]
+// tansy generate --model DIR --ids FILE --max-tokens N [--backend auto|cpu|cuda]
 // Greedy continuation; prints the new ids on one line, separated by spaces.
 #include <cstdio>
 
 #include "cli/command.h"
+#include "cli/engine_setup.h"
 #include "cli/ids_file.h"
 #include "core/error.h"
 #include "model/model.h"
@@ -13,7 +14,7 @@ namespace {
 int run_generate(const std::vector<std::string>& args) {
   Flags f(args, {"model", "ids", "max-tokens", "backend"}, {"stop-at-eos"});
   ModelOptions opt;
-  opt.backend = f.get("backend", "cpu");
+  opt.backend = backend_from_flags(f);
   const int n = int(f.get_int("max-tokens", -1, 1, 1 << 20));
   if (n < 0) fail("missing required option --max-tokens");
   auto ids = read_ids_file(f.get("ids"));

@@ -1,9 +1,10 @@
-// tansy logits --model DIR --ids FILE --out FILE [--backend cpu]
+// tansy logits --model DIR --ids FILE --out FILE [--backend auto|cpu|cuda]
 // Teacher-forced logits from an empty state: float32 [n_tokens, vocab_size], row-major, little-endian.
 #include <cstdio>
 #include <fstream>
 
 #include "cli/command.h"
+#include "cli/engine_setup.h"
 #include "cli/ids_file.h"
 #include "core/error.h"
 #include "model/model.h"
@@ -14,7 +15,7 @@ namespace {
 int run_logits(const std::vector<std::string>& args) {
   Flags f(args, {"model", "ids", "out", "backend"});
   ModelOptions opt;
-  opt.backend = f.get("backend", "cpu");
+  opt.backend = backend_from_flags(f);
   auto ids = read_ids_file(f.get("ids"));
   const std::string out_path = f.get("out");
   auto model = open_model(f.get("model"), opt);

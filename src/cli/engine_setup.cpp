@@ -6,6 +6,7 @@
 #include <cstdio>
 
 #include "core/error.h"
+#include "model/backend_choice.h"
 #include "text/chat_template.h"
 
 namespace tansy::cli {
@@ -36,14 +37,24 @@ fs::path resolve_model_dir(const Flags& flags) {
        fs::current_path().string());
 }
 
+std::string backend_from_flags(const Flags& flags) {
+  const std::string requested = flags.get("backend", "auto");
+  if (requested != "auto" && requested != "cpu" && requested != "cuda")
+    fail("--backend must be auto, cpu or cuda, got '{}'", requested);
+  // cpu needs no probe (and must work where the CUDA runtime would misbehave).
+  const DeviceProbe probe = requested == "cpu" ? DeviceProbe{} : probe_devices();
+  const BackendChoice c = choose_backend(requested, probe);
+  if (requested == "auto") std::fprintf(stderr, "tansy: backend auto -> %s (%s)\n", c.backend.c_str(), c.reason.c_str());
+  return c.backend;
+}
+
 LoadedEngine load_engine(const Flags& flags) {
   LoadedEngine le;
   le.dir = resolve_model_dir(flags);
   auto check = text::check_checkpoint_template(le.dir);
   if (!check.identical) fail("{}", check.description);
   ModelOptions mo;
-  mo.backend = flags.get("backend", "cpu");
-  if (mo.backend != "cpu" && mo.backend != "cuda") fail("--backend must be cpu or cuda, got '{}'", mo.backend);
+  mo.backend = backend_from_flags(flags);
   mo.threads = int(flags.get_int("threads", 0, 0, 1024));
   le.defaults = load_generation_defaults(le.dir);
   Tokenizer tok = Tokenizer::load(le.dir);

@@ -1,5 +1,6 @@
 // What `tansy serve` and `tansy chat` share: finding the model directory and loading the model,
-// tokenizer and engine from command-line flags.
+// tokenizer and engine from command-line flags (and the --backend choice, also used by logits and
+// generate).
 #pragma once
 #include <filesystem>
 #include <memory>
@@ -17,6 +18,10 @@ const std::vector<std::string>& engine_flags();
 // --model DIR, or models/tansy-demo found from the current directory or the repository the
 // executable was built in.
 std::filesystem::path resolve_model_dir(const Flags& flags);
+
+// --backend auto|cpu|cuda (default auto: cuda on a Hopper GPU of a CUDA build, else cpu; the
+// choice and its reason go to stderr). Throws Error for cuda without a usable device.
+std::string backend_from_flags(const Flags& flags);
 
 struct LoadedEngine {
   std::filesystem::path dir;

@@ -26,13 +26,17 @@ def free_port():
 
 
 class ServerProcess:
-    def __init__(self, model_dir, log_path, *extra):
+    def __init__(self, model_dir, log_path, *extra, backend="cpu"):
         """model_dir None: the server's default model, found from the repository as cwd."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.log = open(log_path, "w")
         cmd = [TANSY, "serve", "--port", str(self.port), "--threads", "1"]
+        # The expectations are the CPU backend's (f32), while the default, `--backend auto`, would
+        # pick CUDA on a Hopper machine. backend=None leaves the flag out.
+        if backend:
+            cmd += ["--backend", backend]
         if model_dir:
             cmd += ["--model", model_dir, "--served-model-name", MODEL_ID, "--max-seq", str(MAX_SEQ)]
         self.proc = subprocess.Popen(cmd + list(extra), stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)

@@ -1,0 +1,31 @@
+// --backend auto|cpu|cuda: which backend a command runs on. auto picks the CUDA backend when this
+// build has it and device 0 is a Hopper GPU (compute capability 9.x, what the kernels are built
+// for), else the CPU backend.
+#pragma once
+#include <string>
+
+namespace tansy {
+
+// What the choice looks at.
+struct DeviceProbe {
+  bool cuda_built = false;   // this build has the CUDA backend
+  int devices = 0;           // visible CUDA devices
+  std::string name;          // device 0
+  int major = 0, minor = 0;  // device 0's compute capability
+  std::string error;         // why no device was found, when none was
+};
+
+// The real probe: asks the CUDA runtime in CUDA builds (never throws, also without a driver);
+// in CPU-only builds reports cuda_built = false without asking anything.
+DeviceProbe probe_devices();
+
+struct BackendChoice {
+  std::string backend;  // "cpu" or "cuda"
+  std::string reason;   // e.g. "NVIDIA H200, sm_90" or "no CUDA device: ..."
+};
+
+// `requested` is "auto", "cpu" or "cuda". "cuda" on a build without the backend, without a
+// device or on a device that is not Hopper throws Error saying which; anything else throws too.
+BackendChoice choose_backend(const std::string& requested, const DeviceProbe& probe);
+
+}  // namespace tansy
