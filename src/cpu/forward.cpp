@@ -78,7 +78,7 @@ class CpuModel final : public Model {
       report(i, "mixer_out", mix.data(), n, H);
       for (size_t j = 0; j < h.size(); ++j) h[j] += mix[j];
       for (int t = 0; t < n; ++t) cpu::rmsnorm(&h[size_t(t) * H], lw.post_norm.data(), H, cfg_.rms_eps, &xn[size_t(t) * H]);
-      moe(lw.moe, xn.data(), n, mix.data());
+      moe(i, lw.moe, xn.data(), n, mix.data());
       report(i, "moe_out", mix.data(), n, H);
       for (size_t j = 0; j < h.size(); ++j) h[j] += mix[j];
       report(i, "hidden", h.data(), n, H);
@@ -160,13 +160,15 @@ class CpuModel final : public Model {
 
   // Sparse MoE with the gated shared expert (MODEL.md §6). Tokens are grouped by expert so each
   // expert's weights are dequantized once per call.
-  void moe(const MoeWeights& w, const float* xn, int n, float* out) {
+  void moe(int layer, const MoeWeights& w, const float* xn, int n, float* out) {
     const int H = cfg_.hidden_size, E = cfg_.num_experts, K = cfg_.experts_per_tok;
     const int I = cfg_.moe_intermediate, S = cfg_.shared_intermediate;
     std::vector<float> logits(size_t(n) * E), wts(size_t(n) * K);
     std::vector<int> idx(size_t(n) * K);
     cpu::matmul(w.router, xn, n, logits.data());
     for (int t = 0; t < n; ++t) cpu::route_topk(&logits[size_t(t) * E], E, K, &idx[size_t(t) * K], &wts[size_t(t) * K]);
+    if (route_override_) override_routes(layer, logits, n, idx, wts);
+    if (route_trace_) route_trace_(layer, std::span<const int32_t>(idx.data(), idx.size()));
     std::fill(out, out + size_t(n) * H, 0.0f);
     std::vector<std::vector<std::pair<int, float>>> by_expert(E);
     for (int t = 0; t < n; ++t)
@@ -199,6 +201,26 @@ class CpuModel final : public Model {
     for (int t = 0; t < n; ++t) {
       const float s = 1.0f / (1.0f + std::exp(-gate[t]));
       for (int c = 0; c < H; ++c) out[size_t(t) * H + c] += s * sd[size_t(t) * H + c];
+    }
+  }
+
+  // set_route_override: the given experts, weighted by this layer's softmax renormalised over them.
+  void override_routes(int layer, const std::vector<float>& logits, int n, std::vector<int>& idx,
+                       std::vector<float>& wts) {
+    const int E = cfg_.num_experts, K = cfg_.experts_per_tok;
+    std::vector<int32_t> forced(size_t(n) * K);
+    if (!route_override_(layer, n, forced)) return;
+    for (int t = 0; t < n; ++t) {
+      const float* l = &logits[size_t(t) * E];
+      const float mx = *std::max_element(l, l + E);
+      float total = 0.f;
+      for (int j = 0; j < K; ++j) {
+        const int e = forced[size_t(t) * K + j];
+        if (e < 0 || e >= E) fail("route override: expert {} outside 0..{}", e, E - 1);
+        idx[size_t(t) * K + j] = e;
+        total += wts[size_t(t) * K + j] = std::exp(l[e] - mx);
+      }
+      for (int j = 0; j < K; ++j) wts[size_t(t) * K + j] /= total;
     }
   }
 

@@ -7,7 +7,14 @@
 //   router [experts | shared-expert gate | zero pad to an even row count]
 //   shared expert and routed experts: gate/up rows interleaved (2i = gate_i, 2i+1 = up_i), which
 //   both the decode kernels and the prefill GEMM's SwiGLU epilogue read.
-// Activations between ops are bf16, accumulation f32, GDN state f32, KV cache bf16, logits f32.
+//   the shared expert, when shaped like a routed one, as expert E of the stacked expert matrices
+//   (decode runs it as a ninth slot with weight sigmoid(gate logit); prefill reads it as a view).
+// The residual stream is f32; other activations between ops are bf16, accumulation f32, GDN state
+// f32, KV cache bf16, logits f32.
+//
+// A decode step (one token, no tracing) fuses the neighbours of each product into it: every RMSNorm
+// into the matvec that reads it (h ping-pongs between two f32 rows), the routing into the router,
+// the GDN conv and gates into in_proj, and the GDN norms into the recurrence.
 //
 // Decode (one token) runs the GEMV kernels, captured once per sequence state in a CUDA graph whose
 // input id and position live on the device; prefill (several tokens) runs the tensor-core kernels
@@ -26,6 +33,7 @@
 #include "core/safetensors.h"
 #include "cuda/attention_decode.cuh"
 #include "cuda/attention_prefill.cuh"
+#include "cuda/ceilings.cuh"
 #include "cuda/cuda_util.h"
 #include "cuda/embed.cuh"
 #include "cuda/gdn_decode.cuh"
@@ -172,9 +180,12 @@ struct DevLayer {
   DeviceBuffer<float> q_norm, k_norm;
   // MoE
   DevMatrix router;               // [E + 1 (+1 pad), H]
-  DevMatrix experts_gu;           // [E * 2I, H] interleaved gate/up per expert
-  DevMatrix experts_down;         // [E * H, I]
-  DevMatrix sh_gu, sh_down;       // [2S, H] interleaved, [H, S]
+  DevMatrix experts_gu;           // [E' * 2I, H] interleaved gate/up per expert (E' = E+1 when folded)
+  DevMatrix experts_down;         // [E' * H, I]
+  DevMatrix sh_gu, sh_down;       // [2S, H] interleaved, [H, S] (empty when folded)
+  bool sh_folded = false;         // the shared expert is expert E of experts_gu/experts_down
+  DevLinear routed_gu, routed_down;  // views: the E routed experts
+  DevLinear sh_gu_v, sh_down_v;      // views: the shared expert
 };
 
 // ---- sequence state ----
@@ -189,13 +200,14 @@ struct CudaState final : SequenceState {
   };
   std::vector<Layer> layers;
   cudaGraphExec_t decode_graph = nullptr;
+  int graph_limit = 0;  // the decode graph's argmax covers ids [0, graph_limit)
   ~CudaState() override {
     if (decode_graph) cudaGraphExecDestroy(decode_graph);
   }
   int n_tokens() const override { return n; }
 };
 
-class CudaModel final : public Model {
+class CudaModel final : public Model, public StageProfiler {
  public:
   explicit CudaModel(const std::filesystem::path& dir) : cfg_(load_config(dir)) {
     int devices = 0;
@@ -206,6 +218,7 @@ class CudaModel final : public Model {
     if (mode && std::string(mode) == "gemv") tc_prefill_ = false;
     else if (mode && std::string(mode) != "tc") fail("TANSY_CUDA_PREFILL must be 'tc' or 'gemv', not '{}'", mode);
     validate_config();
+    greedy_limit_ = cfg_.vocab_size;
     {
       TensorStore store = TensorStore::open(dir);
       ModelWeights w = load_weights(cfg_, store);
@@ -279,6 +292,15 @@ class CudaModel final : public Model {
     check_ids(st, ids);
     const size_t V = size_t(cfg_.vocab_size), need = all_positions ? V * n : V;
     if (logits.size() < need) fail("forward: logits buffer holds {} floats, needs {}", logits.size(), need);
+    if (n == 1 && !trace_ && !route_trace_ && st.decode_graph) {  // one token: the decode graph (its argmax is unused here)
+      *h_tok_ = ids[0];
+      CUDA_CHECK(cudaMemcpyAsync(d_tok_.get(), h_tok_, sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+      CUDA_CHECK(cudaGraphLaunch(st.decode_graph, stream_));
+      st.n += 1;
+      CUDA_CHECK(cudaMemcpyAsync(logits.data(), d_logits_.get(), sizeof(float) * V, cudaMemcpyDeviceToHost, stream_));
+      CUDA_CHECK(cudaStreamSynchronize(stream_));
+      return;
+    }
     for (int c0 = 0; c0 < n; c0 += kChunk) {
       const int m = std::min(kChunk, n - c0);
       CUDA_CHECK(cudaMemcpyAsync(d_ids_.get(), ids.data() + c0, sizeof(int) * m, cudaMemcpyHostToDevice, stream_));
@@ -298,12 +320,87 @@ class CudaModel final : public Model {
     CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
 
+  // ---- StageProfiler (`tansy bench --stages`): the same kernels launched eagerly, an event
+  // between stages. Events break the launch overlap PDL gives the graph, so stage times sum to
+  // more than a graph step.
+  std::vector<StageTime> profile_decode_step(SequenceState& state, int32_t token) override {
+    auto& st = dynamic_cast<CudaState&>(state);
+    check_ids(st, std::span<const int32_t>(&token, 1));
+    std::vector<Mark> marks;
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    *h_tok_ = token;
+    CUDA_CHECK(cudaMemcpyAsync(d_tok_.get(), h_tok_, sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+    marks_ = &marks;
+    try {
+      run_layers(st, d_tok_.get(), 1, false);
+      st.n += 1;
+      mark("lm_head", wbytes(lm_head_.view), 0, 1);
+      lm_head(0, 1);
+      mark("argmax", 4.0 * cfg_.vocab_size, 0, 2);
+      argmax(d_logits_.get(), cfg_.vocab_size, d_argmax_.get(), d_tok_.get(), nullptr, nullptr, stream_);
+      mark("");
+    } catch (...) {
+      marks_ = nullptr;
+      throw;
+    }
+    marks_ = nullptr;
+    return collect(marks);
+  }
+
+  std::vector<StageTime> profile_prefill(SequenceState& state, std::span<const int32_t> ids) override {
+    auto& st = dynamic_cast<CudaState&>(state);
+    check_ids(st, ids);
+    std::vector<Mark> marks;
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    marks_ = &marks;
+    try {
+      const int n = int(ids.size());
+      for (int c0 = 0; c0 < n; c0 += kChunk) {
+        const int m = std::min(kChunk, n - c0);
+        mark("ids upload");
+        CUDA_CHECK(cudaMemcpyAsync(d_ids_.get(), ids.data() + c0, sizeof(int) * m, cudaMemcpyHostToDevice, stream_));
+        run_chunk(st, m);
+      }
+      mark("lm_head", wbytes(lm_head_.view), 2.0 * lm_head_.view.out * lm_head_.view.in, 1);
+      lm_head(n > kChunk ? (n - 1) % kChunk : n - 1, 1);
+      mark("");
+    } catch (...) {
+      marks_ = nullptr;
+      throw;
+    }
+    marks_ = nullptr;
+    return collect(marks);
+  }
+
+  // The decode graph with the token id moved in and out (logits stay on the device).
+  int32_t greedy_step(SequenceState& state, int32_t tok, int limit) override {
+    if (trace_ || route_trace_) return Model::greedy_step(state, tok, limit);
+    auto& st = dynamic_cast<CudaState&>(state);
+    if (limit < 1 || limit > cfg_.vocab_size) fail("greedy_step: limit {} outside 1..{}", limit, cfg_.vocab_size);
+    check_ids(st, std::span<const int32_t>(&tok, 1));
+    if (limit != st.graph_limit) {
+      greedy_limit_ = limit;  // states made from now on capture this limit
+      CUDA_CHECK(cudaStreamSynchronize(stream_));
+      capture_decode_graph(st);
+    }
+    *h_tok_ = tok;
+    CUDA_CHECK(cudaMemcpyAsync(d_tok_.get(), h_tok_, sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+    CUDA_CHECK(cudaGraphLaunch(st.decode_graph, stream_));
+    st.n += 1;
+    return fetch_token();
+  }
+
   void generate_greedy(SequenceState& state, std::span<const int32_t> prompt, int n,
                        const std::function<bool(int32_t)>& on_token) override {
-    if (trace_) return Model::generate_greedy(state, prompt, n, on_token);  // traced runs go eagerly
+    if (trace_ || route_trace_) return Model::generate_greedy(state, prompt, n, on_token);  // traced runs go eagerly
     auto& st = dynamic_cast<CudaState&>(state);
     check_ids(st, prompt);
     if (n <= 0) return;
+    if (st.graph_limit != cfg_.vocab_size) {
+      const int saved = std::exchange(greedy_limit_, cfg_.vocab_size);
+      capture_decode_graph(st);
+      greedy_limit_ = saved;
+    }
     const int P = int(prompt.size());
     int m = 0;
     for (int c0 = 0; c0 < P; c0 += m) {
@@ -397,14 +494,30 @@ class CudaModel final : public Model {
         append_rows(rows, m.sh_router);
         if (rows.size() % 2) rows.push_back({nullptr, 0});  // even row count: paired GEMM stores
       }, "mlp.gate|shared_expert_gate");
+      const Linear& g0 = m.gate[0];
+      L.sh_folded = m.sh_gate.out == g0.out && m.sh_gate.fmt == g0.fmt && m.sh_gate.in == g0.in &&
+                    m.sh_gate.group == g0.group && m.sh_down.fmt == m.down[0].fmt && m.sh_down.in == m.down[0].in &&
+                    m.sh_down.group == m.down[0].group && m.sh_up.fmt == g0.fmt && m.sh_up.group == g0.group;
       L.experts_gu = matrix([&] {
         for (int e = 0; e < c.num_experts; ++e) append_interleaved(rows, m.gate[e], m.up[e]);
+        if (L.sh_folded) append_interleaved(rows, m.sh_gate, m.sh_up);
       }, "experts gate|up");
       L.experts_down = matrix([&] {
         for (int e = 0; e < c.num_experts; ++e) append_rows(rows, m.down[e]);
+        if (L.sh_folded) append_rows(rows, m.sh_down);
       }, "experts down");
-      L.sh_gu = matrix([&] { append_interleaved(rows, m.sh_gate, m.sh_up); }, "shared_expert gate|up");
-      L.sh_down = matrix([&] { append_rows(rows, m.sh_down); }, "shared_expert down");
+      const int I = c.moe_intermediate;
+      L.routed_gu = L.experts_gu.view.rows(0, c.num_experts * 2 * I);
+      L.routed_down = L.experts_down.view.rows(0, c.num_experts * c.hidden_size);
+      if (L.sh_folded) {
+        L.sh_gu_v = L.experts_gu.view.rows(c.num_experts * 2 * I, 2 * I);
+        L.sh_down_v = L.experts_down.view.rows(c.num_experts * c.hidden_size, c.hidden_size);
+      } else {
+        L.sh_gu = matrix([&] { append_interleaved(rows, m.sh_gate, m.sh_up); }, "shared_expert gate|up");
+        L.sh_down = matrix([&] { append_rows(rows, m.sh_down); }, "shared_expert down");
+        L.sh_gu_v = L.sh_gu.view;
+        L.sh_down_v = L.sh_down.view;
+      }
     }
   }
 
@@ -420,6 +533,12 @@ class CudaModel final : public Model {
     d_ids_.resize(C);
     d_tok_.resize(1);
     h_.resize(C * H);
+    h2_.resize(H);
+    conv_f32_.resize(c.lin_conv_dim());
+    gdn_counters_.resize(std::max(1, c.lin_num_v_heads));
+    route_counter_.resize(1);
+    CUDA_CHECK(cudaMemset(gdn_counters_.get(), 0, gdn_counters_.bytes()));
+    CUDA_CHECK(cudaMemset(route_counter_.get(), 0, route_counter_.bytes()));
     xn_.resize(C * H);
     r_.resize(C * H);
     proj_.resize(C * proj_ld_);
@@ -430,8 +549,8 @@ class CudaModel final : public Model {
     o_.resize(C * mix);
     mix_.resize(C * mix);
     router_logits_.resize(C * router_ld_);
-    topk_idx_.resize(C * K);
-    topk_w_.resize(C * K);
+    topk_idx_.resize(C * K + 1);  // decode: k routed slots + the shared one
+    topk_w_.resize(C * K + 1);
     act_.resize(C * K * c.moe_intermediate);
     sh_act_.resize(C * c.shared_intermediate);
     sh_out_.resize(C * H);
@@ -471,22 +590,30 @@ class CudaModel final : public Model {
     cudaGraph_t g = nullptr;
     // Tracing synchronises the stream, which a capture forbids; graphs are never traced.
     TraceFn saved = std::exchange(trace_, nullptr);
+    RouteTraceFn saved_routes = std::exchange(route_trace_, nullptr);
     CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed));
     try {
       run_layers(st, d_tok_.get(), 1, /*tc=*/false);
       lm_head(0, 1);
-      argmax(d_logits_.get(), cfg_.vocab_size, d_argmax_.get(), d_tok_.get(), nullptr, nullptr, stream_);
+      argmax(d_logits_.get(), greedy_limit_, d_argmax_.get(), d_tok_.get(), nullptr, nullptr, stream_);
     } catch (...) {
       cudaStreamEndCapture(stream_, &g);
       if (g) cudaGraphDestroy(g);
       trace_ = std::move(saved);
+      route_trace_ = std::move(saved_routes);
       throw;
     }
     trace_ = std::move(saved);
+    route_trace_ = std::move(saved_routes);
     CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
+    if (st.decode_graph) {
+      CUDA_CHECK(cudaGraphExecDestroy(st.decode_graph));
+      st.decode_graph = nullptr;
+    }
     cudaError_t e = cudaGraphInstantiate(&st.decode_graph, g, 0);
     cudaGraphDestroy(g);
     CUDA_CHECK(e);
+    st.graph_limit = greedy_limit_;
   }
 
   // Feeds the m ids in d_ids_ (host state advanced here).
@@ -509,28 +636,208 @@ class CudaModel final : public Model {
     for (int i = 0; i < dim; ++i) f[i] = bf16_to_f32(raw[i]);
     trace_(name, f);
   }
+  struct Mark {
+    std::string name;  // "" ends the last stage
+    cudaEvent_t ev = nullptr;
+    double bytes = 0, flops = 0;
+    int launches = 0;
+  };
+  // Starts stage `name` (ending the previous one) when profiling; otherwise nothing.
+  void mark(std::string name, double bytes = 0, double flops = 0, int launches = 1) {
+    if (!marks_) return;
+    Mark mk{std::move(name), nullptr, bytes, flops, launches};
+    CUDA_CHECK(cudaEventCreate(&mk.ev));
+    CUDA_CHECK(cudaEventRecord(mk.ev, stream_));
+    marks_->push_back(std::move(mk));
+  }
+  std::vector<StageTime> collect(std::vector<Mark>& marks) {
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    std::vector<StageTime> out;
+    for (size_t i = 0; i + 1 < marks.size(); ++i) {
+      float ms = 0;
+      CUDA_CHECK(cudaEventElapsedTime(&ms, marks[i].ev, marks[i + 1].ev));
+      auto it = std::find_if(out.begin(), out.end(), [&](const StageTime& t) { return t.name == marks[i].name; });
+      if (it == out.end()) it = out.insert(out.end(), StageTime{marks[i].name, 0, 0, 0, 0});
+      it->ms += ms;
+      it->bytes += marks[i].bytes;
+      it->flops += marks[i].flops;
+      it->launches += marks[i].launches;
+    }
+    for (auto& mk : marks) cudaEventDestroy(mk.ev);
+    return out;
+  }
+  // Bytes a product must read: codes (or bf16 values) plus scales and biases.
+  static double wbytes(const DevLinear& W) {
+    const double codes = double(W.out) * W.in * W.bits() / 8;
+    return W.fmt == WFormat::kBF16 ? codes : codes + double(W.out) * (W.in / kQuantGroup) * 4;
+  }
+  static double wflops(const DevLinear& W, int m) { return 2.0 * W.out * W.in * m; }
+
+  // set_route_trace: the routed experts of the m tokens just routed (stride ids per token).
+  void report_routes(int layer, int m, int stride) {
+    if (!route_trace_) return;
+    const int K = cfg_.experts_per_tok;
+    std::vector<int32_t> all(size_t(m) * stride), idx(size_t(m) * K);
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    CUDA_CHECK(cudaMemcpy(all.data(), topk_idx_.get(), all.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+    for (int t = 0; t < m; ++t)
+      for (int j = 0; j < K; ++j) idx[size_t(t) * K + j] = all[size_t(t) * stride + j];
+    route_trace_(layer, idx);
+  }
+
+  void trace_row(const std::string& name, const float* rows, int n, int dim) {
+    if (!trace_) return;
+    std::vector<float> f(dim);
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    CUDA_CHECK(cudaMemcpy(f.data(), rows + size_t(n - 1) * dim, size_t(dim) * 4, cudaMemcpyDeviceToHost));
+    trace_(name, f);
+  }
 
   // The whole stack for m tokens whose ids are at `ids` (device); leaves final-normed rows in xn_
   // and advances the device position. Graph-capturable when tc is false.
   void run_layers(CudaState& st, const int* ids, int m, bool tc) {
+    if (m == 1 && !tc && !trace_) return run_decode_fused(st, ids);
     const ModelConfig& c = cfg_;
     const int H = c.hidden_size;
+    const double norm_bytes = double(m) * H * (4 + 4 + 2 + 2);  // h read+written, r read, xn written
+    mark("embed", double(m) * H * 4);
     embed(embed_.view, ids, m, h_.get(), stream_);
+    mark("residual add + rmsnorm", norm_bytes);
     add_rmsnorm(h_.get(), nullptr, layers_[0].in_norm.get(), m, H, c.rms_eps, xn_.get(), stream_);
     for (int i = 0; i < c.num_layers; ++i) {
       DevLayer& L = layers_[i];
       if (L.kind == LayerKind::kLinear) gdn(L, st.layers[i], m, tc);
       else attention(L, st, st.layers[i], m, tc);
       trace_row("layer." + std::to_string(i) + ".mixer_out", r_.get(), m, H);
+      mark("residual add + rmsnorm", norm_bytes);
       add_rmsnorm(h_.get(), r_.get(), L.post_norm.get(), m, H, c.rms_eps, xn_.get(), stream_);
-      moe(L, m, tc);
+      moe(i, L, m, tc);
       trace_row("layer." + std::to_string(i) + ".moe_out", r_.get(), m, H);
       const float* next = i + 1 < c.num_layers ? layers_[i + 1].in_norm.get() : final_norm_.get();
+      mark("residual add + rmsnorm", norm_bytes);
       add_rmsnorm(h_.get(), r_.get(), next, m, H, c.rms_eps, xn_.get(), stream_);
       trace_row("layer." + std::to_string(i) + ".hidden", h_.get(), m, H);
     }
     trace_row("final_norm", xn_.get(), m, H);
+    mark("position");
     advance_pos(st.pos.get(), m, stream_);
+  }
+
+  // One token, each norm / routing / GDN step fused into its neighbour (see the file comment).
+  // The residual row ping-pongs between h_ and h2_: a fused norm reads one and its first block
+  // writes the sum to the other while the rest of the grid still reads.
+  void run_decode_fused(CudaState& st, const int* ids) {
+    const ModelConfig& c = cfg_;
+    const int H = c.hidden_size, E = c.num_experts, K = c.experts_per_tok;
+    float* cur = h_.get();
+    float* other = h2_.get();
+    const int I = c.moe_intermediate;
+    mark("embed", double(H) * 4);
+    embed(embed_.view, ids, 1, cur, stream_);
+    const bf16* res = nullptr;  // output of the previous block, not yet added to cur
+    // The normed residual for the next product; advances cur when a residual is pending.
+    auto next_norm = [&](const float* w, bf16* xn_out) {
+      NormIn in;
+      in.h = cur;
+      in.r = res;
+      in.w = w;
+      in.eps = c.rms_eps;
+      in.xn_out = xn_out;
+      if (res) {
+        in.h_out = other;
+        std::swap(cur, other);
+      }
+      res = nullptr;
+      return in;
+    };
+    for (int i = 0; i < c.num_layers; ++i) {
+      DevLayer& L = layers_[i];
+      CudaState::Layer& S = st.layers[i];
+      bf16* P = proj_.get();
+      const NormIn in = next_norm(L.in_norm.get(), nullptr);
+      if (L.kind == LayerKind::kLinear) {
+        const int C = c.lin_conv_dim(), VD = c.lin_value_dim();
+        GdnInEpilogue ge;
+        ge.conv_dim = C;
+        ge.value_dim = VD;
+        ge.n_v_heads = c.lin_num_v_heads;
+        ge.kernel = c.conv_kernel;
+        ge.conv_w = L.conv_w.get();
+        ge.window = S.window.get();
+        ge.A_log = L.A_log.get();
+        ge.dt_bias = L.dt_bias.get();
+        ge.conv_out = conv_f32_.get();
+        ge.beta = beta_.get();
+        ge.g = g_.get();
+        mark("gdn.in_proj+norm+conv+gates", wbytes(L.gdn_in.view));
+        matvec_norm_gdn(L.gdn_in.view, in, P, ge, stream_);  // [qkv | z | a | b]
+        GdnDecodeArgs ga;
+        ga.conv = conv_f32_.get();
+        ga.beta = beta_.get();
+        ga.g = g_.get();
+        ga.n_k_heads = c.lin_num_k_heads;
+        ga.n_v_heads = c.lin_num_v_heads;
+        ga.state = S.S.get();
+        ga.z = P + C;
+        ga.norm_w = L.gnorm.get();
+        ga.eps = c.rms_eps;
+        ga.o = o_.get();
+        ga.counters = gdn_counters_.get();
+        ga.y = mix_.get();
+        mark("gdn.recurrence+norms", 2.0 * c.lin_num_v_heads * kGdnDim * kGdnDim * 4);
+        gdn_decode_step(ga, stream_);
+        mark("gdn.out_proj", wbytes(L.gdn_out.view));
+        matvec(L.gdn_out.view, mix_.get(), VD, 1, MatvecOut{r_.get(), false, H}, stream_);
+      } else {
+        const int QD = c.q_dim();
+        mark("attn.in_proj+norm", wbytes(L.attn_in.view));
+        matvec_norm(L.attn_in.view, in, MatvecOut{P, false, proj_ld_}, stream_);  // [q+gate | k | v]
+        QkvLayout lay{P, proj_ld_, c.num_heads, c.num_kv_heads};
+        mark("attn.qk_norm_rope");
+        qk_norm_rope(lay, 1, st.pos.get(), L.q_norm.get(), L.k_norm.get(), c.rms_eps, c.rotary_dim, c.rope_theta,
+                     S.K.get(), S.V.get(), stream_);
+        mark("attn.decode (split+combine)", 2.0 * (st.n + 1) * c.kv_dim() * 2, 0, 2);
+        attention_decode(lay, 1, st.pos.get(), S.K.get(), S.V.get(), kDecodeSplits, attn_scratch_.get(), mix_.get(), QD,
+                         stream_);
+        mark("attn.o_proj", wbytes(L.attn_o.view));
+        matvec(L.attn_o.view, mix_.get(), QD, 1, MatvecOut{r_.get(), false, H}, stream_);
+      }
+      res = r_.get();
+      // MoE: router (+ norm, + routing) -> experts gate|up -> down + combine.
+      const NormIn pin = next_norm(L.post_norm.get(), xn_.get());
+      RouteEpilogue re;
+      re.E = E;
+      re.k = K;
+      re.shared_slot = L.sh_folded;
+      re.idx = topk_idx_.get();
+      re.w = topk_w_.get();
+      re.counter = route_counter_.get();
+      mark("moe.router+norm+topk", wbytes(L.router.view));
+      matvec_norm_route(L.router.view, pin, router_logits_.get(), re, stream_);
+      report_routes(i, 1, L.sh_folded ? K + 1 : K);
+      const double gu1 = wbytes(L.experts_gu.view.rows(0, 2 * I)), dn1 = wbytes(L.experts_down.view.rows(0, H));
+      if (L.sh_folded) {
+        mark("moe.experts gate|up (k+shared)", (K + 1) * gu1);
+        matvec_swiglu_experts(L.experts_gu.view, E + 1, topk_idx_.get(), 1, K + 1, xn_.get(), H, act_.get(), stream_);
+        mark("moe.experts down+combine", (K + 1) * dn1);
+        moe_down_combine(L.experts_down.view, E + 1, topk_idx_.get(), topk_w_.get(), act_.get(), 1, K + 1, nullptr,
+                         nullptr, 0, r_.get(), stream_);
+      } else {
+        const int SI = c.shared_intermediate;
+        mark("moe.shared expert", wbytes(L.sh_gu_v) + wbytes(L.sh_down_v), 0, 2);
+        matvec_swiglu(L.sh_gu_v, xn_.get(), H, 1, sh_act_.get(), SI, stream_);
+        matvec(L.sh_down_v, sh_act_.get(), SI, 1, MatvecOut{r_.get(), false, H}, stream_);
+        mark("moe.experts gate|up (k+shared)", K * gu1);
+        matvec_swiglu_experts(L.routed_gu, E, topk_idx_.get(), 1, K, xn_.get(), H, act_.get(), stream_);
+        mark("moe.experts down+combine", K * dn1);
+        moe_down_combine(L.routed_down, E, topk_idx_.get(), topk_w_.get(), act_.get(), 1, K, r_.get(),
+                         router_logits_.get() + E, router_ld_, r_.get(), stream_);
+      }
+      res = r_.get();
+    }
+    mark("final_norm + position", 0, 0, 2);
+    add_rmsnorm(cur, res, final_norm_.get(), 1, H, c.rms_eps, xn_.get(), stream_);
+    advance_pos(st.pos.get(), 1, stream_);
   }
 
   // Projection: GEMV for decode, tensor-core GEMM for prefill.
@@ -551,6 +858,7 @@ class CudaModel final : public Model {
     const int H = c.hidden_size, C = c.lin_conv_dim(), KD = c.lin_key_dim(), VD = c.lin_value_dim();
     const int NK = c.lin_num_k_heads, NV = c.lin_num_v_heads;
     bf16* P = proj_.get();
+    mark("gdn.in_proj", wbytes(L.gdn_in.view), wflops(L.gdn_in.view, m));
     project(L.gdn_in.view, xn_.get(), H, m, P, false, proj_ld_, tc);  // [qkv | z | a | b]
     GdnConvArgs ca;
     ca.x = P;
@@ -569,6 +877,7 @@ class CudaModel final : public Model {
     ca.y = conv_y_.get();
     ca.beta = beta_.get();
     ca.g = g_.get();
+    mark("gdn.conv+gates", 0, 0, m > kConvTokensPerBlock ? 2 : 1);
     gdn_conv(ca, stream_);
     GdnPrefillArgs ra;
     ra.q = conv_y_.get();
@@ -583,9 +892,14 @@ class CudaModel final : public Model {
     ra.state = S.S.get();
     ra.o_f32 = o_.get();
     ra.o_stride = VD;
+    // chunked delta rule: per chunk of 64 and value head ~ (2 + 4 + 2) * 64 * 128 * 128 multiply-adds
+    mark(tc ? "gdn.chunked delta rule" : "gdn.recurrence", 2.0 * NV * kGdnDim * kGdnDim * 4,
+         tc ? 2.0 * 8 * double(m) * NV * kGdnDim * kGdnDim : 0);
     if (tc) gdn_prefill(ra, stream_);
     else gdn_recurrent(ra, stream_);
+    mark("gdn.gated_norm");
     gated_rmsnorm(o_.get(), VD, P + C, proj_ld_, L.gnorm.get(), m, NV, kGdnDim, c.rms_eps, mix_.get(), VD, stream_);
+    mark("gdn.out_proj", wbytes(L.gdn_out.view), wflops(L.gdn_out.view, m));
     project(L.gdn_out.view, mix_.get(), VD, m, r_.get(), false, H, tc);
   }
 
@@ -593,10 +907,16 @@ class CudaModel final : public Model {
     const ModelConfig& c = cfg_;
     const int H = c.hidden_size, QD = c.q_dim();
     bf16* P = proj_.get();
+    mark("attn.in_proj", wbytes(L.attn_in.view), wflops(L.attn_in.view, m));
     project(L.attn_in.view, xn_.get(), H, m, P, false, proj_ld_, tc);  // [q+gate per head | k | v]
     QkvLayout lay{P, proj_ld_, c.num_heads, c.num_kv_heads};
+    mark("attn.qk_norm_rope");
     qk_norm_rope(lay, m, st.pos.get(), L.q_norm.get(), L.k_norm.get(), c.rms_eps, c.rotary_dim, c.rope_theta,
                  S.K.get(), S.V.get(), stream_);
+    // causal: query t sees p0 + t + 1 keys; QK^T and PV are 2 * 2 * 256 flops per (head, key)
+    const double pairs = double(m) * st.n + double(m) * (m + 1) / 2;
+    mark(tc ? "attn.flash prefill" : "attn.decode (split+combine)", 2.0 * (st.n + m) * c.kv_dim() * 2,
+         4.0 * c.num_heads * kHeadDim * pairs, tc ? 1 : 2);
     if (tc) {
       AttnPrefillArgs a;
       a.q = P;
@@ -624,21 +944,31 @@ class CudaModel final : public Model {
       attention_decode(lay, m, st.pos.get(), S.K.get(), S.V.get(), splits, attn_scratch_.get(), mix_.get(), QD,
                        stream_);
     }
+    mark("attn.o_proj", wbytes(L.attn_o.view), wflops(L.attn_o.view, m));
     project(L.attn_o.view, mix_.get(), QD, m, r_.get(), false, H, tc);
   }
 
-  void moe(DevLayer& L, int m, bool tc) {
+  void moe(int layer, DevLayer& L, int m, bool tc) {
     const ModelConfig& c = cfg_;
     const int H = c.hidden_size, E = c.num_experts, K = c.experts_per_tok;
     const int I = c.moe_intermediate, SI = c.shared_intermediate;
     // router logits [m, E] and the shared-expert gate logit in column E
+    mark("moe.router", wbytes(L.router.view), wflops(L.router.view, m));
     project(L.router.view, xn_.get(), H, m, router_logits_.get(), true, router_ld_, tc);
+    mark("moe.route_topk");
     route_topk(router_logits_.get(), router_ld_, m, E, K, topk_idx_.get(), topk_w_.get(), stream_);
+    report_routes(layer, m, K);
+    // every expert's weights are read once per chunk (random routing touches all of them)
+    const double gu_bytes = wbytes(L.routed_gu), dn_bytes = wbytes(L.routed_down);
+    const double gu_flops = 2.0 * m * K * 2 * I * H, dn_flops = 2.0 * m * K * H * I;
     if (!tc) {
-      matvec_swiglu(L.sh_gu.view, xn_.get(), H, m, sh_act_.get(), SI, stream_);
-      matvec(L.sh_down.view, sh_act_.get(), SI, m, MatvecOut{r_.get(), false, H}, stream_);
-      matvec_swiglu_experts(L.experts_gu.view, E, topk_idx_.get(), m, K, xn_.get(), H, act_.get(), stream_);
-      moe_down_combine(L.experts_down.view, E, topk_idx_.get(), topk_w_.get(), act_.get(), m, K, r_.get(),
+      mark("moe.shared expert", wbytes(L.sh_gu_v) + wbytes(L.sh_down_v), wflops(L.sh_gu_v, m) + wflops(L.sh_down_v, m), 2);
+      matvec_swiglu(L.sh_gu_v, xn_.get(), H, m, sh_act_.get(), SI, stream_);
+      matvec(L.sh_down_v, sh_act_.get(), SI, m, MatvecOut{r_.get(), false, H}, stream_);
+      mark("moe.experts gate|up", gu_bytes, gu_flops);
+      matvec_swiglu_experts(L.routed_gu, E, topk_idx_.get(), m, K, xn_.get(), H, act_.get(), stream_);
+      mark("moe.experts down+combine", dn_bytes, dn_flops);
+      moe_down_combine(L.routed_down, E, topk_idx_.get(), topk_w_.get(), act_.get(), m, K, r_.get(),
                        router_logits_.get() + E, router_ld_, r_.get(), stream_);
       return;
     }
@@ -647,15 +977,20 @@ class CudaModel final : public Model {
     rt.tile_offsets = tile_offsets_.get();
     rt.sorted_slot = sorted_slot_.get();
     rt.slot_row = slot_row_.get();
+    mark("moe.route_sort");
     moe_route_sort(topk_idx_.get(), m, K, E, rt, stream_);
     GemmOutput gu{act_.get(), GemmOutType::kBF16, I, GemmEpilogue::kSwiGlu};
-    gemm_grouped(L.experts_gu.view, E, xn_.get(), H, true, m, K, rt, gu, stream_);
+    mark("moe.experts gate|up", gu_bytes, gu_flops);
+    gemm_grouped(L.routed_gu, E, xn_.get(), H, true, m, K, rt, gu, stream_);
     GemmOutput dn{yd_.get(), GemmOutType::kBF16, H, GemmEpilogue::kStore};
-    gemm_grouped(L.experts_down.view, E, act_.get(), I, false, m, K, rt, dn, stream_);
-    gemm(L.sh_gu.view, xn_.get(), H, m,
+    mark("moe.experts down", dn_bytes, dn_flops);
+    gemm_grouped(L.routed_down, E, act_.get(), I, false, m, K, rt, dn, stream_);
+    mark("moe.shared expert", wbytes(L.sh_gu_v) + wbytes(L.sh_down_v), wflops(L.sh_gu_v, m) + wflops(L.sh_down_v, m), 2);
+    gemm(L.sh_gu_v, xn_.get(), H, m,
          GemmOutput{sh_act_.get(), GemmOutType::kBF16, SI, GemmEpilogue::kSwiGlu}, stream_);
-    gemm(L.sh_down.view, sh_act_.get(), SI, m,
+    gemm(L.sh_down_v, sh_act_.get(), SI, m,
          GemmOutput{sh_out_.get(), GemmOutType::kBF16, H, GemmEpilogue::kStore}, stream_);
+    mark("moe.combine");
     moe_combine(yd_.get(), slot_row_.get(), topk_w_.get(), m, K, H, nullptr, sh_out_.get(), router_logits_.get() + E,
                 router_ld_, r_.get(), stream_);
   }
@@ -671,7 +1006,10 @@ class CudaModel final : public Model {
   int64_t proj_ld_ = 0, router_ld_ = 0;
   DeviceBuffer<int> d_ids_;            // [kChunk] input ids
   DeviceBuffer<int> d_tok_;            // [1] the decode step's input id, overwritten by its argmax
-  DeviceBuffer<bf16> h_, xn_, r_;      // [m, H] residual stream, normed input, mixer/MoE output
+  DeviceBuffer<float> h_, h2_;         // [m, H] residual stream (f32); h2_ [H]: decode's other row
+  DeviceBuffer<bf16> xn_, r_;          // [m, H] normed input, mixer/MoE output
+  DeviceBuffer<float> conv_f32_;       // decode: [conv_dim] GDN conv output
+  DeviceBuffer<unsigned> gdn_counters_, route_counter_;  // last-block counters of fused decode kernels
   DeviceBuffer<bf16> proj_;            // [m, proj_ld] fused input projections
   DeviceBuffer<bf16> conv_y_;          // [m, conv_dim] conv output, q/k normalised
   DeviceBuffer<float> beta_, g_;       // [m, n_v_heads]
@@ -689,6 +1027,8 @@ class CudaModel final : public Model {
   DeviceBuffer<int> expert_offsets_, tile_offsets_, sorted_slot_, slot_row_;  // prefill MoE routing
   DeviceBuffer<bf16> yd_;              // [m*k, H] routed experts' down outputs in sorted order
   int32_t* h_tok_ = nullptr;           // pinned
+  int greedy_limit_ = 0;               // argmax range captured into new decode graphs
+  std::vector<Mark>* marks_ = nullptr; // set while a StageProfiler call runs
 };
 
 }  // namespace

@@ -5,11 +5,11 @@
 namespace tansy::cuda {
 namespace {
 
-__global__ void embed_kernel(DevLinear E, const int* __restrict__ ids, bf16* __restrict__ h) {
+__global__ void embed_kernel(DevLinear E, const int* __restrict__ ids, float* __restrict__ h) {
   pdl_wait();
   pdl_launch_dependents();
   const int t = blockIdx.x, id = ids[t];
-  bf16* out = h + int64_t(t) * E.in;
+  float* out = h + int64_t(t) * E.in;
   const bool ok = id >= 0 && id < E.out;
   for (int c = threadIdx.x; c < E.in; c += blockDim.x) {
     float v = 0.f;
@@ -24,7 +24,7 @@ __global__ void embed_kernel(DevLinear E, const int* __restrict__ ids, bf16* __r
         v = __bfloat162float(E.scales[g]) * float(code) + __bfloat162float(E.biases[g]);
       }
     }
-    out[c] = __float2bfloat16(v);
+    out[c] = v;
   }
 }
 
@@ -83,7 +83,7 @@ __global__ void advance_kernel(int* pos, int n) {
 
 }  // namespace
 
-void embed(const DevLinear& E, const int* ids, int n, bf16* h, cudaStream_t stream) {
+void embed(const DevLinear& E, const int* ids, int n, float* h, cudaStream_t stream) {
   TANSY_CHECK(E.fmt == WFormat::kBF16 || E.fmt == WFormat::kAffine4 || E.fmt == WFormat::kAffine8,
               "embed: format {} unsupported", wformat_name(E.fmt));
   TANSY_CHECK(E.in % kQuantGroup == 0 && n >= 1 && ids && h, "embed: bad arguments (in {}, n {})", E.in, n);

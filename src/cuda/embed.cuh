@@ -8,9 +8,9 @@
 
 namespace tansy::cuda {
 
-// h[t, :] = bf16(E[ids[t], :]) for t < n; ids on the device. Ids outside [0, E.out) give zeros
+// h[t, :] = E[ids[t], :] (f32: the residual stream) for t < n; ids on the device. Ids outside [0, E.out) give zeros
 // (the host validates ids before they reach the device; generated ids come from argmax).
-void embed(const DevLinear& E, const int* ids, int n, bf16* h, cudaStream_t stream);
+void embed(const DevLinear& E, const int* ids, int n, float* h, cudaStream_t stream);
 
 constexpr int kArgmaxBlocks = 264;  // 2 per SM on an H200
 

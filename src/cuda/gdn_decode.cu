@@ -150,7 +150,74 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(GdnPrefillArgs A) {
   for (int i = 0; i < 32; ++i) S[int64_t(i) * kGdnDim] = s[i];
 }
 
+// Block (value head h, columns c0..c0+31), 128 threads: the recurrence of gdn_recurrent_kernel
+// for one token, with q/k normalised in the block and the gated norm done by the head's last block.
+__global__ void __launch_bounds__(128) gdn_decode_kernel(GdnDecodeArgs A) {
+  __shared__ float qs[kGdnDim], ks[kGdnDim];
+  __shared__ float red[4], red_u[4][32], red_o[4][32];
+  __shared__ int last;
+  pdl_wait();
+  pdl_launch_dependents();
+  const int h = blockIdx.x, c0 = blockIdx.y * kColsPerBlock;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, d = threadIdx.x;
+  const int hk = h / (A.n_v_heads / A.n_k_heads);
+  const int KD = A.n_k_heads * kGdnDim;
+  float* S = A.state + (int64_t(h) * kGdnDim + warp * 32) * kGdnDim + c0 + lane;
+  float s[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) s[i] = S[int64_t(i) * kGdnDim];
+  const float qv = A.conv[hk * kGdnDim + d], kv = A.conv[KD + hk * kGdnDim + d];
+  const float v = A.conv[2 * KD + h * kGdnDim + c0 + lane];
+  const float beta = A.beta[h], decay = __expf(A.g[h]);
+  const float qn = rsqrtf(sum128(qv * qv, red) + 1e-6f) * rsqrtf(float(kGdnDim));
+  const float kn = rsqrtf(sum128(kv * kv, red) + 1e-6f);
+  qs[d] = qv * qn;
+  ks[d] = kv * kn;
+  __syncthreads();
+  float u = 0.f;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    s[i] *= decay;
+    u = fmaf(s[i], ks[warp * 32 + i], u);
+  }
+  red_u[warp][lane] = u;
+  __syncthreads();
+  const float dlt = beta * (v - (red_u[0][lane] + red_u[1][lane] + red_u[2][lane] + red_u[3][lane]));
+  float o = 0.f;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    s[i] = fmaf(ks[warp * 32 + i], dlt, s[i]);
+    o = fmaf(s[i], qs[warp * 32 + i], o);
+  }
+#pragma unroll
+  for (int i = 0; i < 32; ++i) S[int64_t(i) * kGdnDim] = s[i];
+  red_o[warp][lane] = o;
+  __syncthreads();
+  if (warp == 0) A.o[h * kGdnDim + c0 + lane] = red_o[0][lane] + red_o[1][lane] + red_o[2][lane] + red_o[3][lane];
+  // The head's last block applies the gated norm to all 128 outputs.
+  __threadfence();
+  __syncthreads();
+  if (d == 0) last = atomicAdd(A.counters + h, 1u) == gridDim.y - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const float ov = __ldcg(A.o + h * kGdnDim + d);
+  const float ss = sum128(ov * ov, red);
+  const float zz = __bfloat162float(A.z[h * kGdnDim + d]);
+  const float gate = zz / (1.f + __expf(-zz));
+  A.y[h * kGdnDim + d] = __float2bfloat16(A.norm_w[d] * ov * rsqrtf(ss / float(kGdnDim) + A.eps) * gate);
+  if (d == 0) A.counters[h] = 0;
+}
+
 }  // namespace
+
+void gdn_decode_step(const GdnDecodeArgs& a, cudaStream_t stream) {
+  TANSY_CHECK(a.n_k_heads >= 1 && a.n_v_heads >= 1 && a.n_v_heads % a.n_k_heads == 0,
+              "gdn_decode_step: heads {}/{} invalid", a.n_k_heads, a.n_v_heads);
+  TANSY_CHECK(a.conv && a.beta && a.g && a.state && a.z && a.norm_w && a.o && a.counters && a.y,
+              "gdn_decode_step: missing buffers");
+  pdl_launch(gdn_decode_kernel, dim3(a.n_v_heads, kGdnDim / kColsPerBlock), dim3(128), 0, stream, a);
+}
 
 void gdn_conv(const GdnConvArgs& a, cudaStream_t stream) {
   TANSY_CHECK(a.n >= 1 && a.n_k_heads >= 1 && a.n_v_heads >= 1 && a.n_v_heads % a.n_k_heads == 0,

@@ -40,4 +40,23 @@ void gdn_conv(const GdnConvArgs& a, cudaStream_t stream);
 // gdn_prefill does the same chunked). Writes a.o_f32.
 void gdn_recurrent(const GdnPrefillArgs& a, cudaStream_t stream);
 
+// One decode token through the rest of a GDN layer after matvec_norm_gdn: q/k l2-normalisation
+// (q scaled by 1/sqrt(128)), the delta-rule update of the f32 state, and the gated RMSNorm per
+// value head (§5.5-5.7), in one launch: block (head, 32 state columns); the last of a head's four
+// blocks to finish normalises the head's 128 outputs.
+struct GdnDecodeArgs {
+  const float* conv = nullptr;     // [conv_dim]: SiLU(conv) of q heads | k heads | v heads
+  const float* beta = nullptr;     // [n_v_heads]
+  const float* g = nullptr;        // [n_v_heads]
+  int n_k_heads = 0, n_v_heads = 0;
+  float* state = nullptr;          // [n_v_heads, 128, 128], updated
+  const bf16* z = nullptr;         // [n_v_heads * 128] gate input
+  const float* norm_w = nullptr;   // [128]
+  float eps = 0.f;
+  float* o = nullptr;              // [n_v_heads * 128] f32 scratch: outputs before the norm
+  unsigned* counters = nullptr;    // [n_v_heads], zero before the launch (left zero)
+  bf16* y = nullptr;               // [n_v_heads * 128]
+};
+void gdn_decode_step(const GdnDecodeArgs& a, cudaStream_t stream);
+
 }  // namespace tansy::cuda

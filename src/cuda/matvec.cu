@@ -5,7 +5,9 @@
 // turns the affine dequant into one multiply-add per chunk: Σ(s·q+b)x = s·Σqx + b·Σx.
 #include "cuda/matvec.cuh"
 
+#include "cuda/moe.cuh"
 #include "cuda/pdl.cuh"
+#include "cuda/route_device.cuh"
 
 namespace tansy::cuda {
 
@@ -170,6 +172,76 @@ __device__ void stage_rows(const bf16* x, int64_t ldx, int rows, int valid_rows,
   }
 }
 
+// What a decode launch fuses around the product (T == 1, MODE 0 only).
+enum class Epi : int { kNone = 0, kRoute = 1, kGdnIn = 2 };
+struct Fusion {
+  NormIn norm;  // norm.w == nullptr: X is read as given
+  Epi epi = Epi::kNone;
+  RouteEpilogue route;
+  GdnInEpilogue gdn;
+};
+
+__device__ __forceinline__ float round_bf(float x) { return __bfloat162float(__float2bfloat16(x)); }
+
+// Stages the normed residual (NormIn) as chunks of one token row; red: kWarps floats of smem.
+template <int BITS>
+__device__ void stage_norm(const NormIn& nz, int in, float* xs, float* red) {
+  constexpr int C = Chunk<BITS>::kCols, S = Chunk<BITS>::kStride;
+  const int warps = blockDim.x / 32;
+  float ss = 0.f;
+  for (int i = threadIdx.x * 4; i < in; i += blockDim.x * 4) {
+    const float4 h = *reinterpret_cast<const float4*>(nz.h + i);
+    float v[4] = {h.x, h.y, h.z, h.w};
+    if (nz.r) {
+      const uint2 r = *reinterpret_cast<const uint2*>(nz.r + i);
+      v[0] += bf_lo(r.x);
+      v[1] += bf_hi(r.x);
+      v[2] += bf_lo(r.y);
+      v[3] += bf_hi(r.y);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) ss = fmaf(v[e], v[e], ss);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = ss;
+  __syncthreads();
+  float tot = 0.f;
+  for (int w = 0; w < warps; ++w) tot += red[w];
+  const float scale = rsqrtf(tot / float(in) + nz.eps);
+  const bool writer = blockIdx.x == 0 && blockIdx.y == 0;
+  // Four-value pieces: piece p covers columns 4p..4p+3 of chunk 4p / C.
+  for (int p = threadIdx.x; p < in / 4; p += blockDim.x) {
+    const int i = 4 * p, c = i / C, e0 = i % C;
+    const float4 h = *reinterpret_cast<const float4*>(nz.h + i);
+    const float4 w = *reinterpret_cast<const float4*>(nz.w + i);
+    float v[4] = {h.x, h.y, h.z, h.w};
+    if (nz.r) {
+      const uint2 r = *reinterpret_cast<const uint2*>(nz.r + i);
+      v[0] += bf_lo(r.x);
+      v[1] += bf_hi(r.x);
+      v[2] += bf_lo(r.y);
+      v[3] += bf_hi(r.y);
+    }
+    const float x[4] = {round_bf(v[0] * scale * w.x), round_bf(v[1] * scale * w.y), round_bf(v[2] * scale * w.z),
+                        round_bf(v[3] * scale * w.w)};
+    *reinterpret_cast<float4*>(xs + c * S + e0) = make_float4(x[0], x[1], x[2], x[3]);
+    if (writer) {
+      if (nz.h_out) *reinterpret_cast<float4*>(nz.h_out + i) = make_float4(v[0], v[1], v[2], v[3]);
+      if (nz.xn_out)
+        for (int e = 0; e < 4; ++e) nz.xn_out[i + e] = __float2bfloat16(x[e]);
+    }
+  }
+  __syncthreads();
+  // Σx per chunk, from the staged values.
+  for (int c = threadIdx.x; c < in / C; c += blockDim.x) {
+    float sum = 0.f;
+#pragma unroll
+    for (int e = 0; e < C; ++e) sum += xs[c * S + e];
+    xs[c * S + C] = sum;
+  }
+}
+
 template <int G>
 __device__ __forceinline__ float group_sum(float v) {
 #pragma unroll
@@ -185,6 +257,54 @@ __device__ __forceinline__ float swiglu_bf16(float g, float u) {
   return silu(g) * u;
 }
 
+// Row `row` of the GDN in_proj is y (every lane holds it): conv channel, z (stored by the caller
+// only), or a gate input. Called by the whole warp.
+__device__ __forceinline__ void gdn_in_epilogue(const GdnInEpilogue& G, int row, float y, float w, float in, int lane) {
+  const float x = round_bf(y);  // the projection as the bf16 prefill path stores it
+  if (row < G.conv_dim) {
+    if (lane == G.kernel - 1) in = x;
+    const float conv = group_sum<32>(lane < G.kernel ? w * in : 0.f);
+    const float next = __shfl_down_sync(0xffffffffu, in, 1);  // lane j: tap j+1's input
+    if (lane < G.kernel - 1) G.window[int64_t(lane) * G.conv_dim + row] = __float2bfloat16(next);
+    if (lane == 0) G.conv_out[row] = silu(conv);
+    return;
+  }
+  const int j = row - G.conv_dim - G.value_dim;
+  if (lane != 0 || j < 0) return;
+  if (j < G.n_v_heads) {
+    const float sp = x + G.dt_bias[j];
+    const float softplus = sp > 20.f ? sp : log1pf(expf(sp));
+    G.g[j] = -expf(G.A_log[j]) * softplus;
+  } else if (j < 2 * G.n_v_heads) {
+    G.beta[j - G.n_v_heads] = 1.f / (1.f + expf(-x));
+  }
+}
+
+// The last block to finish routes the token from the logits every block stored.
+__device__ void route_epilogue(const RouteEpilogue& R, const float* logits, int warp) {
+  __shared__ float l[kRouteMaxExperts + 1];
+  __shared__ int last;
+  __threadfence();  // this block's logits are visible before it is counted
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(R.counter, 1u) == gridDim.x * gridDim.y - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int e = threadIdx.x; e <= R.E; e += blockDim.x) l[e] = __ldcg(logits + e);  // L2: other blocks' stores
+  __syncthreads();
+  if (warp == 0) {
+    if (R.E <= 8 * 32) route_warp<8>(l, R.E, R.k, R.idx, R.w);
+    else route_warp<32>(l, R.E, R.k, R.idx, R.w);
+    if (threadIdx.x == 0) {
+      if (R.shared_slot) {
+        R.idx[R.k] = R.E;
+        R.w[R.k] = 1.f / (1.f + expf(-l[R.E]));
+      }
+      *R.counter = 0;
+    }
+  }
+}
+
 // MODE 0: plain, T token rows per block (blockIdx.y picks the T-row chunk).
 // MODE 1: SwiGLU over interleaved row pairs, T token rows per block.
 // MODE 2: SwiGLU over expert idx[slot] of a stacked matrix, one slot per blockIdx.y (T == 1).
@@ -195,10 +315,12 @@ template <int BITS, int T, int MODE>
 __global__ void __launch_bounds__(kThreads) matvec_kernel(DevLinear W, const bf16* __restrict__ X, int64_t ldx, int n,
                                                           void* Y, int64_t ldy, int y_f32, int out_rows,
                                                           const int* __restrict__ idx, int k, int rows_per_expert,
-                                                          int rpw) {
+                                                          int rpw, Fusion fz) {
   extern __shared__ float4 smem4[];
   float* xs = reinterpret_cast<float*>(smem4);
   constexpr int S = Chunk<BITS>::kStride;
+  constexpr bool kFusable = T == 1 && MODE == 0;
+  __shared__ float red[kWarps];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // The weights never depend on earlier kernels: start pulling this block's rows into L2 while
   // the predecessor still runs (expert rows depend on the router's output, so not those).
@@ -220,7 +342,12 @@ __global__ void __launch_bounds__(kThreads) matvec_kernel(DevLinear W, const bf1
     t0 = blockIdx.y / k;
     row_base = int64_t(idx[blockIdx.y]) * rows_per_expert;
   }
-  stage_rows<BITS>(X + int64_t(t0) * ldx, ldx, T, n - t0, W.in, xs);
+  if constexpr (kFusable) {
+    if (fz.norm.w) stage_norm<BITS>(fz.norm, W.in, xs, red);
+    else stage_rows<BITS>(X + int64_t(t0) * ldx, ldx, T, n - t0, W.in, xs);
+  } else {
+    stage_rows<BITS>(X + int64_t(t0) * ldx, ldx, T, n - t0, W.in, xs);
+  }
   __syncthreads();
 
   constexpr int R = max_rows_per_warp(T, MODE);
@@ -235,6 +362,22 @@ __global__ void __launch_bounds__(kThreads) matvec_kernel(DevLinear W, const bf1
     r1[i] = MODE == 0 ? int64_t(rows[i]) : row_base + 2 * int64_t(rows[i]);
 #pragma unroll
     for (int t = 0; t < T; ++t) acc[i][t] = acc2[i][t] = 0.f;
+  }
+  // GDN epilogue operands, loaded early: lane j < kernel holds tap j's weight and input (the
+  // window's values; lane kernel-1 takes this token's projection at the end).
+  float conv_w[R], conv_in[R];
+  if constexpr (kFusable) {
+    if (fz.epi == Epi::kGdnIn) {
+      const GdnInEpilogue& G = fz.gdn;
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        conv_w[i] = conv_in[i] = 0.f;
+        if (ok[i] && rows[i] < G.conv_dim) {
+          if (lane < G.kernel) conv_w[i] = G.conv_w[int64_t(rows[i]) * G.kernel + lane];
+          if (lane < G.kernel - 1) conv_in[i] = __bfloat162float(G.window[int64_t(lane) * G.conv_dim + rows[i]]);
+        }
+      }
+    }
   }
 #pragma unroll 2
   for (int c = lane; c < cpr; c += 32) {
@@ -269,7 +412,13 @@ __global__ void __launch_bounds__(kThreads) matvec_kernel(DevLinear W, const bf1
         if (y_f32) static_cast<float*>(Y)[row * ldy + rows[i]] = y;
         else static_cast<bf16*>(Y)[row * ldy + rows[i]] = __float2bfloat16(y);
       }
+      if constexpr (kFusable) {
+        if (fz.epi == Epi::kGdnIn && ok[i]) gdn_in_epilogue(fz.gdn, rows[i], y, conv_w[i], conv_in[i], lane);
+      }
     }
+  }
+  if constexpr (kFusable) {
+    if (fz.epi == Epi::kRoute) route_epilogue(fz.route, static_cast<const float*>(Y), warp);
   }
 }
 
@@ -309,14 +458,31 @@ int rows_per_warp(int max_rpw, int out_rows, unsigned grid_y) {
 
 template <int BITS, int T, int MODE>
 void launch_matvec_t(const DevLinear& W, const bf16* X, int64_t ldx, int n, void* Y, int64_t ldy, bool y_f32,
-                     int out_rows, const int* idx, int k, int rows_per_expert, unsigned grid_y, cudaStream_t stream) {
+                     int out_rows, const int* idx, int k, int rows_per_expert, unsigned grid_y, cudaStream_t stream,
+                     const Fusion& fz = Fusion{}) {
   const size_t smem = stage_bytes<BITS>(W.in, T);
   constexpr auto kern = matvec_kernel<BITS, T, MODE>;
   allow_smem<kern>(smem, "matvec");
   const int rpw = rows_per_warp(max_rows_per_warp(T, MODE), out_rows, grid_y);
   dim3 grid(ceil_div(out_rows, kWarps * rpw), grid_y);
   pdl_launch(kern, grid, dim3(kThreads), smem, stream, W, X, ldx, n, Y, ldy, y_f32 ? 1 : 0, out_rows, idx, k,
-             rows_per_expert, rpw);
+             rows_per_expert, rpw, fz);
+}
+
+// One token row, input = NormIn, with an optional epilogue.
+void launch_fused(const DevLinear& W, const Fusion& fz, void* Y, int64_t ldy, bool y_f32, cudaStream_t stream) {
+  const NormIn& x = fz.norm;
+  TANSY_CHECK(x.h && x.w && aligned16(x.h) && aligned16(x.w) && (!x.r || aligned16(x.r)),
+              "matvec_norm: h and w must be present and 16-byte aligned");
+  TANSY_CHECK(!x.r || (x.h_out && x.h_out != x.h), "matvec_norm: a residual needs h_out, distinct from h");
+  TANSY_CHECK(!x.h_out || aligned16(x.h_out), "matvec_norm: h_out must be 16-byte aligned");
+  TANSY_CHECK(W.in % 4 == 0, "matvec_norm: in = {} must be a multiple of 4", W.in);
+  TANSY_CHECK(Y, "matvec_norm: no output");
+  switch (W.fmt) {
+    case WFormat::kAffine4: launch_matvec_t<4, 1, 0>(W, nullptr, W.in, 1, Y, ldy, y_f32, W.out, nullptr, 0, 0, 1, stream, fz); break;
+    case WFormat::kAffine8: launch_matvec_t<8, 1, 0>(W, nullptr, W.in, 1, Y, ldy, y_f32, W.out, nullptr, 0, 0, 1, stream, fz); break;
+    default: launch_matvec_t<16, 1, 0>(W, nullptr, W.in, 1, Y, ldy, y_f32, W.out, nullptr, 0, 0, 1, stream, fz); break;
+  }
 }
 
 // Token rows per block for the multi-row variant: one weight pass serves 4 token rows.
@@ -399,6 +565,45 @@ void matvec(const DevLinear& W, const bf16* X, int64_t ldx, int n, const MatvecO
   check_x(X, ldx, n, W.in, "matvec");
   TANSY_CHECK(Y.ptr && Y.ld >= W.out, "matvec: output ld {} < out {}", Y.ld, W.out);
   launch_matvec<0>(W, X, ldx, n, Y.ptr, Y.ld, Y.f32, W.out, nullptr, 0, 0, stream);
+}
+
+void matvec_norm(const DevLinear& W, const NormIn& x, const MatvecOut& Y, cudaStream_t stream) {
+  W.check("matvec_norm");
+  TANSY_CHECK(Y.ld >= W.out, "matvec_norm: output ld {} < out {}", Y.ld, W.out);
+  Fusion fz;
+  fz.norm = x;
+  launch_fused(W, fz, Y.ptr, Y.ld, Y.f32, stream);
+}
+
+void matvec_norm_route(const DevLinear& W, const NormIn& x, float* logits, const RouteEpilogue& route,
+                       cudaStream_t stream) {
+  W.check("matvec_norm_route");
+  const int need = route.E + (route.shared_slot ? 1 : 0);
+  TANSY_CHECK(route.E >= 1 && route.E <= kRouteMaxExperts && route.k >= 1 && route.k <= kRouteMaxTopK &&
+                  route.k <= route.E && W.out >= need,
+              "matvec_norm_route: top-{} of {} experts over {} logits unsupported", route.k, route.E, W.out);
+  TANSY_CHECK(route.idx && route.w && route.counter, "matvec_norm_route: missing routing buffers");
+  Fusion fz;
+  fz.norm = x;
+  fz.epi = Epi::kRoute;
+  fz.route = route;
+  launch_fused(W, fz, logits, W.out, true, stream);
+}
+
+void matvec_norm_gdn(const DevLinear& W, const NormIn& x, bf16* Y, const GdnInEpilogue& g, cudaStream_t stream) {
+  W.check("matvec_norm_gdn");
+  TANSY_CHECK(g.kernel >= 2 && g.kernel <= 32, "matvec_norm_gdn: conv kernel {} outside 2..32", g.kernel);
+  TANSY_CHECK(g.conv_dim > 0 && g.value_dim >= 0 && g.n_v_heads > 0 &&
+                  W.out >= g.conv_dim + g.value_dim + 2 * g.n_v_heads,
+              "matvec_norm_gdn: {} rows cannot hold conv {} + z {} + 2 x {} gate rows", W.out, g.conv_dim, g.value_dim,
+              g.n_v_heads);
+  TANSY_CHECK(g.conv_w && g.window && g.A_log && g.dt_bias && g.conv_out && g.beta && g.g,
+              "matvec_norm_gdn: missing buffers");
+  Fusion fz;
+  fz.norm = x;
+  fz.epi = Epi::kGdnIn;
+  fz.gdn = g;
+  launch_fused(W, fz, Y, W.out, false, stream);
 }
 
 void matvec_swiglu(const DevLinear& W, const bf16* X, int64_t ldx, int n, bf16* Y, int64_t ldy, cudaStream_t stream) {

@@ -36,6 +36,57 @@ struct MatvecOut {
   int64_t ld = 0;       // elements between token rows
 };
 
+// ---- decode (one token row) with the neighbouring ops fused in ----
+
+// The input is the RMSNorm of the residual stream, computed by every block (2048 values: cheaper
+// than a launch): v = h + r (r may be null), x = bf16(v·rsqrt(mean(v²) + eps)·w), the values
+// add_rmsnorm writes. Block 0 also writes v to h_out (required when r is set; it must not alias h,
+// which other blocks are still reading) and x to xn_out (when not null).
+struct NormIn {
+  const float* h = nullptr;
+  const bf16* r = nullptr;
+  const float* w = nullptr;
+  float eps = 0.f;
+  float* h_out = nullptr;
+  bf16* xn_out = nullptr;
+};
+
+// Router epilogue: once every block has stored its logits, the last block to finish routes the
+// token as route_topk does (softmax over logits[0, E), top-k, renormalised) into idx/w [k]; with
+// shared_slot it appends slot k = expert E (the shared expert stacked after the routed ones) with
+// weight sigmoid(logits[E]). counter: one u32 on the device, zero before the launch (left zero).
+struct RouteEpilogue {
+  int E = 0, k = 0;
+  bool shared_slot = false;
+  int* idx = nullptr;
+  float* w = nullptr;
+  unsigned* counter = nullptr;
+};
+
+// GDN in_proj epilogue (rows [q|k|v conv channels | z | a | b], MODEL.md §5.2-5.4): each conv
+// channel c < conv_dim gets the causal conv over its window and this token's bf16-rounded
+// projection, then SiLU, into conv_out (f32; q/k not yet l2-normalised), and its window advances;
+// head j gets beta[j] = sigmoid(b_j), g[j] = -exp(A_log_j)·softplus(a_j + dt_bias_j). Every row is
+// also stored to Y as bf16, as matvec does (z is read from there).
+struct GdnInEpilogue {
+  int conv_dim = 0, value_dim = 0, n_v_heads = 0, kernel = 0;
+  const float* conv_w = nullptr;  // [conv_dim, kernel], tap kernel-1 = current token
+  bf16* window = nullptr;         // [kernel-1, conv_dim], oldest first
+  const float* A_log = nullptr;
+  const float* dt_bias = nullptr;
+  float* conv_out = nullptr;  // [conv_dim]
+  float* beta = nullptr;      // [n_v_heads]
+  float* g = nullptr;         // [n_v_heads]
+};
+
+// Y[r] = W[r]·x for the one token whose normed input `x` describes.
+void matvec_norm(const DevLinear& W, const NormIn& x, const MatvecOut& Y, cudaStream_t stream);
+// Router logits (f32, W.out of them) + the routing epilogue.
+void matvec_norm_route(const DevLinear& W, const NormIn& x, float* logits, const RouteEpilogue& route,
+                       cudaStream_t stream);
+// GDN in_proj (bf16 Y, W.out rows) + the conv/gates epilogue.
+void matvec_norm_gdn(const DevLinear& W, const NormIn& x, bf16* Y, const GdnInEpilogue& gdn, cudaStream_t stream);
+
 // Y[t, r] = Σ_i W[r, i]·X[t, i] for t < n (any n >= 1; rows of X `ldx` elements apart, 16-byte aligned).
 void matvec(const DevLinear& W, const bf16* X, int64_t ldx, int n, const MatvecOut& Y, cudaStream_t stream);
 

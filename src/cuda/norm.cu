@@ -22,12 +22,12 @@ __device__ float block_sum(float v, float* red) {
 // The row is held in registers (PER values per thread), so every load is issued before the
 // first store and the block pays one memory latency instead of one per loop trip.
 template <int PER>
-__global__ void __launch_bounds__(kThreads) add_rmsnorm_kernel(bf16* h, const bf16* r, const float* __restrict__ w,
+__global__ void __launch_bounds__(kThreads) add_rmsnorm_kernel(float* h, const bf16* r, const float* __restrict__ w,
                                                                int dim, float eps, bf16* __restrict__ xn) {
   __shared__ float red[kThreads / 32];
   pdl_wait();
   pdl_launch_dependents();
-  bf16* hr = h + int64_t(blockIdx.x) * dim;
+  float* hr = h + int64_t(blockIdx.x) * dim;
   const bf16* rr = r ? r + int64_t(blockIdx.x) * dim : nullptr;
   float v[PER];
 #pragma unroll
@@ -35,8 +35,8 @@ __global__ void __launch_bounds__(kThreads) add_rmsnorm_kernel(bf16* h, const bf
     const int i = threadIdx.x + j * kThreads;
     float x = 0.f;
     if (i < dim) {
-      x = __bfloat162float(hr[i]);
-      if (rr) x = __bfloat162float(__float2bfloat16(x + __bfloat162float(rr[i])));
+      x = hr[i];
+      if (rr) x += __bfloat162float(rr[i]);
     }
     v[j] = x;
   }
@@ -44,7 +44,7 @@ __global__ void __launch_bounds__(kThreads) add_rmsnorm_kernel(bf16* h, const bf
 #pragma unroll
   for (int j = 0; j < PER; ++j) {
     const int i = threadIdx.x + j * kThreads;
-    if (rr && i < dim) hr[i] = __float2bfloat16(v[j]);
+    if (rr && i < dim) hr[i] = v[j];
     ss += v[j] * v[j];
   }
   const float scale = rsqrtf(block_sum<kThreads>(ss, red) / float(dim) + eps);
@@ -79,7 +79,7 @@ __global__ void gated_rmsnorm_kernel(const float* __restrict__ o, int64_t ldo, c
 
 }  // namespace
 
-void add_rmsnorm(bf16* h, const bf16* r, const float* w, int n, int dim, float eps, bf16* xn, cudaStream_t stream) {
+void add_rmsnorm(float* h, const bf16* r, const float* w, int n, int dim, float eps, bf16* xn, cudaStream_t stream) {
   TANSY_CHECK(n >= 1 && dim >= 1 && dim <= kNormMaxDim, "add_rmsnorm: n {} dim {} outside limits", n, dim);
   TANSY_CHECK(h && w && xn, "add_rmsnorm: missing buffers");
   // One register per value for the model's hidden sizes; wider rows take the 64-per-thread variant.

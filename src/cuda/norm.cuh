@@ -8,9 +8,9 @@ namespace tansy::cuda {
 
 constexpr int kNormMaxDim = 16384;
 
-// Residual add fused with the next RMSNorm, per token row t < n (rows `dim` apart):
-// h = bf16(h + r) (skipped when r is null), xn = bf16(h * rsqrt(mean(h^2) + eps) * w).
-void add_rmsnorm(bf16* h, const bf16* r, const float* w, int n, int dim, float eps, bf16* xn, cudaStream_t stream);
+// Residual add fused with the next RMSNorm, per token row t < n (rows `dim` apart); the residual
+// stream h is f32: h += r (skipped when r is null), xn = bf16(h * rsqrt(mean(h^2) + eps) * w).
+void add_rmsnorm(float* h, const bf16* r, const float* w, int n, int dim, float eps, bf16* xn, cudaStream_t stream);
 
 // Gated RMSNorm per value head (GDN output, §5.7): for t < n and head j < n_heads,
 // y = w ⊙ (o·rsqrt(mean(o^2)+eps)) ⊙ silu(z) over head_dim values.

@@ -54,8 +54,21 @@ class Model {
   using TraceFn = std::function<void(const std::string& name, std::span<const float> values)>;
   virtual void set_trace(TraceFn fn) { trace_ = std::move(fn); }
 
+  // Tests: when set, every MoE layer reports the routed experts it used, idx [n, k] for the n
+  // tokens of the call (slow: the CUDA backend synchronises per layer; decode stays fused).
+  using RouteTraceFn = std::function<void(int layer, std::span<const int32_t> idx)>;
+  void set_route_trace(RouteTraceFn fn) { route_trace_ = std::move(fn); }
+  // Tests, on the reference: when set and it returns true, MoE layer `layer` routes its n tokens
+  // to the experts it wrote into idx [n, k] instead of its own top-k, weighted by its own softmax
+  // renormalised over them. Lets a reference follow the backend under test where two experts'
+  // probabilities are within rounding of each other, so the layers can be compared tightly.
+  using RouteOverrideFn = std::function<bool(int layer, int n, std::span<int32_t> idx)>;
+  void set_route_override(RouteOverrideFn fn) { route_override_ = std::move(fn); }
+
  protected:
   TraceFn trace_;
+  RouteTraceFn route_trace_;
+  RouteOverrideFn route_override_;
 };
 
 struct ModelOptions {

@@ -284,17 +284,16 @@ TEST(DecodeKernels, RouteTopk) {
 TEST(DecodeKernels, AddRmsnorm) {
   for (auto [n, dim] : {std::pair{1, 2048}, std::pair{5, 2048}, std::pair{3, 64}, std::pair{2, 5000}}) {
     auto h = randn(size_t(n) * dim, 3.f), r = randn(size_t(n) * dim), w = randn(dim, 0.2f, 1.f);
-    round_bf16_inplace(h);
     round_bf16_inplace(r);
-    auto dh = to_device_bf16(h), dr = to_device_bf16(r);
-    DeviceBuffer<float> dw = to_device(w);
+    auto dr = to_device_bf16(r);
+    DeviceBuffer<float> dh = to_device(h), dw = to_device(w);
     DeviceBuffer<bf16> xn(size_t(n) * dim);
     poison(xn);
     cuda::add_rmsnorm(dh.get(), dr.get(), dw.get(), n, dim, 1e-6f, xn.get(), 0);
     std::vector<float> hs(h.size()), ref(h.size());
-    for (size_t i = 0; i < h.size(); ++i) hs[i] = round_bf16(h[i] + r[i]);
+    for (size_t i = 0; i < h.size(); ++i) hs[i] = h[i] + r[i];
     for (int t = 0; t < n; ++t) cpu::rmsnorm(&hs[size_t(t) * dim], w.data(), dim, 1e-6f, &ref[size_t(t) * dim]);
-    EXPECT_EQ(max_abs_diff(from_device_bf16(dh.get(), h.size()), hs), 0.0) << "residual sum is bf16(h + r)";
+    EXPECT_LE(max_abs_diff(from_device(dh.get(), h.size()), hs), 1e-5) << "residual sum is f32 h + r";
     EXPECT_REL(from_device_bf16(xn.get(), xn.size()), ref, kTolBf16, "add_rmsnorm n=" + std::to_string(n));
     // no residual: plain norm of h
     cuda::add_rmsnorm(dh.get(), nullptr, dw.get(), n, dim, 1e-6f, xn.get(), 0);
@@ -326,12 +325,12 @@ TEST(DecodeKernels, Embed) {
     TestMatrix E = make_matrix(fmt, V, H);
     std::vector<int> ids = {0, 999, 17, 17, 523};
     DeviceBuffer<int> dids = to_device(ids);
-    DeviceBuffer<bf16> h(ids.size() * H);
+    DeviceBuffer<float> h(ids.size() * H);
     poison(h);
     cuda::embed(E.dev, dids.get(), int(ids.size()), h.get(), 0);
     std::vector<float> ref(ids.size() * H);
     for (size_t t = 0; t < ids.size(); ++t) cpu::embed_row(E.host, ids[t], &ref[t * H]);
-    EXPECT_REL(from_device_bf16(h.get(), h.size()), ref, 5e-3, std::string("embed ") + fmt_name(fmt));
+    EXPECT_REL(from_device(h.get(), h.size()), ref, 1e-5, std::string("embed ") + fmt_name(fmt));
   }
 }
 
@@ -537,6 +536,207 @@ TEST(DecodeKernels, GdnConvAndRecurrence) {
     }
     EXPECT_REL(from_device(o.get(), o.size()), o_ref, 1e-4, "gdn_recurrent output" + tag);
     EXPECT_REL(from_device(dS.get(), S.size()), S, 1e-4, "  state");
+  }
+}
+
+}  // namespace
+}  // namespace tansy
+
+// ---- fused decode kernels (one token): norm-in products and their epilogues ----
+
+namespace tansy {
+namespace {
+
+// The normed residual as the fused kernels compute it: v = h + r, x = bf16(rmsnorm(v)·w).
+struct NormCase {
+  std::vector<float> h, r, w, v, x;
+};
+
+NormCase make_norm_case(int H, bool with_r) {
+  NormCase c;
+  c.h = randn(H, 2.f);
+  c.r = with_r ? randn(H) : std::vector<float>(H, 0.f);
+  round_bf16_inplace(c.r);
+  c.w = randn(H, 0.2f, 1.f);
+  c.v.resize(H);
+  c.x.resize(H);
+  for (int i = 0; i < H; ++i) c.v[i] = c.h[i] + c.r[i];
+  cpu::rmsnorm(c.v.data(), c.w.data(), H, 1e-6f, c.x.data());
+  round_bf16_inplace(c.x);
+  return c;
+}
+
+struct NormDev {
+  DeviceBuffer<float> h, w, h_out;
+  DeviceBuffer<bf16> r, xn;
+  cuda::NormIn in;
+  NormDev(const NormCase& c, bool with_r) : h(to_device(c.h)), w(to_device(c.w)), h_out(c.h.size()), xn(c.h.size()) {
+    poison(h_out);
+    poison(xn);
+    in.h = h.get();
+    in.w = w.get();
+    in.eps = 1e-6f;
+    in.xn_out = xn.get();
+    if (with_r) {
+      r = to_device_bf16(c.r);
+      in.r = r.get();
+      in.h_out = h_out.get();
+    }
+  }
+};
+
+TEST(FusedDecode, MatvecNorm) {
+  const MatvecCase cases[] = {
+      {WFormat::kAffine4, 9216, 2048, 1},  // attention q|k|v
+      {WFormat::kAffine4, 300, 256, 1},
+      {WFormat::kAffine8, 70, 128, 1},
+      {WFormat::kBF16, 65, 64, 1},
+  };
+  for (const auto& mc : cases) {
+    for (bool with_r : {true, false}) {
+      TestMatrix W = make_matrix(mc.fmt, mc.out, mc.in);
+      const NormCase c = make_norm_case(mc.in, with_r);
+      NormDev d(c, with_r);
+      std::vector<float> ref(mc.out);
+      cpu::matmul(W.host, c.x.data(), 1, ref.data());
+      DeviceBuffer<float> y(mc.out + 5);
+      poison(y);
+      cuda::matvec_norm(W.dev, d.in, cuda::MatvecOut{y.get(), true, mc.out}, 0);
+      auto got = from_device(y.get(), mc.out);
+      const std::string label = std::string("matvec_norm ") + fmt_name(mc.fmt) + " [" + std::to_string(mc.out) + "x" +
+                                std::to_string(mc.in) + "]" + (with_r ? " h+r" : " h");
+      // x is bf16-rounded on both sides; a rounding that falls the other way moves y by ~1e-3
+      EXPECT_REL(got, ref, 3e-3, label);
+      EXPECT_REL(from_device_bf16(d.xn.get(), mc.in), c.x, 5e-3, "  xn_out");
+      if (with_r) EXPECT_LE(max_abs_diff(from_device(d.h_out.get(), mc.in), c.v), 1e-5) << "h_out = h + r";
+    }
+  }
+}
+
+TEST(FusedDecode, RouterWithRouting) {
+  for (auto [E, k, H, shared] : {std::tuple{256, 8, 2048, true}, std::tuple{8, 2, 64, true}, std::tuple{16, 4, 128, false},
+                                 std::tuple{512, 10, 256, true}}) {
+    const int rows = E + 2;  // experts | shared gate | pad
+    TestMatrix W = make_matrix(WFormat::kAffine8, rows, H);
+    const NormCase c = make_norm_case(H, true);
+    NormDev d(c, true);
+    DeviceBuffer<float> logits(rows);
+    DeviceBuffer<int> idx(k + 1);
+    DeviceBuffer<float> w(k + 1);
+    DeviceBuffer<unsigned> counter(1);
+    CUDA_CHECK(cudaMemset(counter.get(), 0, 4));
+    cuda::RouteEpilogue re;
+    re.E = E;
+    re.k = k;
+    re.shared_slot = shared;
+    re.idx = idx.get();
+    re.w = w.get();
+    re.counter = counter.get();
+    for (int rep = 0; rep < 3; ++rep) {  // the counter must come back to zero for the next launch
+      poison(idx);
+      poison(w);
+      poison(logits);
+      cuda::matvec_norm_route(W.dev, d.in, logits.get(), re, 0);
+      const auto gl = from_device(logits.get(), rows);
+      std::vector<float> ref(rows);
+      cpu::matmul(W.host, c.x.data(), 1, ref.data());
+      if (rep == 0) EXPECT_REL(gl, ref, 3e-3, "router logits E=" + std::to_string(E));
+      // routing from the kernel's own logits must match the CPU's exactly
+      std::vector<int> ri(k);
+      std::vector<float> rw(k);
+      cpu::route_topk(gl.data(), E, k, ri.data(), rw.data());
+      const auto gi = from_device(idx.get(), k + 1);
+      const auto gw = from_device(w.get(), k + 1);
+      for (int j = 0; j < k; ++j) {
+        EXPECT_EQ(gi[j], ri[j]) << "E=" << E << " slot " << j << " rep " << rep;
+        EXPECT_NEAR(gw[j], rw[j], 1e-5) << "E=" << E << " slot " << j;
+      }
+      if (shared) {
+        EXPECT_EQ(gi[k], E) << "shared slot";
+        EXPECT_NEAR(gw[k], 1.f / (1.f + std::exp(-gl[E])), 1e-5) << "shared weight";
+      }
+      EXPECT_EQ(from_device(counter.get(), 1)[0], 0u) << "counter reset";
+    }
+    std::printf("  router+routing E=%d k=%d H=%d shared=%d: 3 launches checked\n", E, k, H, int(shared));
+  }
+}
+
+TEST(FusedDecode, GdnInProjAndStep) {
+  for (auto [NK, NV, H] : {std::tuple{16, 32, 2048}, std::tuple{2, 4, 256}}) {
+    const int D = 128, KD = NK * D, VD = NV * D, C = 2 * KD + VD, Kc = 4;
+    const int rows = C + VD + 2 * NV;
+    TestMatrix W = make_matrix(WFormat::kAffine4, rows, H);
+    const NormCase c = make_norm_case(H, true);
+    NormDev d(c, true);
+    auto window = randn(size_t(Kc - 1) * C);
+    round_bf16_inplace(window);
+    auto convw = randn(size_t(C) * Kc, 0.5f), A_log = randn(NV, 0.5f), dt_bias = randn(NV, 0.5f);
+    auto gnorm = randn(D, 0.2f, 1.f);
+    auto S0 = randn(size_t(NV) * D * D, 0.1f);
+    auto dwin = to_device_bf16(window);
+    DeviceBuffer<float> dconvw = to_device(convw), dA = to_device(A_log), ddt = to_device(dt_bias), dgn = to_device(gnorm);
+    DeviceBuffer<float> dS = to_device(S0), conv_out(C), beta(NV), g(NV), o(VD);
+    DeviceBuffer<bf16> P(rows), y(VD);
+    DeviceBuffer<unsigned> counters(NV);
+    CUDA_CHECK(cudaMemset(counters.get(), 0, counters.bytes()));
+    for (auto* b : {&conv_out, &beta, &g, &o}) poison(*b);
+    poison(P);
+    poison(y);
+    cuda::GdnInEpilogue ge;
+    ge.conv_dim = C;
+    ge.value_dim = VD;
+    ge.n_v_heads = NV;
+    ge.kernel = Kc;
+    ge.conv_w = dconvw.get();
+    ge.window = dwin.get();
+    ge.A_log = dA.get();
+    ge.dt_bias = ddt.get();
+    ge.conv_out = conv_out.get();
+    ge.beta = beta.get();
+    ge.g = g.get();
+    cuda::matvec_norm_gdn(W.dev, d.in, P.get(), ge, 0);
+    cuda::GdnDecodeArgs ga;
+    ga.conv = conv_out.get();
+    ga.beta = beta.get();
+    ga.g = g.get();
+    ga.n_k_heads = NK;
+    ga.n_v_heads = NV;
+    ga.state = dS.get();
+    ga.z = P.get() + C;
+    ga.norm_w = dgn.get();
+    ga.eps = 1e-6f;
+    ga.o = o.get();
+    ga.counters = counters.get();
+    ga.y = y.get();
+    cuda::gdn_decode_step(ga, 0);
+
+    // CPU: projection (bf16, as the prefill path stores it) -> conv -> l2norm -> gates -> step -> gated norm
+    std::vector<float> proj(rows);
+    cpu::matmul(W.host, c.x.data(), 1, proj.data());
+    round_bf16_inplace(proj);
+    const auto proj_got = from_device_bf16(P.get(), rows);
+    EXPECT_REL(proj_got, proj, 5e-3, "gdn in_proj (bf16 rows) heads " + std::to_string(NK) + "/" + std::to_string(NV));
+    // the rest from the kernel's own projection, so that the checks below see the fused ops alone
+    std::vector<float> win = window, conv(C), beta_ref(NV), g_ref(NV), S = S0, o_ref(VD), y_ref(VD);
+    cpu::conv1d_step(proj_got.data(), win.data(), convw.data(), C, Kc, conv.data());
+    EXPECT_REL(from_device(conv_out.get(), C), conv, 1e-5, "  conv + silu");
+    EXPECT_EQ(max_abs_diff(from_device_bf16(dwin.get(), win.size()), win), 0.0) << "conv window advanced";
+    cpu::gdn_gates(&proj_got[C + VD], &proj_got[C + VD + NV], A_log.data(), dt_bias.data(), NV, beta_ref.data(),
+                   g_ref.data());
+    EXPECT_REL(from_device(beta.get(), NV), beta_ref, 1e-5, "  beta");
+    EXPECT_REL(from_device(g.get(), NV), g_ref, 1e-5, "  g");
+    const auto conv_got = from_device(conv_out.get(), C);
+    std::vector<float> q(conv_got.begin(), conv_got.begin() + KD), kk(conv_got.begin() + KD, conv_got.begin() + 2 * KD);
+    cpu::l2norm_heads(q.data(), NK, D, 1.f / std::sqrt(float(D)));
+    cpu::l2norm_heads(kk.data(), NK, D, 1.f);
+    cpu::gdn_recurrent_step(q.data(), kk.data(), conv_got.data() + 2 * KD, beta_ref.data(), g_ref.data(), NK, NV, D, D,
+                            S.data(), o_ref.data());
+    EXPECT_REL(from_device(dS.get(), S.size()), S, 1e-4, "  state");
+    EXPECT_REL(from_device(o.get(), VD), o_ref, 1e-4, "  o (before the gated norm)");
+    for (int j = 0; j < NV; ++j)
+      cpu::rmsnorm_gated(&o_ref[size_t(j) * D], &proj_got[C + size_t(j) * D], gnorm.data(), D, 1e-6f, &y_ref[size_t(j) * D]);
+    EXPECT_REL(from_device_bf16(y.get(), VD), y_ref, kTolBf16, "  gated norm output");
+    EXPECT_EQ(from_device(counters.get(), NV), std::vector<unsigned>(NV, 0u)) << "counters reset";
   }
 }
 

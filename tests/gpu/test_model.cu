@@ -171,7 +171,35 @@ TEST_P(Golden, SplitInvariance) {
   EXPECT_EQ(max_abs_diff(l1, l2), 0.0) << "clone_state";
 }
 
-// CUDA against the CPU backend, intermediate by intermediate, on the same prompt.
+// Records the experts the CUDA backend routes each MoE layer's tokens to, and makes the CPU
+// reference take the same ones. Random routers put many experts' probabilities within bf16
+// rounding of each other; without this a near-tie flip (a different but equally valid expert)
+// would show up as a large layer difference and hide the numerical comparison.
+struct RouteFollower {
+  std::map<int, std::vector<int32_t>> routes;
+  void record(Model& gpu) {
+    routes.clear();
+    gpu.set_route_trace([this](int layer, std::span<const int32_t> idx) { routes[layer].assign(idx.begin(), idx.end()); });
+  }
+  void follow(Model& cpu) {
+    cpu.set_route_override([this](int layer, int n, std::span<int32_t> idx) {
+      auto it = routes.find(layer);
+      if (it == routes.end() || it->second.size() != idx.size()) {
+        ADD_FAILURE() << "no recorded routing for layer " << layer << " (" << n << " tokens)";
+        return false;
+      }
+      std::copy(it->second.begin(), it->second.end(), idx.begin());
+      return true;
+    });
+  }
+  static void stop(Model& gpu, Model& cpu) {
+    gpu.set_route_trace(nullptr);
+    cpu.set_route_override(nullptr);
+  }
+};
+
+// CUDA against the CPU backend, intermediate by intermediate, on the same prompt (the CPU
+// following the CUDA backend's expert choices).
 void compare_traces(Model& gpu, Model& cpu, std::span<const int32_t> ids, const std::string& label) {
   std::map<std::string, std::vector<float>> tg, tc;
   std::vector<std::string> order;
@@ -184,8 +212,12 @@ void compare_traces(Model& gpu, Model& cpu, std::span<const int32_t> ids, const 
   std::vector<float> lg(V), lc(V);
   auto sg = gpu.new_state(int(ids.size()) + 1);
   auto sc = cpu.new_state(int(ids.size()) + 1);
+  RouteFollower rf;
+  rf.record(gpu);
   gpu.forward(*sg, ids, lg, false);
+  rf.follow(cpu);
   cpu.forward(*sc, ids, lc, false);
+  RouteFollower::stop(gpu, cpu);
   gpu.set_trace(nullptr);
   cpu.set_trace(nullptr);
   ASSERT_FALSE(order.empty());
@@ -231,8 +263,10 @@ TEST_P(Golden, GreedyGraphMatchesEagerAndGolden) {
   });
   ASSERT_EQ(int(graph_toks.size()), n);
   EXPECT_EQ(st->n_tokens(), int(prompt.size()) + n - 1) << "the last token is emitted, not fed";
-  // eager: forward + host argmax
+  // eager: forward + host argmax (a route trace keeps one-token forwards off the graph; the same
+  // fused kernels run one launch at a time)
   std::vector<int32_t> eager;
+  m->set_route_trace([](int, std::span<const int32_t>) {});
   auto se = m->new_state(int(prompt.size()) + n + 1);
   std::vector<float> logits(m->config().vocab_size);
   m->forward(*se, prompt, logits, false);
@@ -240,7 +274,20 @@ TEST_P(Golden, GreedyGraphMatchesEagerAndGolden) {
     eager.push_back(argmax(logits));
     if (i + 1 < n) m->forward(*se, std::span<const int32_t>(&eager.back(), 1), logits, false);
   }
+  m->set_route_trace(nullptr);
   EXPECT_EQ(graph_toks, eager) << "decode graph vs eager";
+  // greedy_step (the server's path): the graph with the id moved in and out
+  {
+    auto sg = m->new_state(int(prompt.size()) + n + 1);
+    m->forward(*sg, prompt, logits, false);
+    std::vector<int32_t> steps = {argmax(logits)};
+    while (int(steps.size()) < n) steps.push_back(m->greedy_step(*sg, steps.back(), m->config().vocab_size));
+    EXPECT_EQ(steps, eager) << "greedy_step vs eager";
+    // a smaller limit: the argmax is taken over the prefix only
+    const int limit = m->config().vocab_size / 2;
+    const int32_t t = m->greedy_step(*sg, steps.back(), limit);
+    EXPECT_LT(t, limit);
+  }
   int prefix = 0;
   while (prefix < n && graph_toks[prefix] == golden[prefix]) ++prefix;
   std::printf("  %s greedy: %d/%d tokens match the golden before the first difference\n", GetParam().c_str(), prefix,
@@ -320,11 +367,19 @@ TEST(Synthetic, CudaVsCpuLayerByLayer) {
   std::vector<float> lg(V), lc(V);
   auto sg = gpu->new_state(16);
   auto sc = cpu->new_state(16);
+  RouteFollower rf;  // the CPU follows the CUDA backend's expert choices, prompt and step
+  rf.record(*gpu);
   gpu->forward(*sg, ids, lg, false);
+  rf.follow(*cpu);
   cpu->forward(*sc, ids, lc, false);
   const int32_t next = 17;
+  // the decode step runs the fused kernels (no trace)
+  rf.record(*gpu);
   gpu->forward(*sg, std::span<const int32_t>(&next, 1), lg, false);
+  rf.follow(*cpu);
   cpu->forward(*sc, std::span<const int32_t>(&next, 1), lc, false);
+  RouteFollower::stop(*gpu, *cpu);
+  ASSERT_EQ(int(rf.routes.size()), gpu->config().num_layers) << "every layer routed once";
   expect_logits(lg, lc, V, "synthetic decode step vs CPU");
 }
 

@@ -175,8 +175,9 @@ TEST(PrefillKernels, Gemm) {
     const std::string label = std::string("gemm ") + c.what + " " + wformat_name(c.fmt) + " [" + str(c.out) + "x" +
                               str(c.in) + "] n=" + str(c.n);
 
-    // f32 output with padded rows (ld = out + 2)
-    const int64_t ld = c.out + 2;
+    // f32 output with padded rows (ld = out + 2, rounded up to even: the kernel stores pairs and
+    // the launcher refuses an odd ld)
+    const int64_t ld = (c.out + 3) / 2 * 2;
     DeviceBuffer<float> y32(size_t(c.n) * ld);
     poison(y32);
     cuda::gemm(W.dev, dx.get(), ldx, c.n, {y32.get(), cuda::GemmOutType::kF32, ld, cuda::GemmEpilogue::kStore}, 0);
@@ -190,11 +191,12 @@ TEST(PrefillKernels, Gemm) {
     EXPECT_REL(got, ref_exact, kTolExact, label + " f32 vs bf16 weights");
     EXPECT_REL(got, ref, kTolBf16, label + " f32 vs f32 weights");
 
-    // bf16 output
-    DeviceBuffer<bf16> y16(size_t(c.n) * c.out);
+    // bf16 output (ld = out rounded up to even)
+    const int64_t ld16 = (c.out + 1) / 2 * 2;
+    DeviceBuffer<bf16> y16(size_t(c.n) * ld16);
     poison(y16);
-    cuda::gemm(W.dev, dx.get(), ldx, c.n, {y16.get(), cuda::GemmOutType::kBF16, c.out, cuda::GemmEpilogue::kStore}, 0);
-    EXPECT_REL(take_rows(from_device_bf16(y16.get(), y16.size()), c.out, c.out, rows), ref, kTolBf16, label + " bf16");
+    cuda::gemm(W.dev, dx.get(), ldx, c.n, {y16.get(), cuda::GemmOutType::kBF16, ld16, cuda::GemmEpilogue::kStore}, 0);
+    EXPECT_REL(take_rows(from_device_bf16(y16.get(), y16.size()), ld16, c.out, rows), ref, kTolBf16, label + " bf16");
   }
 }
 
@@ -253,6 +255,7 @@ TEST(PrefillKernels, GemmRejectsBadShapes) {
   EXPECT_THROW(cuda::gemm(W.dev, x.get() + 1, 128, 4, out, 0), Error);  // misaligned X
   EXPECT_THROW(cuda::gemm(W.dev, x.get(), 128, 0, out, 0), Error);
   EXPECT_THROW(cuda::gemm(W.dev, x.get(), 128, 4, {y.get(), cuda::GemmOutType::kF32, 7, cuda::GemmEpilogue::kStore}, 0), Error);
+  EXPECT_THROW(cuda::gemm(W.dev, x.get(), 128, 4, {y.get(), cuda::GemmOutType::kF32, 9, cuda::GemmEpilogue::kStore}, 0), Error);  // odd ld
   W.dev.fmt = WFormat::kF32;
   EXPECT_THROW(cuda::gemm(W.dev, x.get(), 128, 4, out, 0), Error);
   CUDA_CHECK(cudaDeviceSynchronize());
