@@ -10,18 +10,15 @@ DeviceQuery query_devices() noexcept {
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess) {
-      q.error = cudaGetErrorString(e);
+      q.error = std::string("cudaGetDeviceCount failed: ") + cudaGetErrorString(e);
       cudaGetLastError();  // clear it, so that later runtime calls do not report it again
       return q;
     }
-    if (n <= 0) {
-      q.error = "no CUDA device";
-      return q;
-    }
+    if (n <= 0) return q;
     cudaDeviceProp p{};
     e = cudaGetDeviceProperties(&p, 0);
     if (e != cudaSuccess) {
-      q.error = std::string("cudaGetDeviceProperties: ") + cudaGetErrorString(e);
+      q.error = std::string("cudaGetDeviceProperties failed: ") + cudaGetErrorString(e);
       cudaGetLastError();
       return q;
     }

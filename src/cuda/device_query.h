@@ -10,7 +10,7 @@ struct DeviceQuery {
   int devices = 0;           // visible CUDA devices (0 when there is no driver or device)
   std::string name;          // device 0, the one the backend runs on
   int major = 0, minor = 0;  // device 0's compute capability
-  std::string error;         // why no device was found (the runtime's message); empty otherwise
+  std::string error;         // the runtime's error when the query failed (no driver, ...), else empty
 };
 
 // Never throws and never aborts, also without a driver (e.g. a CI machine with nvcc and no GPU).

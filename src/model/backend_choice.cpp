@@ -28,7 +28,7 @@ namespace {
 std::string device_text(const DeviceProbe& p) { return fmt::format("{}, sm_{}{}", p.name, p.major, p.minor); }
 
 std::string no_device_text(const DeviceProbe& p) {
-  return p.error.empty() || p.error == "no CUDA device" ? "no CUDA device" : fmt::format("no CUDA device: {}", p.error);
+  return p.error.empty() ? "no CUDA device" : fmt::format("no CUDA device: {}", p.error);
 }
 
 }  // namespace

@@ -12,7 +12,7 @@ struct DeviceProbe {
   int devices = 0;           // visible CUDA devices
   std::string name;          // device 0
   int major = 0, minor = 0;  // device 0's compute capability
-  std::string error;         // why no device was found, when none was
+  std::string error;         // the runtime's error when the query failed (no driver, ...)
 };
 
 // The real probe: asks the CUDA runtime in CUDA builds (never throws, also without a driver);
@@ -21,7 +21,7 @@ DeviceProbe probe_devices();
 
 struct BackendChoice {
   std::string backend;  // "cpu" or "cuda"
-  std::string reason;   // e.g. "NVIDIA H200, sm_90" or "no CUDA device: ..."
+  std::string reason;   // e.g. "NVIDIA H200, sm_90" or "no CUDA device"
 };
 
 // `requested` is "auto", "cpu" or "cuda". "cuda" on a build without the backend, without a
