@@ -14,7 +14,7 @@ namespace tansy::cli {
 namespace fs = std::filesystem;
 
 const std::vector<std::string>& engine_flags() {
-  static const std::vector<std::string> f = {"model", "backend", "threads", "max-seq", "prefix-cache"};
+  static const std::vector<std::string> f = {"model", "backend", "threads", "max-seq", "prefix-cache", "prefill-chunk"};
   return f;
 }
 
@@ -64,6 +64,7 @@ LoadedEngine load_engine(const Flags& flags) {
   const int max_pos = model->config().max_position;
   eo.max_seq = int(flags.get_int("max-seq", std::min(max_pos, 32768), 2, max_pos));
   eo.prefix_cache_entries = size_t(flags.get_int("prefix-cache", long(eo.prefix_cache_entries), 0, 64));
+  eo.prefill_chunk = int(flags.get_int("prefill-chunk", eo.prefill_chunk, 1, max_pos));
   le.engine = std::make_unique<Engine>(std::move(model), std::move(tok), eo);
   return le;
 }
