@@ -7,13 +7,20 @@
 #                                   # library and the binaries inside the 64 MiB carry limit)
 #   tools/device_bench.sh run       # there (carry: out/device.tar.xz): synth -> GPU tests ->
 #                                   # tansy bench (all contexts, 2 rounds, per-stage breakdown)
-#                                   # -> HF peer arm
+#                                   # -> tansy serve latency through HTTP -> HF peer arm
 #
-# `run` writes at most 7 files to $OUT: env.txt synth.log gpu_tests.log bench.log bench.json
-# peer.log peer.json. It keeps to a total deadline (DEADLINE_S, default 540 s) and gives each
-# step what is left, so a slow step shortens the later ones instead of losing every result.
+# `run` writes at most 9 files to $OUT: env.txt synth.log gpu_tests.log bench.log bench.json
+# server.log server_latency.json peer.log peer.json. It keeps to a total deadline (DEADLINE_S,
+# default 540 s) and gives each step what is left, so a slow step shortens the later ones instead
+# of losing every result.
+# The server step starts `tansy serve` on the synthetic checkpoint (CUDA, --prefix-cache 0 so
+# that every request prefills its whole prompt, as tansy bench does), waits for /health and runs
+# tools/http_latency.py: streamed TTFT and inter-token latency at SERVER_CONTEXTS against
+# bench.json (issue 5: within 5%). The server is always stopped afterwards.
 # Knobs (environment): BENCH_CONTEXTS (default: all ten), BENCH_ROUNDS (2), PEER_CONTEXTS
-# (256,512,1024,2048,4096), SKIP_GPU_TESTS=1, SKIP_PEER=1, SKIP_BENCH=1, SYNTH_DIR (/dev/shm/tansy-synth).
+# (256,512,1024,2048,4096), SERVER_CONTEXTS (256,4096), SERVER_ROUNDS (5), SERVER_ARGS (extra
+# `tansy serve` flags, e.g. "--prefill-chunk 4096"), SKIP_GPU_TESTS=1, SKIP_PEER=1, SKIP_BENCH=1,
+# SKIP_SERVER=1, SYNTH_DIR (/dev/shm/tansy-synth).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEV=out/device
@@ -45,6 +52,42 @@ prepare() {
   tar -cJf out/device.tar.xz -C "$DEV" .
   du -sh "$DEV" out/device.tar.xz
   echo "prepared out/device.tar.xz (commit $commit): $(ls "$DEV" "$DEV/lib" | tr '\n' ' ')"
+}
+
+# tansy serve on the synthetic checkpoint + tools/http_latency.py, within $1 seconds; the server
+# is stopped on every path (TERM, then KILL).
+server_step() {
+  local cap=$1 port=${SERVER_PORT:-8011}
+  local end=$(( $(date +%s) + cap ))
+  # shellcheck disable=SC2086  # SERVER_ARGS is a list of flags
+  env LD_LIBRARY_PATH="$tld" "$T" serve --model "$synth_dir" --backend cuda --port "$port" --max-seq 8192 \
+    --prefix-cache 0 ${SERVER_ARGS:-} >"$OUT/server.log" 2>&1 &
+  local pid=$! healthy='' t0
+  t0=$(date +%s)
+  while [ "$(date +%s)" -lt $((end - 10)) ]; do
+    kill -0 "$pid" 2>/dev/null || break
+    if python3 -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)' \
+        "http://127.0.0.1:$port/health" 2>/dev/null; then healthy=1; break; fi
+    sleep 0.5
+  done
+  if [ -n "$healthy" ]; then
+    echo "server healthy after $(( $(date +%s) - t0 )) s"
+    local bench_flag=()
+    [ -f "$OUT/bench.json" ] && bench_flag=(--bench "$OUT/bench.json")
+    timeout $((end - $(date +%s))) python3 tools/http_latency.py --url "http://127.0.0.1:$port" \
+      --contexts "${SERVER_CONTEXTS:-256,4096}" --rounds "${SERVER_ROUNDS:-5}" --model-dir "$synth_dir" \
+      "${bench_flag[@]}" --json "$OUT/server_latency.json"
+    echo "http_latency exit $?"
+  elif kill -0 "$pid" 2>/dev/null; then
+    echo "device_bench: tansy serve not healthy within the step's time"
+  else
+    wait "$pid"; echo "device_bench: tansy serve exited ($?) before becoming healthy"
+  fi
+  kill -TERM "$pid" 2>/dev/null
+  for _ in $(seq 20); do kill -0 "$pid" 2>/dev/null || break; sleep 0.25; done
+  kill -KILL "$pid" 2>/dev/null
+  wait "$pid" 2>/dev/null
+  tail -5 "$OUT/server.log"
 }
 
 run() {
@@ -90,9 +133,10 @@ run() {
 
   if [ -z "${SKIP_BENCH:-}" ]; then
     left=$(remaining)
-    # Leave the peer arm ~150 s when it is to run.
+    # Leave the peer arm ~150 s and the server step ~45 s when they are to run.
     local bench_cap=$((left - 10))
-    [ -z "${SKIP_PEER:-}" ] && bench_cap=$((left - 150))
+    [ -z "${SKIP_PEER:-}" ] && bench_cap=$((bench_cap - 140))
+    [ -z "${SKIP_SERVER:-}" ] && bench_cap=$((bench_cap - 45))
     [ "$bench_cap" -lt 30 ] && bench_cap=30
     echo "== tansy bench (cap $bench_cap s)"
     local ctx_flag=()
@@ -100,6 +144,19 @@ run() {
     timeout "$bench_cap" env LD_LIBRARY_PATH="$tld" "$T" bench --model "$synth_dir" "${ctx_flag[@]}" --rounds "${BENCH_ROUNDS:-2}" \
       --json "$OUT/bench.json" --commit "$commit" --stages --child-timeout 150 >"$OUT/bench.log" 2>&1
     echo "bench exit $?"
+  fi
+
+  if [ -z "${SKIP_SERVER:-}" ]; then
+    left=$(remaining)
+    local srv_cap=$((left - 10))
+    [ -z "${SKIP_PEER:-}" ] && srv_cap=$((left - 150))
+    [ "$srv_cap" -gt 120 ] && srv_cap=120
+    echo "== tansy serve latency through HTTP (cap $srv_cap s, $left s left)"
+    if [ "$srv_cap" -lt 20 ]; then
+      echo "device_bench: no time left for the server step" | tee "$OUT/server.log"
+    else
+      server_step "$srv_cap"
+    fi
   fi
 
   if [ -z "${SKIP_PEER:-}" ]; then
