@@ -250,7 +250,10 @@ def main():
             report["results"].append(row)
             failures += 1
             continue
-        med = lambda k: statistics.median(r[k] for r in runs if r[k] is not None)  # noqa: E731
+        def med(k):
+            v = [r[k] for r in runs if r[k] is not None]
+            return statistics.median(v) if v else None
+
         row.update({
             "ttft_s": med("ttft_s"),
             "itl_s": med("itl_s"),
