@@ -56,6 +56,18 @@ class CpuModel final : public Model {
     return std::make_unique<CpuState>(dynamic_cast<const CpuState&>(s));
   }
 
+  bool reset_state(SequenceState& state) override {
+    auto& st = dynamic_cast<CpuState&>(state);
+    st.n = 0;
+    for (auto& L : st.layers) {
+      L.K.clear();
+      L.V.clear();
+      std::fill(L.conv.begin(), L.conv.end(), 0.0f);
+      std::fill(L.S.begin(), L.S.end(), 0.0f);
+    }
+    return true;
+  }
+
   void forward(SequenceState& state, std::span<const int32_t> ids, std::span<float> logits, bool all_positions) override {
     auto& st = dynamic_cast<CpuState&>(state);
     const int n = int(ids.size());

@@ -262,6 +262,18 @@ class CudaModel final : public Model, public StageProfiler {
     return s;
   }
 
+  bool reset_state(SequenceState& state) override {
+    auto& st = dynamic_cast<CudaState&>(state);
+    CUDA_CHECK(cudaMemsetAsync(st.pos.get(), 0, sizeof(int), stream_));
+    for (auto& L : st.layers)
+      if (L.S.size()) {
+        CUDA_CHECK(cudaMemsetAsync(L.window.get(), 0, L.window.bytes(), stream_));
+        CUDA_CHECK(cudaMemsetAsync(L.S.get(), 0, L.S.bytes(), stream_));
+      }
+    st.n = 0;  // the KV cache needs no clearing: attention reads positions < n only
+    return true;
+  }
+
   std::unique_ptr<SequenceState> clone_state(const SequenceState& src) override {
     const auto& a = dynamic_cast<const CudaState&>(src);
     CUDA_CHECK(cudaStreamSynchronize(stream_));

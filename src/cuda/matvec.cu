@@ -5,6 +5,8 @@
 // turns the affine dequant into one multiply-add per chunk: Σ(s·q+b)x = s·Σqx + b·Σx.
 #include "cuda/matvec.cuh"
 
+#include <algorithm>
+
 #include "cuda/moe.cuh"
 #include "cuda/pdl.cuh"
 #include "cuda/route_device.cuh"
@@ -58,7 +60,7 @@ __device__ __forceinline__ float bf_hi(uint32_t v) { return __uint_as_float(v & 
 
 __device__ __forceinline__ uint4 load_stream(const void* p) {
   uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
   return v;
@@ -71,9 +73,22 @@ __device__ __forceinline__ uint4 load_chunk(const DevLinear& W, int64_t r, int c
   else return load_stream(W.q + r * (int64_t(W.in) * BITS / 32) + int64_t(c) * 4);
 }
 
-// Chunk c's contribution to row r: xs points at the chunk's staged x (kCols f32 + Σx).
+// A chunk's quant scale and bias (unused for bf16), loaded with its codes so that one memory
+// round trip brings all three.
 template <int BITS>
-__device__ __forceinline__ float chunk_dot(const DevLinear& W, int64_t r, int c, uint4 wv, const float* xs) {
+__device__ __forceinline__ void load_sb(const DevLinear& W, int64_t r, int c, float& s, float& b) {
+  if constexpr (BITS != 16) {
+    const int64_t gi = r * (W.in / kQuantGroup) + (c * Chunk<BITS>::kCols) / kQuantGroup;
+    s = __bfloat162float(W.scales[gi]);
+    b = __bfloat162float(W.biases[gi]);
+  } else {
+    s = b = 0.f;
+  }
+}
+
+// A chunk's contribution to its row: xs points at the chunk's staged x (kCols f32 + Σx).
+template <int BITS>
+__device__ __forceinline__ float chunk_dot(uint4 wv, const float* xs, float s, float b) {
   const uint32_t wd[4] = {wv.x, wv.y, wv.z, wv.w};
   const float4* x4 = reinterpret_cast<const float4*>(xs);
   float raw = 0.f;
@@ -112,8 +127,6 @@ __device__ __forceinline__ float chunk_dot(const DevLinear& W, int64_t r, int c,
   if constexpr (BITS == 16) {
     return raw;
   } else {
-    const int64_t gi = r * (W.in / kQuantGroup) + (c * Chunk<BITS>::kCols) / kQuantGroup;
-    const float s = __bfloat162float(W.scales[gi]), b = __bfloat162float(W.biases[gi]);
     const float sum = xs[Chunk<BITS>::kCols];
     // 4-bit codes were read as 128+q: fold the offset into the bias term.
     return BITS == 4 ? fmaf(s, raw, (b - 128.f * s) * sum) : fmaf(s, raw, b * sum);
@@ -305,12 +318,35 @@ __device__ void route_epilogue(const RouteEpilogue& R, const float* logits, int 
   }
 }
 
+// One lane's loads of one chunk for each of a warp's rows (two rows each in the SwiGLU modes):
+// codes, scales and biases issued together.
+template <int BITS, int R, bool PAIR>
+struct Batch {
+  uint4 w1[R], w2[R];
+  float s1[R], b1[R], s2[R], b2[R];
+  __device__ __forceinline__ void load(const DevLinear& W, const int64_t (&r1)[R], const bool (&ok)[R], int c) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      if (!ok[i]) continue;
+      w1[i] = load_chunk<BITS>(W, r1[i], c);
+      load_sb<BITS>(W, r1[i], c, s1[i], b1[i]);
+      if constexpr (PAIR) {
+        w2[i] = load_chunk<BITS>(W, r1[i] + 1, c);
+        load_sb<BITS>(W, r1[i] + 1, c, s2[i], b2[i]);
+      }
+    }
+  }
+};
+
 // MODE 0: plain, T token rows per block (blockIdx.y picks the T-row chunk).
 // MODE 1: SwiGLU over interleaved row pairs, T token rows per block.
 // MODE 2: SwiGLU over expert idx[slot] of a stacked matrix, one slot per blockIdx.y (T == 1).
 // Each warp owns `rpw` (1..max_rows_per_warp) output rows and streams them together, so that
 // rpw times as many loads are in flight as with one row at a time (decode is latency-bound on
 // small matrices); the launcher lowers rpw when that leaves too few blocks to fill the chip.
+// Loads are software-pipelined one chunk ahead, and for MODE 0/1 the first chunk's loads are
+// issued before waiting on the previous kernel (weights never depend on it). A grid smaller
+// than the row blocks (the lm_head) loops over them.
 template <int BITS, int T, int MODE>
 __global__ void __launch_bounds__(kThreads) matvec_kernel(DevLinear W, const bf16* __restrict__ X, int64_t ldx, int n,
                                                           void* Y, int64_t ldy, int y_f32, int out_rows,
@@ -320,27 +356,48 @@ __global__ void __launch_bounds__(kThreads) matvec_kernel(DevLinear W, const bf1
   float* xs = reinterpret_cast<float*>(smem4);
   constexpr int S = Chunk<BITS>::kStride;
   constexpr bool kFusable = T == 1 && MODE == 0;
+  constexpr bool kPair = MODE != 0;
+  constexpr int R = max_rows_per_warp(T, MODE);
   __shared__ float red[kWarps];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  // The weights never depend on earlier kernels: start pulling this block's rows into L2 while
-  // the predecessor still runs (expert rows depend on the router's output, so not those).
-  if constexpr (MODE != 2) {
+  const int cpr = W.in / Chunk<BITS>::kCols;
+  const int row_blocks = (out_rows + kWarps * rpw - 1) / (kWarps * rpw);
+
+  int rows[R];
+  bool ok[R];
+  int64_t r1[R];
+  auto set_rows = [&](int rb, int64_t base) {
 #pragma unroll
-    for (int i = 0; i < max_rows_per_warp(T, MODE); ++i) {
-      const int r = (blockIdx.x * rpw + i) * kWarps + warp;
-      if (i >= rpw || r >= out_rows) break;
-      prefetch_row<BITS>(W, MODE == 0 ? int64_t(r) : 2 * int64_t(r), lane);
-      if constexpr (MODE == 1) prefetch_row<BITS>(W, 2 * int64_t(r) + 1, lane);
+    for (int i = 0; i < R; ++i) {
+      rows[i] = (rb * rpw + i) * kWarps + warp;
+      ok[i] = i < rpw && rows[i] < out_rows;
+      r1[i] = MODE == 0 ? int64_t(rows[i]) : base + 2 * int64_t(rows[i]);
+    }
+  };
+  Batch<BITS, R, kPair> cur;
+  int rb = blockIdx.x;
+  if constexpr (MODE != 2) {
+    set_rows(rb, 0);
+    if (lane < cpr) cur.load(W, r1, ok, lane);
+    // The rest of the rows (more than one chunk per lane) into L2 meanwhile.
+    if (cpr > 32) {
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        if (!ok[i]) break;
+        prefetch_row<BITS>(W, r1[i], lane);
+        if constexpr (kPair) prefetch_row<BITS>(W, r1[i] + 1, lane);
+      }
     }
   }
   pdl_wait();
   pdl_launch_dependents();
-  const int cpr = W.in / Chunk<BITS>::kCols;
   int t0 = blockIdx.y * T;
   int64_t row_base = 0;
   if constexpr (MODE == 2) {
     t0 = blockIdx.y / k;
     row_base = int64_t(idx[blockIdx.y]) * rows_per_expert;
+    set_rows(rb, row_base);
+    if (lane < cpr) cur.load(W, r1, ok, lane);
   }
   if constexpr (kFusable) {
     if (fz.norm.w) stage_norm<BITS>(fz.norm, W.in, xs, red);
@@ -350,72 +407,66 @@ __global__ void __launch_bounds__(kThreads) matvec_kernel(DevLinear W, const bf1
   }
   __syncthreads();
 
-  constexpr int R = max_rows_per_warp(T, MODE);
-  int rows[R];
-  bool ok[R];
-  int64_t r1[R];
-  float acc[R][T], acc2[R][T];
+  for (;;) {
+    // GDN epilogue operands, loaded early: lane j < kernel holds tap j's weight and input (the
+    // window's values; lane kernel-1 takes this token's projection at the end).
+    float conv_w[R], conv_in[R];
+    if constexpr (kFusable) {
+      if (fz.epi == Epi::kGdnIn) {
+        const GdnInEpilogue& G = fz.gdn;
 #pragma unroll
-  for (int i = 0; i < R; ++i) {
-    rows[i] = (blockIdx.x * rpw + i) * kWarps + warp;
-    ok[i] = i < rpw && rows[i] < out_rows;
-    r1[i] = MODE == 0 ? int64_t(rows[i]) : row_base + 2 * int64_t(rows[i]);
-#pragma unroll
-    for (int t = 0; t < T; ++t) acc[i][t] = acc2[i][t] = 0.f;
-  }
-  // GDN epilogue operands, loaded early: lane j < kernel holds tap j's weight and input (the
-  // window's values; lane kernel-1 takes this token's projection at the end).
-  float conv_w[R], conv_in[R];
-  if constexpr (kFusable) {
-    if (fz.epi == Epi::kGdnIn) {
-      const GdnInEpilogue& G = fz.gdn;
-#pragma unroll
-      for (int i = 0; i < R; ++i) {
-        conv_w[i] = conv_in[i] = 0.f;
-        if (ok[i] && rows[i] < G.conv_dim) {
-          if (lane < G.kernel) conv_w[i] = G.conv_w[int64_t(rows[i]) * G.kernel + lane];
-          if (lane < G.kernel - 1) conv_in[i] = __bfloat162float(G.window[int64_t(lane) * G.conv_dim + rows[i]]);
+        for (int i = 0; i < R; ++i) {
+          conv_w[i] = conv_in[i] = 0.f;
+          if (ok[i] && rows[i] < G.conv_dim) {
+            if (lane < G.kernel) conv_w[i] = G.conv_w[int64_t(rows[i]) * G.kernel + lane];
+            if (lane < G.kernel - 1) conv_in[i] = __bfloat162float(G.window[int64_t(lane) * G.conv_dim + rows[i]]);
+          }
         }
       }
     }
-  }
-#pragma unroll 2
-  for (int c = lane; c < cpr; c += 32) {
-    uint4 w1[R], w2[R];
+    float acc[R][T], acc2[R][T];
 #pragma unroll
-    for (int i = 0; i < R; ++i) {
-      if (!ok[i]) continue;
-      w1[i] = load_chunk<BITS>(W, r1[i], c);
-      if constexpr (MODE != 0) w2[i] = load_chunk<BITS>(W, r1[i] + 1, c);
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+      for (int t = 0; t < T; ++t) acc[i][t] = acc2[i][t] = 0.f;
+    for (int c = lane; c < cpr; c += 32) {
+      Batch<BITS, R, kPair> nxt;
+      const bool more = c + 32 < cpr;
+      if (more) nxt.load(W, r1, ok, c + 32);
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        if (!ok[i]) continue;
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+          const float* xc = xs + (t * cpr + c) * S;
+          acc[i][t] += chunk_dot<BITS>(cur.w1[i], xc, cur.s1[i], cur.b1[i]);
+          if constexpr (kPair) acc2[i][t] += chunk_dot<BITS>(cur.w2[i], xc, cur.s2[i], cur.b2[i]);
+        }
+      }
+      if (more) cur = nxt;
     }
 #pragma unroll
     for (int i = 0; i < R; ++i) {
-      if (!ok[i]) continue;
+      if (i >= rpw) break;  // uniform across the warp: the shuffles below need every lane
 #pragma unroll
       for (int t = 0; t < T; ++t) {
-        const float* xc = xs + (t * cpr + c) * S;
-        acc[i][t] += chunk_dot<BITS>(W, r1[i], c, w1[i], xc);
-        if constexpr (MODE != 0) acc2[i][t] += chunk_dot<BITS>(W, r1[i] + 1, c, w2[i], xc);
+        const float a = group_sum<32>(acc[i][t]);
+        float y = a;
+        if constexpr (MODE != 0) y = swiglu_bf16(a, group_sum<32>(acc2[i][t]));
+        if (ok[i] && lane == t && t0 + t < n) {
+          const int64_t row = MODE == 2 ? int64_t(blockIdx.y) : int64_t(t0 + t);
+          if (y_f32) static_cast<float*>(Y)[row * ldy + rows[i]] = y;
+          else static_cast<bf16*>(Y)[row * ldy + rows[i]] = __float2bfloat16(y);
+        }
+        if constexpr (kFusable) {
+          if (fz.epi == Epi::kGdnIn && ok[i]) gdn_in_epilogue(fz.gdn, rows[i], y, conv_w[i], conv_in[i], lane);
+        }
       }
     }
-  }
-#pragma unroll
-  for (int i = 0; i < R; ++i) {
-    if (i >= rpw) break;  // uniform across the warp: the shuffles below need every lane
-#pragma unroll
-    for (int t = 0; t < T; ++t) {
-      const float a = group_sum<32>(acc[i][t]);
-      float y = a;
-      if constexpr (MODE != 0) y = swiglu_bf16(a, group_sum<32>(acc2[i][t]));
-      if (ok[i] && lane == t && t0 + t < n) {
-        const int64_t row = MODE == 2 ? int64_t(blockIdx.y) : int64_t(t0 + t);
-        if (y_f32) static_cast<float*>(Y)[row * ldy + rows[i]] = y;
-        else static_cast<bf16*>(Y)[row * ldy + rows[i]] = __float2bfloat16(y);
-      }
-      if constexpr (kFusable) {
-        if (fz.epi == Epi::kGdnIn && ok[i]) gdn_in_epilogue(fz.gdn, rows[i], y, conv_w[i], conv_in[i], lane);
-      }
-    }
+    rb += gridDim.x;
+    if (rb >= row_blocks) break;
+    set_rows(rb, row_base);
+    if (lane < cpr) cur.load(W, r1, ok, lane);
   }
   if constexpr (kFusable) {
     if (fz.epi == Epi::kRoute) route_epilogue(fz.route, static_cast<const float*>(Y), warp);
@@ -443,14 +494,19 @@ size_t stage_bytes(int in, int rows) {
   return size_t(rows) * (in / Chunk<BITS>::kCols) * Chunk<BITS>::kStride * sizeof(float);
 }
 
-// Rows per warp: as many as still give every multiprocessor a block.
-int rows_per_warp(int max_rpw, int out_rows, unsigned grid_y) {
+int sm_count() {
   static const int sms = [] {
     int dev = 0, n = 0;
     CUDA_CHECK(cudaGetDevice(&dev));
     CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
     return n;
   }();
+  return sms;
+}
+
+// Rows per warp: as many as still give every multiprocessor a block.
+int rows_per_warp(int max_rpw, int out_rows, unsigned grid_y) {
+  const int sms = sm_count();
   int rpw = max_rpw;
   while (rpw > 1 && int64_t(ceil_div(out_rows, kWarps * rpw)) * grid_y < sms) rpw /= 2;
   return rpw;
@@ -464,7 +520,11 @@ void launch_matvec_t(const DevLinear& W, const bf16* X, int64_t ldx, int n, void
   constexpr auto kern = matvec_kernel<BITS, T, MODE>;
   allow_smem<kern>(smem, "matvec");
   const int rpw = rows_per_warp(max_rows_per_warp(T, MODE), out_rows, grid_y);
-  dim3 grid(ceil_div(out_rows, kWarps * rpw), grid_y);
+  // Very tall matrices (the lm_head) run a resident grid that loops over the row blocks: x is
+  // staged once per block instead of once per 32 rows.
+  unsigned gx = ceil_div(out_rows, kWarps * rpw);
+  if (T == 1 && MODE != 2) gx = std::min<unsigned>(gx, unsigned(sm_count()) * (2048 / kThreads));
+  dim3 grid(gx, grid_y);
   pdl_launch(kern, grid, dim3(kThreads), smem, stream, W, X, ldx, n, Y, ldy, y_f32 ? 1 : 0, out_rows, idx, k,
              rows_per_expert, rpw, fz);
 }
@@ -541,13 +601,32 @@ __global__ void __launch_bounds__(kThreads) moe_down_kernel(DevLinear Wd, int H,
   const int sub = threadIdx.x % G;
   const int r = blockIdx.x * (kThreads / G) + threadIdx.x / G;
   const bool valid = r < H;
+  // Up to kU chunks per lane are loaded in one batch (codes, scales, biases), then used: on the
+  // real model (9 slots x 16 chunks over 16 lanes) a single memory round trip.
+  constexpr int kU = 12;
   float acc = 0.f;
   if (valid) {
-#pragma unroll 4
-    for (int it = sub; it < k * cpr; it += G) {
-      const int j = it / cpr, c = it - j * cpr;
-      const int64_t row = int64_t(s_e[j]) * H + r;
-      acc = fmaf(s_w[j], chunk_dot<BITS>(Wd, row, c, load_chunk<BITS>(Wd, row, c), xs + (j * cpr + c) * S), acc);
+    for (int base = sub; base < k * cpr; base += kU * G) {
+      uint4 wv[kU];
+      float sc[kU], bi[kU];
+      int off[kU];
+      float wt[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int it = base + u * G;
+        if (it >= k * cpr) break;
+        const int j = it / cpr, c = it - j * cpr;
+        const int64_t row = int64_t(s_e[j]) * H + r;
+        wv[u] = load_chunk<BITS>(Wd, row, c);
+        load_sb<BITS>(Wd, row, c, sc[u], bi[u]);
+        off[u] = (j * cpr + c) * S;
+        wt[u] = s_w[j];
+      }
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        if (base + u * G >= k * cpr) break;
+        acc = fmaf(wt[u], chunk_dot<BITS>(wv[u], xs + off[u], sc[u], bi[u]), acc);
+      }
     }
   }
   acc = group_sum<G>(acc);

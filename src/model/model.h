@@ -28,6 +28,13 @@ class Model {
 
   // Fresh state able to hold up to max_tokens tokens.
   virtual std::unique_ptr<SequenceState> new_state(int max_tokens) = 0;
+  // Empties `state` for reuse as a fresh state of the same capacity, keeping its buffers (on
+  // CUDA also its captured decode graph, so a reused state costs no allocation or capture).
+  // Returns false when the backend cannot (the caller then makes a new state).
+  virtual bool reset_state(SequenceState& state) {
+    (void)state;
+    return false;
+  }
   // Deep copy (prefix cache).
   virtual std::unique_ptr<SequenceState> clone_state(const SequenceState& s) = 0;
 

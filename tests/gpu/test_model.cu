@@ -288,11 +288,46 @@ TEST_P(Golden, GreedyGraphMatchesEagerAndGolden) {
     const int32_t t = m->greedy_step(*sg, steps.back(), limit);
     EXPECT_LT(t, limit);
   }
+  // A reset state decodes exactly as a new one (the server reuses states).
+  {
+    ASSERT_TRUE(m->reset_state(*st));
+    EXPECT_EQ(st->n_tokens(), 0);
+    std::vector<int32_t> again;
+    m->generate_greedy(*st, prompt, n, [&](int32_t t) {
+      again.push_back(t);
+      return true;
+    });
+    EXPECT_EQ(again, graph_toks) << "greedy decoding from a reset state";
+  }
+  // Against the golden: identical up to the first step where the reference's top-1 is not
+  // decisive. The f32 CPU backend (which matches Hugging Face to ~1e-5) gives the margins; a step
+  // whose top two logits are within kGreedyMargin * max|logit| may flip under bf16 activations
+  // (CUDA vs CPU differ by ~0.01-0.02 of max|logit| on these models: see LayerByLayerVsCpu).
+  constexpr double kGreedyMargin = 0.05;
+  auto cpu = make_cpu_model(dir, ModelOptions{});
+  std::vector<int32_t> seq(prompt.begin(), prompt.end());
+  seq.insert(seq.end(), golden.begin(), golden.end() - 1);
+  const int V = m->config().vocab_size;
+  std::vector<float> all(size_t(seq.size()) * V);
+  auto sc = cpu->new_state(int(seq.size()));
+  cpu->forward(*sc, seq, all, true);
+  int decisive = 0;  // golden steps before the first near tie
+  for (; decisive < n; ++decisive) {
+    std::span<const float> r(&all[(prompt.size() - 1 + decisive) * V], V);
+    const int top = argmax(r);
+    float second = -INFINITY, mx = 0;
+    for (int i = 0; i < V; ++i) {
+      mx = std::max(mx, std::fabs(r[i]));
+      if (i != top) second = std::max(second, r[i]);
+    }
+    if (top != golden[decisive] || r[top] - second <= kGreedyMargin * mx) break;
+  }
   int prefix = 0;
   while (prefix < n && graph_toks[prefix] == golden[prefix]) ++prefix;
-  std::printf("  %s greedy: %d/%d tokens match the golden before the first difference\n", GetParam().c_str(), prefix,
-              n);
-  EXPECT_GE(prefix, 4) << "greedy continuation diverges from the Hugging Face golden early";
+  std::printf("  %s greedy: %d/%d tokens match the golden before the first difference (%d decisive steps first)\n",
+              GetParam().c_str(), prefix, n, decisive);
+  EXPECT_GE(decisive, 1) << "the CPU reference disagrees with the golden's first token";
+  EXPECT_GE(prefix, decisive) << "greedy continuation diverges from the Hugging Face golden at a decisive step";
   // early stop: the rejected token is not fed
   auto s2 = m->new_state(int(prompt.size()) + n + 1);
   int calls = 0;
