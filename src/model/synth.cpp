@@ -346,6 +346,7 @@ SynthResult write_synthetic_checkpoint(const nlohmann::json& config_in, const st
   const nlohmann::json config = complete_synth_config(config_in);
   const ModelConfig cfg = parse_config(config);
   const std::vector<Spec> specs = build_specs(cfg, opt.seed);
+  if (opt.tokenizer) synth_tokenizer_layout(cfg);  // refuse before writing gigabytes, not after
 
   std::error_code ec;
   if (fs::exists(dir, ec)) {

@@ -81,7 +81,9 @@ SynthTokenizerLayout synth_tokenizer_layout(const ModelConfig& cfg) {
   const int V = cfg.vocab_size;
   const int n_added = 5;
   if (V < 256 + n_added)
-    fail("synth: vocab_size {} leaves no room for a byte-level tokenizer (at least {} ids)", V, 256 + n_added);
+    fail("synth: vocab_size {} leaves no room for a byte-level tokenizer (at least {} ids; tansy synth "
+         "--no-tokenizer writes the weights alone)",
+         V, 256 + n_added);
   l.n_ordinary = V - n_added;
   l.added = {{"<|endoftext|>", V - 5, true},
              {"<|im_start|>", V - 4, true},

@@ -240,6 +240,16 @@ TEST(SynthTokenizer, OtherConfigsPutTheNamedTokensOnTop) {
   EXPECT_EQ(tok.decode(tok.encode(s)), s);
   cfg.vocab_size = 260;
   EXPECT_THROW(tansy::synth_tokenizer_layout(cfg), tansy::Error);
+  // Refused before anything is written.
+  TempDir d;
+  auto small = tiny_text_config();
+  small["vocab_size"] = 256;
+  auto o = opts(1, 1, 1 << 20);
+  o.tokenizer = true;
+  EXPECT_THROW(tansy::write_synthetic_checkpoint(small, d.path, o), tansy::Error);
+  EXPECT_TRUE(!fs::exists(d.path) || fs::is_empty(d.path));
+  o.tokenizer = false;
+  EXPECT_NO_THROW(tansy::write_synthetic_checkpoint(small, d.path, o));
 }
 
 TEST(SynthTokenizer, CheckpointWithTokenizerIsServable) {
