@@ -6,6 +6,7 @@
 #include "cuda/matvec.cuh"
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "cuda/moe.cuh"
 #include "cuda/pdl.cuh"
@@ -348,7 +349,7 @@ struct Batch {
 // issued before waiting on the previous kernel (weights never depend on it). A grid smaller
 // than the row blocks (the lm_head) loops over them.
 template <int BITS, int T, int MODE>
-__global__ void __launch_bounds__(kThreads) matvec_kernel(DevLinear W, const bf16* __restrict__ X, int64_t ldx, int n,
+__global__ void __launch_bounds__(kThreads, 3) matvec_kernel(DevLinear W, const bf16* __restrict__ X, int64_t ldx, int n,
                                                           void* Y, int64_t ldy, int y_f32, int out_rows,
                                                           const int* __restrict__ idx, int k, int rows_per_expert,
                                                           int rpw, Fusion fz) {
@@ -520,10 +521,14 @@ void launch_matvec_t(const DevLinear& W, const bf16* X, int64_t ldx, int n, void
   constexpr auto kern = matvec_kernel<BITS, T, MODE>;
   allow_smem<kern>(smem, "matvec");
   const int rpw = rows_per_warp(max_rows_per_warp(T, MODE), out_rows, grid_y);
-  // Very tall matrices (the lm_head) run a resident grid that loops over the row blocks: x is
-  // staged once per block instead of once per 32 rows.
+  // TANSY_MATVEC_GRID_CAP=N (blocks per multiprocessor, tests and tuning): very tall matrices
+  // run a resident grid that loops over the row blocks, staging x once per block.
+  static const int cap = [] {
+    const char* v = std::getenv("TANSY_MATVEC_GRID_CAP");
+    return v ? std::atoi(v) : 0;
+  }();
   unsigned gx = ceil_div(out_rows, kWarps * rpw);
-  if (T == 1 && MODE != 2) gx = std::min<unsigned>(gx, unsigned(sm_count()) * (2048 / kThreads));
+  if (cap > 0 && T == 1 && MODE != 2) gx = std::min<unsigned>(gx, unsigned(sm_count()) * unsigned(cap));
   dim3 grid(gx, grid_y);
   pdl_launch(kern, grid, dim3(kThreads), smem, stream, W, X, ldx, n, Y, ldy, y_f32 ? 1 : 0, out_rows, idx, k,
              rows_per_expert, rpw, fz);
@@ -576,7 +581,7 @@ void check_x(const bf16* X, int64_t ldx, int n, int in, const char* what) {
 // G lanes per output row: in = I is small (512 on the real model: 16 chunks of 4-bit), so a warp
 // works on 32/G rows at once instead of leaving lanes idle.
 template <int BITS, int G>
-__global__ void __launch_bounds__(kThreads) moe_down_kernel(DevLinear Wd, int H, const int* __restrict__ idx,
+__global__ void __launch_bounds__(kThreads, 3) moe_down_kernel(DevLinear Wd, int H, const int* __restrict__ idx,
                                                             const float* __restrict__ wts, const bf16* __restrict__ act,
                                                             int k, const bf16* shared, const float* sh_logit,
                                                             int64_t sh_ld, bf16* out) {
@@ -601,9 +606,9 @@ __global__ void __launch_bounds__(kThreads) moe_down_kernel(DevLinear Wd, int H,
   const int sub = threadIdx.x % G;
   const int r = blockIdx.x * (kThreads / G) + threadIdx.x / G;
   const bool valid = r < H;
-  // Up to kU chunks per lane are loaded in one batch (codes, scales, biases), then used: on the
-  // real model (9 slots x 16 chunks over 16 lanes) a single memory round trip.
-  constexpr int kU = 12;
+  // Up to kU chunks per lane are loaded in one batch (codes, scales, biases), then used (the
+  // batch size keeps the kernel at three blocks per multiprocessor).
+  constexpr int kU = 8;
   float acc = 0.f;
   if (valid) {
     for (int base = sub; base < k * cpr; base += kU * G) {

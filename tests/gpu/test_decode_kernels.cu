@@ -3,6 +3,7 @@
 // same values; tolerances: f32 outputs ~1e-5 (accumulation order only), bf16 outputs 1e-2 (one
 // rounding of the result), as METHOD.md gives for bf16 operands.
 #include <algorithm>
+#include <cstdlib>
 #include <cmath>
 #include <numeric>
 #include <string>
@@ -738,6 +739,140 @@ TEST(FusedDecode, GdnInProjAndStep) {
     EXPECT_REL(from_device_bf16(y.get(), VD), y_ref, kTolBf16, "  gated norm output");
     EXPECT_EQ(from_device(counters.get(), NV), std::vector<unsigned>(NV, 0u)) << "counters reset";
   }
+}
+
+}  // namespace
+}  // namespace tansy
+
+// ---- decode kernel timing at the real shapes (not pass/fail: prints µs per launch) ----
+
+namespace tansy {
+namespace {
+
+// Launches `fn` `reps` times back to back on one stream (PDL as in the decode graph) and
+// returns µs per launch.
+template <typename Fn>
+double time_launches(Fn&& fn, int reps = 100) {
+  cudaStream_t s = nullptr;
+  CUDA_CHECK(cudaStreamCreate(&s));
+  for (int i = 0; i < 5; ++i) fn(s);
+  cudaEvent_t a, b;
+  CUDA_CHECK(cudaEventCreate(&a));
+  CUDA_CHECK(cudaEventCreate(&b));
+  CUDA_CHECK(cudaEventRecord(a, s));
+  for (int i = 0; i < reps; ++i) fn(s);
+  CUDA_CHECK(cudaEventRecord(b, s));
+  CUDA_CHECK(cudaEventSynchronize(b));
+  float ms = 0;
+  CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  cudaStreamDestroy(s);
+  return 1e3 * ms / reps;
+}
+
+double mat_bytes(const cuda::DevLinear& W) {
+  return double(W.out) * W.in * W.bits() / 8 + (W.fmt == WFormat::kBF16 ? 0.0 : double(W.out) * (W.in / 64) * 4);
+}
+
+void report(const char* what, double us, double bytes) {
+  std::printf("  TIMING %-44s %8.2f us  %7.1f GB/s\n", what, us, bytes / (us * 1e-6) / 1e9);
+}
+
+TEST(DecodeTiming, RealShapes) {
+  if (!std::getenv("TANSY_DECODE_TIMING")) GTEST_SKIP() << "set TANSY_DECODE_TIMING=1";
+  const int H = 2048, E = 256, K = 8, I = 512, NK = 16, NV = 32, D = 128;
+  const int C = 2 * NK * D + NV * D, VD = NV * D;
+  const NormCase nc = make_norm_case(H, true);
+  NormDev nd(nc, true);
+  // GDN in_proj with norm + conv/gates epilogue
+  TestMatrix gin = make_matrix(WFormat::kAffine4, C + VD + 2 * NV, H);
+  DeviceBuffer<bf16> P(C + VD + 2 * NV), win(3 * C), mix(VD), act((K + 1) * I), r(H);
+  DeviceBuffer<float> convw = to_device(randn(size_t(C) * 4, 0.5f)), A = to_device(randn(NV)), dt = to_device(randn(NV));
+  DeviceBuffer<float> conv_out(C), beta(NV), g(NV), S = to_device(randn(size_t(NV) * D * D, 0.1f)), o(VD);
+  DeviceBuffer<float> gnw = to_device(randn(D, 0.2f, 1.f)), logits(E + 2), y32(248320);
+  DeviceBuffer<unsigned> counters(NV), rc(1);
+  CUDA_CHECK(cudaMemset(counters.get(), 0, counters.bytes()));
+  CUDA_CHECK(cudaMemset(rc.get(), 0, 4));
+  CUDA_CHECK(cudaMemset(win.get(), 0, win.bytes()));
+  CUDA_CHECK(cudaMemset(mix.get(), 0, mix.bytes()));
+  CUDA_CHECK(cudaMemset(act.get(), 0, act.bytes()));
+  cuda::GdnInEpilogue ge;
+  ge.conv_dim = C;
+  ge.value_dim = VD;
+  ge.n_v_heads = NV;
+  ge.kernel = 4;
+  ge.conv_w = convw.get();
+  ge.window = win.get();
+  ge.A_log = A.get();
+  ge.dt_bias = dt.get();
+  ge.conv_out = conv_out.get();
+  ge.beta = beta.get();
+  ge.g = g.get();
+  report("gdn in_proj + norm + conv/gates [12352x2048]",
+         time_launches([&](cudaStream_t s) { cuda::matvec_norm_gdn(gin.dev, nd.in, P.get(), ge, s); }), mat_bytes(gin.dev));
+  auto dxn = to_device_bf16(nc.x);
+  report("  same, plain matvec", time_launches([&](cudaStream_t s) {
+           cuda::matvec(gin.dev, dxn.get(), H, 1, cuda::MatvecOut{P.get(), false, gin.dev.out}, s);
+         }), mat_bytes(gin.dev));
+  cuda::GdnDecodeArgs ga;
+  ga.conv = conv_out.get();
+  ga.beta = beta.get();
+  ga.g = g.get();
+  ga.n_k_heads = NK;
+  ga.n_v_heads = NV;
+  ga.state = S.get();
+  ga.z = P.get() + C;
+  ga.norm_w = gnw.get();
+  ga.eps = 1e-6f;
+  ga.o = o.get();
+  ga.counters = counters.get();
+  ga.y = mix.get();
+  report("gdn recurrence + norms", time_launches([&](cudaStream_t s) { cuda::gdn_decode_step(ga, s); }),
+         2.0 * NV * D * D * 4);
+  TestMatrix gout = make_matrix(WFormat::kAffine4, H, VD);
+  report("gdn out_proj [2048x4096]", time_launches([&](cudaStream_t s) {
+           cuda::matvec(gout.dev, mix.get(), VD, 1, cuda::MatvecOut{r.get(), false, H}, s);
+         }), mat_bytes(gout.dev));
+  TestMatrix router = make_matrix(WFormat::kAffine8, E + 2, H);
+  DeviceBuffer<int> idx(K + 1);
+  DeviceBuffer<float> wts(K + 1);
+  cuda::RouteEpilogue re;
+  re.E = E;
+  re.k = K;
+  re.shared_slot = true;
+  re.idx = idx.get();
+  re.w = wts.get();
+  re.counter = rc.get();
+  report("router + norm + top-k [258x2048 8-bit]", time_launches([&](cudaStream_t s) {
+           cuda::matvec_norm_route(router.dev, nd.in, logits.get(), re, s);
+         }), mat_bytes(router.dev));
+  report("  router plain matvec", time_launches([&](cudaStream_t s) {
+           cuda::matvec(router.dev, dxn.get(), H, 1, cuda::MatvecOut{logits.get(), true, E + 2}, s);
+         }), mat_bytes(router.dev));
+  report("  route_topk alone", time_launches([&](cudaStream_t s) {
+           cuda::route_topk(logits.get(), E + 2, 1, E, K, idx.get(), wts.get(), s);
+         }), 0);
+  TestMatrix gu = make_matrix(WFormat::kAffine4, (E + 1) * 2 * I, H);
+  TestMatrix dn = make_matrix(WFormat::kAffine4, (E + 1) * H, I);
+  report("experts gate|up, 9 slots", time_launches([&](cudaStream_t s) {
+           cuda::matvec_swiglu_experts(gu.dev, E + 1, idx.get(), 1, K + 1, dxn.get(), H, act.get(), s);
+         }), 9 * mat_bytes(gu.dev.rows(0, 2 * I)));
+  report("experts down + combine, 9 slots", time_launches([&](cudaStream_t s) {
+           cuda::moe_down_combine(dn.dev, E + 1, idx.get(), wts.get(), act.get(), 1, K + 1, nullptr, nullptr, 0, r.get(), s);
+         }), 9 * mat_bytes(dn.dev.rows(0, H)));
+  TestMatrix ain = make_matrix(WFormat::kAffine4, 9216, H);
+  report("attn in_proj + norm [9216x2048]", time_launches([&](cudaStream_t s) {
+           cuda::matvec_norm(ain.dev, nd.in, cuda::MatvecOut{P.get(), false, 9216}, s);
+         }), mat_bytes(ain.dev));
+  report("add_rmsnorm", time_launches([&](cudaStream_t s) {
+           cuda::add_rmsnorm(nd.h.get(), nd.r.get(), nd.w.get(), 1, H, 1e-6f, nd.xn.get(), s);
+         }), 0);
+  TestMatrix lm = make_matrix(WFormat::kAffine4, 248320, H);
+  report("lm_head [248320x2048]", time_launches([&](cudaStream_t s) {
+           cuda::matvec(lm.dev, dxn.get(), H, 1, cuda::MatvecOut{y32.get(), true, 248320}, s);
+         }, 20), mat_bytes(lm.dev));
+  CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 }  // namespace
