@@ -13,7 +13,7 @@
 // f32, KV cache bf16, logits f32.
 //
 // A decode step (one token, no tracing) fuses the neighbours of each product into it: every RMSNorm
-// into the matvec that reads it (h ping-pongs between two f32 rows), the routing into the router,
+// into the matvec that reads it (the residual add into the product before it), the routing into the router,
 // the GDN conv and gates into in_proj, and the GDN norms into the recurrence.
 //
 // Decode (one token) runs the GEMV kernels, captured once per sequence state in a CUDA graph whose
@@ -545,7 +545,9 @@ class CudaModel final : public Model, public StageProfiler {
     d_ids_.resize(C);
     d_tok_.resize(1);
     h_.resize(C * H);
-    h2_.resize(H);
+    ss_parts_.resize(size_t(2 * c.num_layers + 1) * kNormParts);
+    CUDA_CHECK(cudaMemset(ss_parts_.get(), 0, ss_parts_.bytes()));
+    TANSY_CHECK(H <= kFusedNormMaxDim, "cuda backend: hidden size {} exceeds the fused decode norm's {}", H, kFusedNormMaxDim);
     conv_f32_.resize(c.lin_conv_dim());
     gdn_counters_.resize(std::max(1, c.lin_num_v_heads));
     route_counter_.resize(1);
@@ -736,37 +738,31 @@ class CudaModel final : public Model, public StageProfiler {
   }
 
   // One token, each norm / routing / GDN step fused into its neighbour (see the file comment).
-  // The residual row ping-pongs between h_ and h2_: a fused norm reads one and its first block
-  // writes the sum to the other while the rest of the grid still reads.
+  // The products that end a block add into the f32 residual row h_ in place and leave the partial
+  // sums of its squares (ss_parts_, one row of kNormParts per norm point) for the next norm.
   void run_decode_fused(CudaState& st, const int* ids) {
     const ModelConfig& c = cfg_;
     const int H = c.hidden_size, E = c.num_experts, K = c.experts_per_tok;
-    float* cur = h_.get();
-    float* other = h2_.get();
     const int I = c.moe_intermediate;
+    float* h = h_.get();
+    auto ss = [&](int point) { return ss_parts_.get() + size_t(point) * kNormParts; };
     mark("embed", double(H) * 4);
-    embed(embed_.view, ids, 1, cur, stream_);
-    const bf16* res = nullptr;  // output of the previous block, not yet added to cur
-    // The normed residual for the next product; advances cur when a residual is pending.
-    auto next_norm = [&](const float* w, bf16* xn_out) {
+    embed(embed_.view, ids, 1, h, stream_, ss(0));
+    auto norm_in = [&](int point, const float* w, bf16* xn_out) {
       NormIn in;
-      in.h = cur;
-      in.r = res;
+      in.h = h;
+      in.ss = ss(point);
       in.w = w;
       in.eps = c.rms_eps;
       in.xn_out = xn_out;
-      if (res) {
-        in.h_out = other;
-        std::swap(cur, other);
-      }
-      res = nullptr;
       return in;
     };
     for (int i = 0; i < c.num_layers; ++i) {
       DevLayer& L = layers_[i];
       CudaState::Layer& S = st.layers[i];
       bf16* P = proj_.get();
-      const NormIn in = next_norm(L.in_norm.get(), nullptr);
+      const NormIn in = norm_in(2 * i, L.in_norm.get(), nullptr);
+      const ResidualOut mixer_out{h, ss(2 * i + 1)};
       if (L.kind == LayerKind::kLinear) {
         const int C = c.lin_conv_dim(), VD = c.lin_value_dim();
         GdnInEpilogue ge;
@@ -798,8 +794,8 @@ class CudaModel final : public Model, public StageProfiler {
         ga.y = mix_.get();
         mark("gdn.recurrence+norms", 2.0 * c.lin_num_v_heads * kGdnDim * kGdnDim * 4);
         gdn_decode_step(ga, stream_);
-        mark("gdn.out_proj", wbytes(L.gdn_out.view));
-        matvec(L.gdn_out.view, mix_.get(), VD, 1, MatvecOut{r_.get(), false, H}, stream_);
+        mark("gdn.out_proj+residual", wbytes(L.gdn_out.view));
+        matvec_residual(L.gdn_out.view, mix_.get(), mixer_out, stream_);
       } else {
         const int QD = c.q_dim();
         mark("attn.in_proj+norm", wbytes(L.attn_in.view));
@@ -811,12 +807,12 @@ class CudaModel final : public Model, public StageProfiler {
         mark("attn.decode (split+combine)", 2.0 * (st.n + 1) * c.kv_dim() * 2, 0, 2);
         attention_decode(lay, 1, st.pos.get(), S.K.get(), S.V.get(), kDecodeSplits, attn_scratch_.get(), mix_.get(), QD,
                          stream_);
-        mark("attn.o_proj", wbytes(L.attn_o.view));
-        matvec(L.attn_o.view, mix_.get(), QD, 1, MatvecOut{r_.get(), false, H}, stream_);
+        mark("attn.o_proj+residual", wbytes(L.attn_o.view));
+        matvec_residual(L.attn_o.view, mix_.get(), mixer_out, stream_);
       }
-      res = r_.get();
-      // MoE: router (+ norm, + routing) -> experts gate|up -> down + combine.
-      const NormIn pin = next_norm(L.post_norm.get(), xn_.get());
+      // MoE: router (+ norm, + routing) -> experts gate|up -> down + combine + residual.
+      const NormIn pin = norm_in(2 * i + 1, L.post_norm.get(), xn_.get());
+      const ResidualOut moe_out{h, ss(2 * i + 2)};
       RouteEpilogue re;
       re.E = E;
       re.k = K;
@@ -831,9 +827,9 @@ class CudaModel final : public Model, public StageProfiler {
       if (L.sh_folded) {
         mark("moe.experts gate|up (k+shared)", (K + 1) * gu1);
         matvec_swiglu_experts(L.experts_gu.view, E + 1, topk_idx_.get(), 1, K + 1, xn_.get(), H, act_.get(), stream_);
-        mark("moe.experts down+combine", (K + 1) * dn1);
-        moe_down_combine(L.experts_down.view, E + 1, topk_idx_.get(), topk_w_.get(), act_.get(), 1, K + 1, nullptr,
-                         nullptr, 0, r_.get(), stream_);
+        mark("moe.experts down+combine+residual", (K + 1) * dn1);
+        moe_down_residual(L.experts_down.view, E + 1, topk_idx_.get(), topk_w_.get(), act_.get(), K + 1, nullptr,
+                          nullptr, moe_out, stream_);
       } else {
         const int SI = c.shared_intermediate;
         mark("moe.shared expert", wbytes(L.sh_gu_v) + wbytes(L.sh_down_v), 0, 2);
@@ -841,14 +837,13 @@ class CudaModel final : public Model, public StageProfiler {
         matvec(L.sh_down_v, sh_act_.get(), SI, 1, MatvecOut{r_.get(), false, H}, stream_);
         mark("moe.experts gate|up (k+shared)", K * gu1);
         matvec_swiglu_experts(L.routed_gu, E, topk_idx_.get(), 1, K, xn_.get(), H, act_.get(), stream_);
-        mark("moe.experts down+combine", K * dn1);
-        moe_down_combine(L.routed_down, E, topk_idx_.get(), topk_w_.get(), act_.get(), 1, K, r_.get(),
-                         router_logits_.get() + E, router_ld_, r_.get(), stream_);
+        mark("moe.experts down+combine+residual", K * dn1);
+        moe_down_residual(L.routed_down, E, topk_idx_.get(), topk_w_.get(), act_.get(), K, r_.get(),
+                          router_logits_.get() + E, moe_out, stream_);
       }
-      res = r_.get();
     }
     mark("final_norm + position", 0, 0, 2);
-    add_rmsnorm(cur, res, final_norm_.get(), 1, H, c.rms_eps, xn_.get(), stream_);
+    add_rmsnorm(h, nullptr, final_norm_.get(), 1, H, c.rms_eps, xn_.get(), stream_);
     advance_pos(st.pos.get(), 1, stream_);
   }
 
@@ -1018,7 +1013,8 @@ class CudaModel final : public Model, public StageProfiler {
   int64_t proj_ld_ = 0, router_ld_ = 0;
   DeviceBuffer<int> d_ids_;            // [kChunk] input ids
   DeviceBuffer<int> d_tok_;            // [1] the decode step's input id, overwritten by its argmax
-  DeviceBuffer<float> h_, h2_;         // [m, H] residual stream (f32); h2_ [H]: decode's other row
+  DeviceBuffer<float> h_;              // [m, H] residual stream (f32)
+  DeviceBuffer<float> ss_parts_;       // decode: [2 * layers + 1, kNormParts] partial sums of h² per norm point
   DeviceBuffer<bf16> xn_, r_;          // [m, H] normed input, mixer/MoE output
   DeviceBuffer<float> conv_f32_;       // decode: [conv_dim] GDN conv output
   DeviceBuffer<unsigned> gdn_counters_, route_counter_;  // last-block counters of fused decode kernels

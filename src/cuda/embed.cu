@@ -5,12 +5,14 @@
 namespace tansy::cuda {
 namespace {
 
-__global__ void embed_kernel(DevLinear E, const int* __restrict__ ids, float* __restrict__ h) {
+__global__ void embed_kernel(DevLinear E, const int* __restrict__ ids, float* __restrict__ h, float* ss) {
+  __shared__ float red[32];
   pdl_wait();
   pdl_launch_dependents();
   const int t = blockIdx.x, id = ids[t];
   float* out = h + int64_t(t) * E.in;
   const bool ok = id >= 0 && id < E.out;
+  float sq = 0.f;
   for (int c = threadIdx.x; c < E.in; c += blockDim.x) {
     float v = 0.f;
     if (ok) {
@@ -25,6 +27,17 @@ __global__ void embed_kernel(DevLinear E, const int* __restrict__ ids, float* __
       }
     }
     out[c] = v;
+    sq = fmaf(v, v, sq);
+  }
+  if (!ss) return;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = sq;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float t = 0.f;
+    for (int w = 0; w < int(blockDim.x / 32); ++w) t += red[w];
+    ss[0] = t;
   }
 }
 
@@ -83,11 +96,12 @@ __global__ void advance_kernel(int* pos, int n) {
 
 }  // namespace
 
-void embed(const DevLinear& E, const int* ids, int n, float* h, cudaStream_t stream) {
+void embed(const DevLinear& E, const int* ids, int n, float* h, cudaStream_t stream, float* ss) {
+  TANSY_CHECK(!ss || n == 1, "embed: the Σh² output is for one token");
   TANSY_CHECK(E.fmt == WFormat::kBF16 || E.fmt == WFormat::kAffine4 || E.fmt == WFormat::kAffine8,
               "embed: format {} unsupported", wformat_name(E.fmt));
   TANSY_CHECK(E.in % kQuantGroup == 0 && n >= 1 && ids && h, "embed: bad arguments (in {}, n {})", E.in, n);
-  pdl_launch(embed_kernel, dim3(n), dim3(256), 0, stream, E, ids, h);
+  pdl_launch(embed_kernel, dim3(n), dim3(256), 0, stream, E, ids, h, ss);
 }
 
 void argmax(const float* logits, int n, unsigned long long* scratch, int* dst, int* ring, int* counter,

@@ -10,7 +10,9 @@ namespace tansy::cuda {
 
 // h[t, :] = E[ids[t], :] (f32: the residual stream) for t < n; ids on the device. Ids outside [0, E.out) give zeros
 // (the host validates ids before they reach the device; generated ids come from argmax).
-void embed(const DevLinear& E, const int* ids, int n, float* h, cudaStream_t stream);
+// ss (decode, n == 1): the row's Σh² goes to ss[0], the first of the NormIn partials (the rest of
+// that point's partials are never written, so they stay zero).
+void embed(const DevLinear& E, const int* ids, int n, float* h, cudaStream_t stream, float* ss = nullptr);
 
 constexpr int kArgmaxBlocks = 264;  // 2 per SM on an H200
 

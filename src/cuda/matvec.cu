@@ -187,12 +187,13 @@ __device__ void stage_rows(const bf16* x, int64_t ldx, int rows, int valid_rows,
 }
 
 // What a decode launch fuses around the product (T == 1, MODE 0 only).
-enum class Epi : int { kNone = 0, kRoute = 1, kGdnIn = 2 };
+enum class Epi : int { kNone = 0, kRoute = 1, kGdnIn = 2, kResidual = 3 };
 struct Fusion {
   NormIn norm;  // norm.w == nullptr: X is read as given
   Epi epi = Epi::kNone;
   RouteEpilogue route;
   GdnInEpilogue gdn;
+  ResidualOut resid;
 };
 
 __device__ __forceinline__ float round_bf(float x) { return __bfloat162float(__float2bfloat16(x)); }
@@ -202,49 +203,37 @@ template <int BITS>
 __device__ void stage_norm(const NormIn& nz, int in, float* xs, float* red) {
   constexpr int C = Chunk<BITS>::kCols, S = Chunk<BITS>::kStride;
   const int warps = blockDim.x / 32;
-  float ss = 0.f;
-  for (int i = threadIdx.x * 4; i < in; i += blockDim.x * 4) {
-    const float4 h = *reinterpret_cast<const float4*>(nz.h + i);
-    float v[4] = {h.x, h.y, h.z, h.w};
-    if (nz.r) {
-      const uint2 r = *reinterpret_cast<const uint2*>(nz.r + i);
-      v[0] += bf_lo(r.x);
-      v[1] += bf_hi(r.x);
-      v[2] += bf_lo(r.y);
-      v[3] += bf_hi(r.y);
-    }
+  float part = 0.f;
+  for (int i = threadIdx.x; i < kNormParts; i += blockDim.x) part += nz.ss[i];
+  // h and w are loaded before the reduction completes: one memory round trip in all.
+  constexpr int kMaxPieces = kFusedNormMaxDim / 4 / kThreads;
+  float4 hv[kMaxPieces], wv[kMaxPieces];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) ss = fmaf(v[e], v[e], ss);
+  for (int j = 0; j < kMaxPieces; ++j) {
+    const int i = 4 * (threadIdx.x + j * int(blockDim.x));
+    if (i < in) {
+      hv[j] = *reinterpret_cast<const float4*>(nz.h + i);
+      wv[j] = *reinterpret_cast<const float4*>(nz.w + i);
+    }
   }
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = ss;
+  for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = part;
   __syncthreads();
   float tot = 0.f;
   for (int w = 0; w < warps; ++w) tot += red[w];
   const float scale = rsqrtf(tot / float(in) + nz.eps);
-  const bool writer = blockIdx.x == 0 && blockIdx.y == 0;
-  // Four-value pieces: piece p covers columns 4p..4p+3 of chunk 4p / C.
-  for (int p = threadIdx.x; p < in / 4; p += blockDim.x) {
-    const int i = 4 * p, c = i / C, e0 = i % C;
-    const float4 h = *reinterpret_cast<const float4*>(nz.h + i);
-    const float4 w = *reinterpret_cast<const float4*>(nz.w + i);
-    float v[4] = {h.x, h.y, h.z, h.w};
-    if (nz.r) {
-      const uint2 r = *reinterpret_cast<const uint2*>(nz.r + i);
-      v[0] += bf_lo(r.x);
-      v[1] += bf_hi(r.x);
-      v[2] += bf_lo(r.y);
-      v[3] += bf_hi(r.y);
-    }
-    const float x[4] = {round_bf(v[0] * scale * w.x), round_bf(v[1] * scale * w.y), round_bf(v[2] * scale * w.z),
-                        round_bf(v[3] * scale * w.w)};
+  const bool writer = nz.xn_out && blockIdx.x == 0 && blockIdx.y == 0;
+#pragma unroll
+  for (int j = 0; j < kMaxPieces; ++j) {
+    const int i = 4 * (threadIdx.x + j * int(blockDim.x));
+    if (i >= in) break;
+    const int c = i / C, e0 = i % C;
+    const float x[4] = {round_bf(hv[j].x * scale * wv[j].x), round_bf(hv[j].y * scale * wv[j].y),
+                        round_bf(hv[j].z * scale * wv[j].z), round_bf(hv[j].w * scale * wv[j].w)};
     *reinterpret_cast<float4*>(xs + c * S + e0) = make_float4(x[0], x[1], x[2], x[3]);
-    if (writer) {
-      if (nz.h_out) *reinterpret_cast<float4*>(nz.h_out + i) = make_float4(v[0], v[1], v[2], v[3]);
-      if (nz.xn_out)
-        for (int e = 0; e < 4; ++e) nz.xn_out[i + e] = __float2bfloat16(x[e]);
-    }
+    if (writer)
+      for (int e = 0; e < 4; ++e) nz.xn_out[i + e] = __float2bfloat16(x[e]);
   }
   __syncthreads();
   // Σx per chunk, from the staged values.
@@ -253,6 +242,20 @@ __device__ void stage_norm(const NormIn& nz, int in, float* xs, float* red) {
 #pragma unroll
     for (int e = 0; e < C; ++e) sum += xs[c * S + e];
     xs[c * S + C] = sum;
+  }
+}
+
+// A block's share of ResidualOut: its threads' squares summed into ss[block].
+__device__ __forceinline__ void residual_partial(float sq, float* ss, float* red) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+  __syncthreads();  // red may still be read from the staging
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = sq;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float t = 0.f;
+    for (int w = 0; w < int(blockDim.x / 32); ++w) t += red[w];
+    ss[blockIdx.x] = t;
   }
 }
 
@@ -426,6 +429,7 @@ __global__ void __launch_bounds__(kThreads, 3) matvec_kernel(DevLinear W, const 
       }
     }
     float acc[R][T], acc2[R][T];
+    float sq = 0.f;  // kResidual: this lane's squares of the new h
 #pragma unroll
     for (int i = 0; i < R; ++i)
 #pragma unroll
@@ -456,13 +460,23 @@ __global__ void __launch_bounds__(kThreads, 3) matvec_kernel(DevLinear W, const 
         if constexpr (MODE != 0) y = swiglu_bf16(a, group_sum<32>(acc2[i][t]));
         if (ok[i] && lane == t && t0 + t < n) {
           const int64_t row = MODE == 2 ? int64_t(blockIdx.y) : int64_t(t0 + t);
-          if (y_f32) static_cast<float*>(Y)[row * ldy + rows[i]] = y;
-          else static_cast<bf16*>(Y)[row * ldy + rows[i]] = __float2bfloat16(y);
+          if (kFusable && fz.epi == Epi::kResidual) {
+            const float v = fz.resid.h[rows[i]] + y;
+            fz.resid.h[rows[i]] = v;
+            sq = fmaf(v, v, sq);
+          } else if (y_f32) {
+            static_cast<float*>(Y)[row * ldy + rows[i]] = y;
+          } else {
+            static_cast<bf16*>(Y)[row * ldy + rows[i]] = __float2bfloat16(y);
+          }
         }
         if constexpr (kFusable) {
           if (fz.epi == Epi::kGdnIn && ok[i]) gdn_in_epilogue(fz.gdn, rows[i], y, conv_w[i], conv_in[i], lane);
         }
       }
+    }
+    if constexpr (kFusable) {
+      if (fz.epi == Epi::kResidual) residual_partial(sq, fz.resid.ss, red);  // grid == row blocks here
     }
     rb += gridDim.x;
     if (rb >= row_blocks) break;
@@ -528,25 +542,28 @@ void launch_matvec_t(const DevLinear& W, const bf16* X, int64_t ldx, int n, void
     return v ? std::atoi(v) : 0;
   }();
   unsigned gx = ceil_div(out_rows, kWarps * rpw);
-  if (cap > 0 && T == 1 && MODE != 2) gx = std::min<unsigned>(gx, unsigned(sm_count()) * unsigned(cap));
+  if (cap > 0 && T == 1 && MODE != 2 && fz.epi == Epi::kNone && !fz.norm.w) gx = std::min<unsigned>(gx, unsigned(sm_count()) * unsigned(cap));
   dim3 grid(gx, grid_y);
   pdl_launch(kern, grid, dim3(kThreads), smem, stream, W, X, ldx, n, Y, ldy, y_f32 ? 1 : 0, out_rows, idx, k,
              rows_per_expert, rpw, fz);
 }
 
-// One token row, input = NormIn, with an optional epilogue.
-void launch_fused(const DevLinear& W, const Fusion& fz, void* Y, int64_t ldy, bool y_f32, cudaStream_t stream) {
-  const NormIn& x = fz.norm;
-  TANSY_CHECK(x.h && x.w && aligned16(x.h) && aligned16(x.w) && (!x.r || aligned16(x.r)),
-              "matvec_norm: h and w must be present and 16-byte aligned");
-  TANSY_CHECK(!x.r || (x.h_out && x.h_out != x.h), "matvec_norm: a residual needs h_out, distinct from h");
-  TANSY_CHECK(!x.h_out || aligned16(x.h_out), "matvec_norm: h_out must be 16-byte aligned");
-  TANSY_CHECK(W.in % 4 == 0, "matvec_norm: in = {} must be a multiple of 4", W.in);
-  TANSY_CHECK(Y, "matvec_norm: no output");
+// One token row with an optional fused input norm (X null) and epilogue.
+void launch_fused(const DevLinear& W, const bf16* X, const Fusion& fz, void* Y, int64_t ldy, bool y_f32,
+                  cudaStream_t stream) {
+  if (!X) {
+    const NormIn& x = fz.norm;
+    TANSY_CHECK(x.h && x.ss && x.w && aligned16(x.h) && aligned16(x.w),
+                "matvec_norm: h, ss and w must be present, h and w 16-byte aligned");
+    TANSY_CHECK(W.in % 4 == 0 && W.in <= kFusedNormMaxDim, "matvec_norm: in = {} must be a multiple of 4 and <= {}", W.in,
+                kFusedNormMaxDim);
+  }
+  TANSY_CHECK(Y || fz.epi == Epi::kResidual, "matvec_norm: no output");
+  static_assert(kFusedNormMaxDim % (4 * kThreads) == 0);
   switch (W.fmt) {
-    case WFormat::kAffine4: launch_matvec_t<4, 1, 0>(W, nullptr, W.in, 1, Y, ldy, y_f32, W.out, nullptr, 0, 0, 1, stream, fz); break;
-    case WFormat::kAffine8: launch_matvec_t<8, 1, 0>(W, nullptr, W.in, 1, Y, ldy, y_f32, W.out, nullptr, 0, 0, 1, stream, fz); break;
-    default: launch_matvec_t<16, 1, 0>(W, nullptr, W.in, 1, Y, ldy, y_f32, W.out, nullptr, 0, 0, 1, stream, fz); break;
+    case WFormat::kAffine4: launch_matvec_t<4, 1, 0>(W, X, W.in, 1, Y, ldy, y_f32, W.out, nullptr, 0, 0, 1, stream, fz); break;
+    case WFormat::kAffine8: launch_matvec_t<8, 1, 0>(W, X, W.in, 1, Y, ldy, y_f32, W.out, nullptr, 0, 0, 1, stream, fz); break;
+    default: launch_matvec_t<16, 1, 0>(W, X, W.in, 1, Y, ldy, y_f32, W.out, nullptr, 0, 0, 1, stream, fz); break;
   }
 }
 
@@ -584,11 +601,12 @@ template <int BITS, int G>
 __global__ void __launch_bounds__(kThreads, 3) moe_down_kernel(DevLinear Wd, int H, const int* __restrict__ idx,
                                                             const float* __restrict__ wts, const bf16* __restrict__ act,
                                                             int k, const bf16* shared, const float* sh_logit,
-                                                            int64_t sh_ld, bf16* out) {
+                                                            int64_t sh_ld, bf16* out, ResidualOut res) {
   extern __shared__ float4 smem4[];
   float* xs = reinterpret_cast<float*>(smem4);
   __shared__ int s_e[kMaxTopK];
   __shared__ float s_w[kMaxTopK];
+  __shared__ float red[kWarps];
   constexpr int S = Chunk<BITS>::kStride;
   pdl_wait();
   pdl_launch_dependents();
@@ -635,11 +653,19 @@ __global__ void __launch_bounds__(kThreads, 3) moe_down_kernel(DevLinear Wd, int
     }
   }
   acc = group_sum<G>(acc);
+  float sq = 0.f;
   if (valid && sub == 0) {
     float y = acc;
     if (shared) y += sg * __bfloat162float(shared[int64_t(t) * H + r]);
-    out[int64_t(t) * H + r] = __float2bfloat16(y);
+    if (res.h) {
+      const float v = res.h[r] + y;
+      res.h[r] = v;
+      sq = v * v;
+    } else {
+      out[int64_t(t) * H + r] = __float2bfloat16(y);
+    }
   }
+  if (res.h) residual_partial(sq, res.ss, red);
 }
 
 }  // namespace
@@ -651,12 +677,24 @@ void matvec(const DevLinear& W, const bf16* X, int64_t ldx, int n, const MatvecO
   launch_matvec<0>(W, X, ldx, n, Y.ptr, Y.ld, Y.f32, W.out, nullptr, 0, 0, stream);
 }
 
+void matvec_residual(const DevLinear& W, const bf16* X, const ResidualOut& out, cudaStream_t stream) {
+  W.check("matvec_residual");
+  check_x(X, W.in, 1, W.in, "matvec_residual");
+  TANSY_CHECK(out.h && out.ss, "matvec_residual: missing h or ss");
+  TANSY_CHECK(ceil_div(W.out, kWarps) <= kNormParts, "matvec_residual: {} rows need more than {} partial sums", W.out,
+              kNormParts);
+  Fusion fz;
+  fz.epi = Epi::kResidual;
+  fz.resid = out;
+  launch_fused(W, X, fz, nullptr, W.out, true, stream);
+}
+
 void matvec_norm(const DevLinear& W, const NormIn& x, const MatvecOut& Y, cudaStream_t stream) {
   W.check("matvec_norm");
   TANSY_CHECK(Y.ld >= W.out, "matvec_norm: output ld {} < out {}", Y.ld, W.out);
   Fusion fz;
   fz.norm = x;
-  launch_fused(W, fz, Y.ptr, Y.ld, Y.f32, stream);
+  launch_fused(W, nullptr, fz, Y.ptr, Y.ld, Y.f32, stream);
 }
 
 void matvec_norm_route(const DevLinear& W, const NormIn& x, float* logits, const RouteEpilogue& route,
@@ -671,7 +709,7 @@ void matvec_norm_route(const DevLinear& W, const NormIn& x, float* logits, const
   fz.norm = x;
   fz.epi = Epi::kRoute;
   fz.route = route;
-  launch_fused(W, fz, logits, W.out, true, stream);
+  launch_fused(W, nullptr, fz, logits, W.out, true, stream);
 }
 
 void matvec_norm_gdn(const DevLinear& W, const NormIn& x, bf16* Y, const GdnInEpilogue& g, cudaStream_t stream) {
@@ -687,7 +725,7 @@ void matvec_norm_gdn(const DevLinear& W, const NormIn& x, bf16* Y, const GdnInEp
   fz.norm = x;
   fz.epi = Epi::kGdnIn;
   fz.gdn = g;
-  launch_fused(W, fz, Y, W.out, false, stream);
+  launch_fused(W, nullptr, fz, Y, W.out, false, stream);
 }
 
 void matvec_swiglu(const DevLinear& W, const bf16* X, int64_t ldx, int n, bf16* Y, int64_t ldy, cudaStream_t stream) {
@@ -710,13 +748,16 @@ void matvec_swiglu_experts(const DevLinear& W, int n_experts, const int* idx, in
                    stream);
 }
 
-void moe_down_combine(const DevLinear& Wd, int n_experts, const int* idx, const float* wts, const bf16* act, int n,
-                      int k, const bf16* shared, const float* sh_logit, int64_t sh_ld, bf16* out, cudaStream_t stream) {
+namespace {
+void launch_moe_down(const DevLinear& Wd, int n_experts, const int* idx, const float* wts, const bf16* act, int n,
+                     int k, const bf16* shared, const float* sh_logit, int64_t sh_ld, bf16* out, const ResidualOut& res,
+                     cudaStream_t stream) {
   Wd.check("moe_down_combine");
   TANSY_CHECK(n_experts > 0 && Wd.out % n_experts == 0, "moe_down_combine: {} rows over {} experts", Wd.out, n_experts);
   TANSY_CHECK(k >= 1 && k <= kMaxTopK, "moe_down_combine: k = {} outside 1..{}", k, kMaxTopK);
   TANSY_CHECK(n >= 1 && n <= 65535, "moe_down_combine: {} tokens outside the grid limit", n);
-  TANSY_CHECK(idx && wts && act && out && aligned16(act), "moe_down_combine: missing or misaligned buffers");
+  TANSY_CHECK(idx && wts && act && (out || res.h) && aligned16(act), "moe_down_combine: missing or misaligned buffers");
+  TANSY_CHECK(!res.h || (n == 1 && res.ss), "moe_down_combine: the residual output takes one token and its ss");
   TANSY_CHECK(!shared || sh_logit, "moe_down_combine: shared expert output without its gate logit");
   const int H = Wd.out / n_experts;
   auto go = [&]<int BITS>() {
@@ -725,8 +766,10 @@ void moe_down_combine(const DevLinear& Wd, int n_experts, const int* idx, const 
     auto launch = [&]<int G>() {
       constexpr auto kern = moe_down_kernel<BITS, G>;
       allow_smem<kern>(smem, "moe_down_combine");
+      TANSY_CHECK(!res.h || ceil_div(H, kThreads / G) <= unsigned(kNormParts),
+                  "moe_down_combine: {} rows need more than {} partial sums", H, kNormParts);
       pdl_launch(kern, dim3(ceil_div(H, kThreads / G), n), dim3(kThreads), smem, stream, Wd, H, idx, wts, act, k,
-                 shared, sh_logit, sh_ld, out);
+                 shared, sh_logit, sh_ld, out, res);
     };
     if (cpr >= 32) launch.template operator()<32>();
     else if (cpr >= 16) launch.template operator()<16>();
@@ -737,6 +780,19 @@ void moe_down_combine(const DevLinear& Wd, int n_experts, const int* idx, const 
     case WFormat::kAffine8: go.template operator()<8>(); break;
     default: go.template operator()<16>(); break;
   }
+}
+}  // namespace
+
+void moe_down_combine(const DevLinear& Wd, int n_experts, const int* idx, const float* wts, const bf16* act, int n,
+                      int k, const bf16* shared, const float* sh_logit, int64_t sh_ld, bf16* out, cudaStream_t stream) {
+  TANSY_CHECK(out, "moe_down_combine: no output");
+  launch_moe_down(Wd, n_experts, idx, wts, act, n, k, shared, sh_logit, sh_ld, out, ResidualOut{}, stream);
+}
+
+void moe_down_residual(const DevLinear& Wd, int n_experts, const int* idx, const float* wts, const bf16* act, int k,
+                       const bf16* shared, const float* sh_logit, const ResidualOut& out, cudaStream_t stream) {
+  TANSY_CHECK(out.h && out.ss, "moe_down_residual: missing h or ss");
+  launch_moe_down(Wd, n_experts, idx, wts, act, 1, k, shared, sh_logit, 0, nullptr, out, stream);
 }
 
 }  // namespace tansy::cuda

@@ -38,17 +38,29 @@ struct MatvecOut {
 
 // ---- decode (one token row) with the neighbouring ops fused in ----
 
-// The input is the RMSNorm of the residual stream, computed by every block (2048 values: cheaper
-// than a launch): v = h + r (r may be null), x = bf16(v·rsqrt(mean(v²) + eps)·w), the values
-// add_rmsnorm writes. Block 0 also writes v to h_out (required when r is set; it must not alias h,
-// which other blocks are still reading) and x to xn_out (when not null).
+// The residual stream h (f32, one row) carries, per norm point, kNormParts partial sums of h²
+// written by the kernel that last added to h (ResidualOut, or embed), so that a consumer gets the
+// RMSNorm scale without a reduction pass of its own. Unused partials stay zero (the producer of
+// a point always has the same grid); summing them in a fixed order keeps decoding deterministic.
+constexpr int kNormParts = 512;
+constexpr int kFusedNormMaxDim = 2048;  // NormIn's row is held in registers: the model's hidden size
+
+// The input is the RMSNorm of the residual stream, computed in every block from h and the
+// partials: x = bf16(h·rsqrt(Σ ss / dim + eps)·w), the values add_rmsnorm writes. Block 0 also
+// writes x to xn_out (when not null).
 struct NormIn {
   const float* h = nullptr;
-  const bf16* r = nullptr;
+  const float* ss = nullptr;  // [kNormParts]
   const float* w = nullptr;
   float eps = 0.f;
-  float* h_out = nullptr;
   bf16* xn_out = nullptr;
+};
+
+// The product added to the residual stream in place, h[r] += y[r] (f32), with the partial sums
+// of the new h² (one per block) written to ss [kNormParts] for the next NormIn.
+struct ResidualOut {
+  float* h = nullptr;
+  float* ss = nullptr;
 };
 
 // Router epilogue: once every block has stored its logits, the last block to finish routes the
@@ -79,6 +91,9 @@ struct GdnInEpilogue {
   float* g = nullptr;         // [n_v_heads]
 };
 
+// h[r] += W[r]·X for one token row (ResidualOut).
+void matvec_residual(const DevLinear& W, const bf16* X, const ResidualOut& out, cudaStream_t stream);
+
 // Y[r] = W[r]·x for the one token whose normed input `x` describes.
 void matvec_norm(const DevLinear& W, const NormIn& x, const MatvecOut& Y, cudaStream_t stream);
 // Router logits (f32, W.out of them) + the routing epilogue.
@@ -106,5 +121,8 @@ void matvec_swiglu_experts(const DevLinear& W, int n_experts, const int* idx, in
 // out bf16 [n, H].
 void moe_down_combine(const DevLinear& Wd, int n_experts, const int* idx, const float* wts, const bf16* act, int n,
                       int k, const bf16* shared, const float* sh_logit, int64_t sh_ld, bf16* out, cudaStream_t stream);
+// The same for one token, added to the residual stream instead (ResidualOut; `shared` as above).
+void moe_down_residual(const DevLinear& Wd, int n_experts, const int* idx, const float* wts, const bf16* act, int k,
+                       const bf16* shared, const float* sh_logit, const ResidualOut& out, cudaStream_t stream);
 
 }  // namespace tansy::cuda
