@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 
 #include "cuda/moe.cuh"
 #include "cuda/pdl.cuh"
@@ -49,6 +50,7 @@ constexpr int kThreads = kWarps * 32;
 // and the multi-token variant, a prefill path, keeps one row).
 constexpr int max_rows_per_warp(int T, int MODE) { return T > 1 ? 1 : MODE == 0 ? 4 : 2; }
 constexpr int kMaxTopK = 16;
+constexpr size_t kSmemMatvecMax = 100 * 1024;  // two blocks per multiprocessor
 
 template <int BITS>
 struct Chunk {
@@ -224,24 +226,27 @@ __device__ void stage_norm(const NormIn& nz, int in, float* xs, float* red) {
   for (int w = 0; w < warps; ++w) tot += red[w];
   const float scale = rsqrtf(tot / float(in) + nz.eps);
   const bool writer = nz.xn_out && blockIdx.x == 0 && blockIdx.y == 0;
+  // Piece j of a thread is 4 columns; the C/4 consecutive lanes holding one chunk add up its Σx
+  // with shuffles (in is a multiple of 64, so those lanes are all valid or all not).
 #pragma unroll
   for (int j = 0; j < kMaxPieces; ++j) {
     const int i = 4 * (threadIdx.x + j * int(blockDim.x));
-    if (i >= in) break;
+    const bool valid = i < in;
     const int c = i / C, e0 = i % C;
-    const float x[4] = {round_bf(hv[j].x * scale * wv[j].x), round_bf(hv[j].y * scale * wv[j].y),
-                        round_bf(hv[j].z * scale * wv[j].z), round_bf(hv[j].w * scale * wv[j].w)};
-    *reinterpret_cast<float4*>(xs + c * S + e0) = make_float4(x[0], x[1], x[2], x[3]);
-    if (writer)
-      for (int e = 0; e < 4; ++e) nz.xn_out[i + e] = __float2bfloat16(x[e]);
-  }
-  __syncthreads();
-  // Σx per chunk, from the staged values.
-  for (int c = threadIdx.x; c < in / C; c += blockDim.x) {
-    float sum = 0.f;
+    float x[4] = {0.f, 0.f, 0.f, 0.f};
+    if (valid) {
+      x[0] = round_bf(hv[j].x * scale * wv[j].x);
+      x[1] = round_bf(hv[j].y * scale * wv[j].y);
+      x[2] = round_bf(hv[j].z * scale * wv[j].z);
+      x[3] = round_bf(hv[j].w * scale * wv[j].w);
+      *reinterpret_cast<float4*>(xs + c * S + e0) = make_float4(x[0], x[1], x[2], x[3]);
+      if (writer)
+        for (int e = 0; e < 4; ++e) nz.xn_out[i + e] = __float2bfloat16(x[e]);
+    }
+    float sum = (x[0] + x[1]) + (x[2] + x[3]);
 #pragma unroll
-    for (int e = 0; e < C; ++e) sum += xs[c * S + e];
-    xs[c * S + C] = sum;
+    for (int o = 1; o < C / 4; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (valid && e0 == 0) xs[c * S + C] = sum;
   }
 }
 
@@ -488,6 +493,152 @@ __global__ void __launch_bounds__(kThreads, 3) matvec_kernel(DevLinear W, const 
   }
 }
 
+// ---- one token row, weights staged in shared memory ----
+//
+// The block's weight rows (a contiguous range) and their scales and biases are copied into shared
+// memory with cp.async before the kernel waits on its predecessor: with programmatic dependent
+// launch the whole weight read of a decode product overlaps the kernel before it, and no
+// registers are spent holding loads in flight. After the wait only x is staged and the dot
+// products read shared memory. MODE 0 plain, MODE 1 SwiGLU row pairs; the Fusion epilogues as in
+// matvec_kernel.
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+__host__ __device__ constexpr size_t align16(size_t b) { return (b + 15) / 16 * 16; }
+
+struct SmemLayout {
+  size_t xs, w, sb, total;  // byte offsets of the staged x, weight rows, scales|biases; total bytes
+};
+template <int BITS>
+__host__ __device__ inline SmemLayout smem_layout(int in, int weight_rows) {
+  SmemLayout L;
+  L.xs = 0;
+  L.w = align16(size_t(in / Chunk<BITS>::kCols) * Chunk<BITS>::kStride * sizeof(float));
+  const size_t row_bytes = size_t(in) * BITS / 8;
+  L.sb = L.w + size_t(weight_rows) * row_bytes;
+  const size_t sb_bytes = BITS == 16 ? 0 : size_t(weight_rows) * (in / kQuantGroup) * 2 * 2;
+  L.total = L.sb + sb_bytes;
+  return L;
+}
+
+template <int BITS, int MODE>
+__global__ void __launch_bounds__(kThreads, 2) matvec_smem_kernel(DevLinear W, const bf16* __restrict__ X, void* Y,
+                                                                 int64_t ldy, int y_f32, int out_rows, int rpw,
+                                                                 Fusion fz) {
+  extern __shared__ float4 smem4[];
+  constexpr bool kPair = MODE == 1;
+  constexpr int S = Chunk<BITS>::kStride, kR = 4;  // kR: max rows per warp
+  __shared__ float red[kWarps];
+  uint8_t* base = reinterpret_cast<uint8_t*>(smem4);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int cpr = W.in / Chunk<BITS>::kCols, groups = W.in / kQuantGroup;
+  const int64_t row_bytes = int64_t(W.in) * BITS / 8;
+  const int out0 = blockIdx.x * kWarps * rpw;
+  const int wmul = kPair ? 2 : 1;
+  const int wrows = min(kWarps * rpw, out_rows - out0) * wmul;  // weight rows of this block
+  const SmemLayout lay = smem_layout<BITS>(W.in, kWarps * rpw * wmul);
+  float* xs = reinterpret_cast<float*>(base + lay.xs);
+  const uint8_t* wsm = base + lay.w;
+  const bf16* ssm = reinterpret_cast<const bf16*>(base + lay.sb);
+  const bf16* bsm = ssm + int64_t(kWarps) * rpw * wmul * groups;
+  {
+    const int64_t w0 = int64_t(out0) * wmul;
+    const uint8_t* gw = BITS == 16 ? reinterpret_cast<const uint8_t*>(W.w + w0 * W.in)
+                                   : reinterpret_cast<const uint8_t*>(W.q) + w0 * row_bytes;
+    const int64_t wbytes = int64_t(wrows) * row_bytes;
+    for (int64_t o = int64_t(threadIdx.x) * 16; o < wbytes; o += kThreads * 16)
+      cp_async16(base + lay.w + o, gw + o);
+    if constexpr (BITS != 16) {
+      const int64_t sbytes = int64_t(wrows) * groups * 2;  // a multiple of 16 (launcher)
+      const uint8_t* gs = reinterpret_cast<const uint8_t*>(W.scales + w0 * groups);
+      const uint8_t* gb = reinterpret_cast<const uint8_t*>(W.biases + w0 * groups);
+      uint8_t* ds = base + lay.sb;
+      uint8_t* db = ds + int64_t(kWarps) * rpw * wmul * groups * 2;
+      for (int64_t o = int64_t(threadIdx.x) * 16; o < sbytes; o += kThreads * 16) {
+        cp_async16(ds + o, gs + o);
+        cp_async16(db + o, gb + o);
+      }
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  }
+  pdl_wait();
+  pdl_launch_dependents();
+  if (fz.norm.w) stage_norm<BITS>(fz.norm, W.in, xs, red);
+  else stage_rows<BITS>(X, W.in, 1, 1, W.in, xs);
+
+  int rows[kR];
+  bool ok[kR];
+  float conv_w[kR], conv_in[kR];
+#pragma unroll
+  for (int i = 0; i < kR; ++i) {
+    rows[i] = (blockIdx.x * rpw + i) * kWarps + warp;
+    ok[i] = i < rpw && rows[i] < out_rows;
+    conv_w[i] = conv_in[i] = 0.f;
+    if (fz.epi == Epi::kGdnIn && ok[i] && rows[i] < fz.gdn.conv_dim) {
+      const GdnInEpilogue& G = fz.gdn;
+      if (lane < G.kernel) conv_w[i] = G.conv_w[int64_t(rows[i]) * G.kernel + lane];
+      if (lane < G.kernel - 1) conv_in[i] = __bfloat162float(G.window[int64_t(lane) * G.conv_dim + rows[i]]);
+    }
+  }
+  cp_async_wait_all();
+  __syncthreads();
+
+  float acc[kR], acc2[kR];
+#pragma unroll
+  for (int i = 0; i < kR; ++i) acc[i] = acc2[i] = 0.f;
+  for (int c = lane; c < cpr; c += 32) {
+    const float* xc = xs + c * S;
+#pragma unroll
+    for (int i = 0; i < kR; ++i) {
+      if (!ok[i]) continue;
+      const int lw = (rows[i] - out0) * wmul;  // local weight row
+      const int g = (c * Chunk<BITS>::kCols) / kQuantGroup;
+      const uint4 w1 = *reinterpret_cast<const uint4*>(wsm + lw * row_bytes + int64_t(c) * 16);
+      float s1 = 0.f, b1 = 0.f;
+      if constexpr (BITS != 16) {
+        s1 = __bfloat162float(ssm[lw * groups + g]);
+        b1 = __bfloat162float(bsm[lw * groups + g]);
+      }
+      acc[i] += chunk_dot<BITS>(w1, xc, s1, b1);
+      if constexpr (kPair) {
+        const uint4 w2 = *reinterpret_cast<const uint4*>(wsm + (lw + 1) * row_bytes + int64_t(c) * 16);
+        float s2 = 0.f, b2 = 0.f;
+        if constexpr (BITS != 16) {
+          s2 = __bfloat162float(ssm[(lw + 1) * groups + g]);
+          b2 = __bfloat162float(bsm[(lw + 1) * groups + g]);
+        }
+        acc2[i] += chunk_dot<BITS>(w2, xc, s2, b2);
+      }
+    }
+  }
+  float sq = 0.f;
+#pragma unroll
+  for (int i = 0; i < kR; ++i) {
+    if (i >= rpw) break;  // uniform across the warp: the shuffles below need every lane
+    const float a = group_sum<32>(acc[i]);
+    float y = a;
+    if constexpr (kPair) y = swiglu_bf16(a, group_sum<32>(acc2[i]));
+    if (ok[i] && lane == 0) {
+      if (fz.epi == Epi::kResidual) {
+        const float v = fz.resid.h[rows[i]] + y;
+        fz.resid.h[rows[i]] = v;
+        sq = fmaf(v, v, sq);
+      } else if (y_f32) {
+        static_cast<float*>(Y)[rows[i]] = y;
+      } else {
+        static_cast<bf16*>(Y)[rows[i]] = __float2bfloat16(y);
+      }
+    }
+    if (fz.epi == Epi::kGdnIn && ok[i]) gdn_in_epilogue(fz.gdn, rows[i], y, conv_w[i], conv_in[i], lane);
+  }
+  if (fz.epi == Epi::kResidual) residual_partial(sq, fz.resid.ss, red);
+  if (fz.epi == Epi::kRoute) route_epilogue(fz.route, static_cast<const float*>(Y), warp);
+}
+
 // Raises the kernel's dynamic shared-memory limit when a launch needs more than granted so far
 // (the backend's warm-up makes every decode shape's call before any graph capture) and fails
 // loudly when the device cannot give it.
@@ -531,10 +682,26 @@ template <int BITS, int T, int MODE>
 void launch_matvec_t(const DevLinear& W, const bf16* X, int64_t ldx, int n, void* Y, int64_t ldy, bool y_f32,
                      int out_rows, const int* idx, int k, int rows_per_expert, unsigned grid_y, cudaStream_t stream,
                      const Fusion& fz = Fusion{}) {
+  const int rpw = rows_per_warp(max_rows_per_warp(T, MODE), out_rows, grid_y);
+  if constexpr (T == 1 && MODE != 2) {
+    // One token: the shared-memory kernel, when the block's rows fit (and scales come in 16-byte
+    // pieces). TANSY_MATVEC_SMEM=0 keeps the register kernel (for comparisons).
+    static const bool smem_on = [] {
+      const char* v = std::getenv("TANSY_MATVEC_SMEM");
+      return !v || std::strcmp(v, "0") != 0;
+    }();
+    const SmemLayout lay = smem_layout<BITS>(W.in, kWarps * rpw * (MODE == 1 ? 2 : 1));
+    if (smem_on && n == 1 && grid_y == 1 && lay.total <= kSmemMatvecMax && (BITS == 16 || (W.in / kQuantGroup) % 8 == 0)) {
+      constexpr auto skern = matvec_smem_kernel<BITS, MODE>;
+      allow_smem<skern>(lay.total, "matvec");
+      pdl_launch(skern, dim3(ceil_div(out_rows, kWarps * rpw)), dim3(kThreads), lay.total, stream, W, X, Y, ldy,
+                 y_f32 ? 1 : 0, out_rows, rpw, fz);
+      return;
+    }
+  }
   const size_t smem = stage_bytes<BITS>(W.in, T);
   constexpr auto kern = matvec_kernel<BITS, T, MODE>;
   allow_smem<kern>(smem, "matvec");
-  const int rpw = rows_per_warp(max_rows_per_warp(T, MODE), out_rows, grid_y);
   // TANSY_MATVEC_GRID_CAP=N (blocks per multiprocessor, tests and tuning): very tall matrices
   // run a resident grid that loops over the row blocks, staging x once per block.
   static const int cap = [] {
