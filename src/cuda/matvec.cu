@@ -644,7 +644,7 @@ __global__ void __launch_bounds__(kThreads, 2) matvec_smem_kernel(DevLinear W, c
 // loudly when the device cannot give it.
 template <auto Kern>
 void allow_smem(size_t smem, const char* what) {
-  static size_t granted = 48 * 1024;
+  static size_t granted = 0;  // the 48 KiB default counts static shared memory too: always opt in
   if (smem <= granted) return;
   const cudaError_t e = cudaFuncSetAttribute(Kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (e != cudaSuccess) {
