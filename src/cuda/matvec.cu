@@ -526,11 +526,12 @@ __host__ __device__ inline SmemLayout smem_layout(int in, int weight_rows) {
 }
 
 template <int BITS, int MODE>
-__global__ void __launch_bounds__(kThreads, 2) matvec_smem_kernel(DevLinear W, const bf16* __restrict__ X, void* Y,
-                                                                 int64_t ldy, int y_f32, int out_rows, int rpw,
-                                                                 Fusion fz) {
+__global__ void __launch_bounds__(kThreads, 2) matvec_smem_kernel(DevLinear W, const bf16* __restrict__ X, int64_t ldx,
+                                                                 void* Y, int64_t ldy, int y_f32, int out_rows, int rpw,
+                                                                 const int* __restrict__ idx, int k,
+                                                                 int rows_per_expert, Fusion fz) {
   extern __shared__ float4 smem4[];
-  constexpr bool kPair = MODE == 1;
+  constexpr bool kPair = MODE != 0;
   constexpr int S = Chunk<BITS>::kStride, kR = 4;  // kR: max rows per warp
   __shared__ float red[kWarps];
   uint8_t* base = reinterpret_cast<uint8_t*>(smem4);
@@ -545,8 +546,15 @@ __global__ void __launch_bounds__(kThreads, 2) matvec_smem_kernel(DevLinear W, c
   const uint8_t* wsm = base + lay.w;
   const bf16* ssm = reinterpret_cast<const bf16*>(base + lay.sb);
   const bf16* bsm = ssm + int64_t(kWarps) * rpw * wmul * groups;
+  // MODE 2 (routed experts, one slot per blockIdx.y): the rows come from the expert the previous
+  // kernel chose, so their copy starts after the wait.
+  if constexpr (MODE == 2) {
+    pdl_wait();
+    pdl_launch_dependents();
+  }
   {
-    const int64_t w0 = int64_t(out0) * wmul;
+    int64_t w0 = int64_t(out0) * wmul;
+    if constexpr (MODE == 2) w0 += int64_t(idx[blockIdx.y]) * rows_per_expert;
     const uint8_t* gw = BITS == 16 ? reinterpret_cast<const uint8_t*>(W.w + w0 * W.in)
                                    : reinterpret_cast<const uint8_t*>(W.q) + w0 * row_bytes;
     const int64_t wbytes = int64_t(wrows) * row_bytes;
@@ -565,10 +573,13 @@ __global__ void __launch_bounds__(kThreads, 2) matvec_smem_kernel(DevLinear W, c
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
   }
-  pdl_wait();
-  pdl_launch_dependents();
+  if constexpr (MODE != 2) {
+    pdl_wait();
+    pdl_launch_dependents();
+  }
+  const int t0 = MODE == 2 ? blockIdx.y / k : 0;
   if (fz.norm.w) stage_norm<BITS>(fz.norm, W.in, xs, red);
-  else stage_rows<BITS>(X, W.in, 1, 1, W.in, xs);
+  else stage_rows<BITS>(X + int64_t(t0) * ldx, ldx, 1, 1, W.in, xs);
 
   int rows[kR];
   bool ok[kR];
@@ -627,10 +638,10 @@ __global__ void __launch_bounds__(kThreads, 2) matvec_smem_kernel(DevLinear W, c
         const float v = fz.resid.h[rows[i]] + y;
         fz.resid.h[rows[i]] = v;
         sq = fmaf(v, v, sq);
-      } else if (y_f32) {
-        static_cast<float*>(Y)[rows[i]] = y;
       } else {
-        static_cast<bf16*>(Y)[rows[i]] = __float2bfloat16(y);
+        const int64_t at = (MODE == 2 ? int64_t(blockIdx.y) * ldy : 0) + rows[i];
+        if (y_f32) static_cast<float*>(Y)[at] = y;
+        else static_cast<bf16*>(Y)[at] = __float2bfloat16(y);
       }
     }
     if (fz.epi == Epi::kGdnIn && ok[i]) gdn_in_epilogue(fz.gdn, rows[i], y, conv_w[i], conv_in[i], lane);
@@ -683,7 +694,7 @@ void launch_matvec_t(const DevLinear& W, const bf16* X, int64_t ldx, int n, void
                      int out_rows, const int* idx, int k, int rows_per_expert, unsigned grid_y, cudaStream_t stream,
                      const Fusion& fz = Fusion{}) {
   const int rpw = rows_per_warp(max_rows_per_warp(T, MODE), out_rows, grid_y);
-  if constexpr (T == 1 && MODE != 2) {
+  if constexpr (T == 1) {
     // One token: the shared-memory kernel, when the block's rows fit (and scales come in 16-byte
     // pieces). TANSY_MATVEC_SMEM=0 keeps the register kernel (for comparisons).
     static const bool smem_on = [] {
@@ -691,11 +702,12 @@ void launch_matvec_t(const DevLinear& W, const bf16* X, int64_t ldx, int n, void
       return !v || std::strcmp(v, "0") != 0;
     }();
     const SmemLayout lay = smem_layout<BITS>(W.in, kWarps * rpw * (MODE == 1 ? 2 : 1));
-    if (smem_on && n == 1 && grid_y == 1 && lay.total <= kSmemMatvecMax && (BITS == 16 || (W.in / kQuantGroup) % 8 == 0)) {
+    if (smem_on && (MODE == 2 || (n == 1 && grid_y == 1)) && lay.total <= kSmemMatvecMax &&
+        (BITS == 16 || (W.in / kQuantGroup) % 8 == 0)) {
       constexpr auto skern = matvec_smem_kernel<BITS, MODE>;
       allow_smem<skern>(lay.total, "matvec");
-      pdl_launch(skern, dim3(ceil_div(out_rows, kWarps * rpw)), dim3(kThreads), lay.total, stream, W, X, Y, ldy,
-                 y_f32 ? 1 : 0, out_rows, rpw, fz);
+      pdl_launch(skern, dim3(ceil_div(out_rows, kWarps * rpw), grid_y), dim3(kThreads), lay.total, stream, W, X, ldx, Y,
+                 ldy, y_f32 ? 1 : 0, out_rows, rpw, idx, k, rows_per_expert, fz);
       return;
     }
   }
@@ -764,7 +776,7 @@ void check_x(const bf16* X, int64_t ldx, int n, int in, const char* what) {
 
 // G lanes per output row: in = I is small (512 on the real model: 16 chunks of 4-bit), so a warp
 // works on 32/G rows at once instead of leaving lanes idle.
-template <int BITS, int G>
+template <int BITS, int G, bool SMEM>
 __global__ void __launch_bounds__(kThreads, 3) moe_down_kernel(DevLinear Wd, int H, const int* __restrict__ idx,
                                                             const float* __restrict__ wts, const bf16* __restrict__ act,
                                                             int k, const bf16* shared, const float* sh_logit,
@@ -791,6 +803,66 @@ __global__ void __launch_bounds__(kThreads, 3) moe_down_kernel(DevLinear Wd, int
   const int sub = threadIdx.x % G;
   const int r = blockIdx.x * (kThreads / G) + threadIdx.x / G;
   const bool valid = r < H;
+  if constexpr (SMEM) {
+    // All slots' rows of this block (and their scales and biases) in one cp.async batch.
+    constexpr int R = kThreads / G;
+    const int groups = Wd.in / kQuantGroup, rl = threadIdx.x / G, r0 = blockIdx.x * R;
+    const int64_t row_bytes = int64_t(Wd.in) * BITS / 8;
+    const int rows = min(R, H - r0);
+    uint8_t* wsm = reinterpret_cast<uint8_t*>(smem4) + align16(size_t(k) * cpr * S * sizeof(float));
+    bf16* ssm = reinterpret_cast<bf16*>(wsm + int64_t(k) * R * row_bytes);
+    bf16* bsm = ssm + int64_t(k) * R * groups;
+    for (int j = 0; j < k; ++j) {
+      const int64_t g0 = int64_t(s_e[j]) * H + r0;
+      const uint8_t* gw = BITS == 16 ? reinterpret_cast<const uint8_t*>(Wd.w + g0 * Wd.in)
+                                     : reinterpret_cast<const uint8_t*>(Wd.q) + g0 * row_bytes;
+      uint8_t* dw = wsm + int64_t(j) * R * row_bytes;
+      for (int64_t o = int64_t(threadIdx.x) * 16; o < rows * row_bytes; o += kThreads * 16) cp_async16(dw + o, gw + o);
+      if constexpr (BITS != 16) {
+        const uint8_t* gs = reinterpret_cast<const uint8_t*>(Wd.scales + g0 * groups);
+        const uint8_t* gb = reinterpret_cast<const uint8_t*>(Wd.biases + g0 * groups);
+        uint8_t* ds = reinterpret_cast<uint8_t*>(ssm + int64_t(j) * R * groups);
+        uint8_t* db = reinterpret_cast<uint8_t*>(bsm + int64_t(j) * R * groups);
+        for (int64_t o = int64_t(threadIdx.x) * 16; o < int64_t(rows) * groups * 2; o += kThreads * 16) {
+          cp_async16(ds + o, gs + o);
+          cp_async16(db + o, gb + o);
+        }
+      }
+    }
+    cp_async_wait_all();
+    __syncthreads();
+    float acc = 0.f;
+    if (valid) {
+#pragma unroll 4
+      for (int it = sub; it < k * cpr; it += G) {
+        const int j = it / cpr, c = it - j * cpr;
+        const int lr = j * R + rl;
+        const uint4 wv = *reinterpret_cast<const uint4*>(wsm + lr * row_bytes + int64_t(c) * 16);
+        float sc = 0.f, bi = 0.f;
+        if constexpr (BITS != 16) {
+          const int g = (c * Chunk<BITS>::kCols) / kQuantGroup;
+          sc = __bfloat162float(ssm[lr * groups + g]);
+          bi = __bfloat162float(bsm[lr * groups + g]);
+        }
+        acc = fmaf(s_w[j], chunk_dot<BITS>(wv, xs + (j * cpr + c) * S, sc, bi), acc);
+      }
+    }
+    acc = group_sum<G>(acc);
+    float sq = 0.f;
+    if (valid && sub == 0) {
+      float y = acc;
+      if (shared) y += sg * __bfloat162float(shared[int64_t(t) * H + r]);
+      if (res.h) {
+        const float v = res.h[r] + y;
+        res.h[r] = v;
+        sq = v * v;
+      } else {
+        out[int64_t(t) * H + r] = __float2bfloat16(y);
+      }
+    }
+    if (res.h) residual_partial(sq, res.ss, red);
+    return;
+  }
   // Up to kU chunks per lane are loaded in one batch (codes, scales, biases), then used (the
   // batch size keeps the kernel at three blocks per multiprocessor).
   constexpr int kU = 8;
@@ -931,7 +1003,24 @@ void launch_moe_down(const DevLinear& Wd, int n_experts, const int* idx, const f
     const int cpr = Wd.in / Chunk<BITS>::kCols;
     const size_t smem = stage_bytes<BITS>(Wd.in, k);
     auto launch = [&]<int G>() {
-      constexpr auto kern = moe_down_kernel<BITS, G>;
+      // Shared-memory staging of the slots' rows when they fit (and scales come in 16-byte pieces).
+      static const bool smem_on = [] {
+        const char* v = std::getenv("TANSY_MATVEC_SMEM");
+        return !v || std::strcmp(v, "0") != 0;
+      }();
+      constexpr int R = kThreads / G;
+      const size_t big = align16(smem) + size_t(k) * R * Wd.in * BITS / 8 +
+                         (BITS == 16 ? 0 : size_t(k) * R * (Wd.in / kQuantGroup) * 4);
+      if (smem_on && big <= kSmemMatvecMax && (BITS == 16 || (Wd.in / kQuantGroup) % 8 == 0)) {
+        constexpr auto kern = moe_down_kernel<BITS, G, true>;
+        allow_smem<kern>(big, "moe_down_combine");
+        TANSY_CHECK(!res.h || ceil_div(H, kThreads / G) <= unsigned(kNormParts),
+                    "moe_down_combine: {} rows need more than {} partial sums", H, kNormParts);
+        pdl_launch(kern, dim3(ceil_div(H, kThreads / G), n), dim3(kThreads), big, stream, Wd, H, idx, wts, act, k,
+                   shared, sh_logit, sh_ld, out, res);
+        return;
+      }
+      constexpr auto kern = moe_down_kernel<BITS, G, false>;
       allow_smem<kern>(smem, "moe_down_combine");
       TANSY_CHECK(!res.h || ceil_div(H, kThreads / G) <= unsigned(kNormParts),
                   "moe_down_combine: {} rows need more than {} partial sums", H, kNormParts);
