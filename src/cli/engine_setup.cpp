@@ -64,7 +64,11 @@ LoadedEngine load_engine(const Flags& flags) {
   const int max_pos = model->config().max_position;
   eo.max_seq = int(flags.get_int("max-seq", std::min(max_pos, 32768), 2, max_pos));
   eo.prefix_cache_entries = size_t(flags.get_int("prefix-cache", long(eo.prefix_cache_entries), 0, 64));
-  eo.prefill_chunk = int(flags.get_int("prefill-chunk", eo.prefill_chunk, 1, max_pos));
+  // CUDA prefills a whole 4,096-token chunk at tensor-core speed (~0.17 s on an H200); smaller
+  // pieces would re-read every expert's weights per piece. The CPU keeps short pieces, so that
+  // cancellation stays prompt.
+  const long chunk_default = model->backend_name() == "cuda" ? 4096 : eo.prefill_chunk;
+  eo.prefill_chunk = int(flags.get_int("prefill-chunk", chunk_default, 1, max_pos));
   le.engine = std::make_unique<Engine>(std::move(model), std::move(tok), eo);
   return le;
 }

@@ -701,7 +701,7 @@ void launch_matvec_t(const DevLinear& W, const bf16* X, int64_t ldx, int n, void
       const char* v = std::getenv("TANSY_MATVEC_SMEM");
       return !v || std::strcmp(v, "0") != 0;
     }();
-    const SmemLayout lay = smem_layout<BITS>(W.in, kWarps * rpw * (MODE == 1 ? 2 : 1));
+    const SmemLayout lay = smem_layout<BITS>(W.in, kWarps * rpw * (MODE != 0 ? 2 : 1));
     if (smem_on && (MODE == 2 || (n == 1 && grid_y == 1)) && lay.total <= kSmemMatvecMax &&
         (BITS == 16 || (W.in / kQuantGroup) % 8 == 0)) {
       constexpr auto skern = matvec_smem_kernel<BITS, MODE>;

@@ -120,7 +120,12 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
   // The last prompt token is always fed, so that its logits exist.
   PrefixCache::Hit hit = cache_.lookup(*model_, req.prompt, size_t(n_prompt - 1));
   std::unique_ptr<SequenceState> state = std::move(hit.state);
-  if (!state) state = model_->new_state(opt_.max_seq);
+  if (!state) {
+    // A state the cache let go of is emptied and reused: no allocation (and on CUDA no graph
+    // capture) on the request's path.
+    if (spare_ && model_->reset_state(*spare_)) state = std::move(spare_);
+    else state = model_->new_state(opt_.max_seq);
+  }
   res.cached_tokens = hit.n_tokens;
   cached_tokens_total_ += uint64_t(hit.n_tokens);
   publish_cache_stats();
@@ -144,7 +149,7 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
     fed.insert(fed.end(), req.prompt.begin() + pos, req.prompt.begin() + end);
     pos = end;
     if (size_t(pos) == req.cache_cut && pos < n_prompt) {
-      cache_.insert(fed, model_->clone_state(*state));
+      keep_spare(cache_.insert(fed, model_->clone_state(*state)));
       publish_cache_stats();
     }
   }
@@ -227,7 +232,7 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
   // The end state is stored cold: measured on multi-turn chat (tools/measure_prefix_cache.py,
   // docs/API.md), the next turn resumes from the cut inside the prompt, because the template
   // re-renders the answer; an end state kept hot would evict the cuts of other conversations.
-  cache_.insert(std::move(fed), std::move(state), /*cold=*/req.cache_cut > 0);
+  keep_spare(cache_.insert(std::move(fed), std::move(state), /*cold=*/req.cache_cut > 0));
   publish_cache_stats();
   return res;
 }

@@ -106,6 +106,10 @@ class Engine {
   EngineOptions opt_;
   std::vector<int32_t> eos_;
   PrefixCache cache_;
+  std::unique_ptr<SequenceState> spare_;  // reused for the next request that misses the cache
+  void keep_spare(std::unique_ptr<SequenceState> s) {
+    if (s && !spare_) spare_ = std::move(s);
+  }
   void publish_cache_stats();
   std::mutex mu_;  // generate() is not reentrant
   // Copies of the cache's counters, readable (by /metrics) while a request runs.

@@ -1,6 +1,7 @@
 #include "engine/prefix_cache.h"
 
 #include <algorithm>
+#include <iterator>
 
 namespace tansy {
 
@@ -21,17 +22,28 @@ PrefixCache::Hit PrefixCache::lookup(Model& model, std::span<const int32_t> toke
   return {model.clone_state(*best->state), int(best->tokens.size())};
 }
 
-void PrefixCache::insert(std::vector<int32_t> tokens, std::unique_ptr<SequenceState> state, bool cold) {
-  if (capacity_ == 0 || tokens.empty()) return;
+std::unique_ptr<SequenceState> PrefixCache::insert(std::vector<int32_t> tokens, std::unique_ptr<SequenceState> state,
+                                                   bool cold) {
+  if (capacity_ == 0 || tokens.empty()) return state;
+  std::unique_ptr<SequenceState> freed;
+  auto drop = [&](std::list<Entry>::iterator it) {
+    if (!freed) freed = std::move(it->state);
+    return entries_.erase(it);
+  };
   // A hot entry supersedes the entries it extends: the conversation they belonged to has moved on,
   // and keeping them would evict other conversations' states.
-  entries_.remove_if([&](const Entry& e) {
-    return e.tokens.size() <= tokens.size() && (!cold || e.tokens.size() == tokens.size()) &&
-           std::equal(e.tokens.begin(), e.tokens.end(), tokens.begin());
-  });
+  for (auto it = entries_.begin(); it != entries_.end();) {
+    const Entry& e = *it;
+    if (e.tokens.size() <= tokens.size() && (!cold || e.tokens.size() == tokens.size()) &&
+        std::equal(e.tokens.begin(), e.tokens.end(), tokens.begin()))
+      it = drop(it);
+    else
+      ++it;
+  }
   if (cold) entries_.push_back({std::move(tokens), std::move(state)});
   else entries_.push_front({std::move(tokens), std::move(state)});
-  while (entries_.size() > capacity_) entries_.pop_back();
+  while (entries_.size() > capacity_) drop(std::prev(entries_.end()));
+  return freed;
 }
 
 }  // namespace tansy

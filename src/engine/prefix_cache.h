@@ -25,8 +25,10 @@ class PrefixCache {
   Hit lookup(Model& model, std::span<const int32_t> tokens, size_t max_len);
   // Stores `state`, which holds exactly `tokens`, as the most recently used entry (or, when
   // `cold`, as the least recently used one: kept only while there is room). Replaces an entry
-  // with the same key; a hot entry also replaces the entries whose tokens it extends.
-  void insert(std::vector<int32_t> tokens, std::unique_ptr<SequenceState> state, bool cold = false);
+  // with the same key; a hot entry also replaces the entries whose tokens it extends. Returns one
+  // state the cache let go of (not stored, replaced or evicted) for the caller to reuse, or null.
+  std::unique_ptr<SequenceState> insert(std::vector<int32_t> tokens, std::unique_ptr<SequenceState> state,
+                                        bool cold = false);
 
   size_t capacity() const { return capacity_; }
   size_t size() const { return entries_.size(); }

@@ -71,7 +71,9 @@ TEST(BackendChoice, ThisBuildsProbe) {
   const DeviceProbe p = tansy::probe_devices();  // must not throw, with or without a driver
 #ifdef TANSY_HAVE_CUDA_BACKEND
   EXPECT_TRUE(p.cuda_built);
-  if (p.devices > 0) EXPECT_FALSE(p.name.empty());
+  if (p.devices > 0) {
+    EXPECT_FALSE(p.name.empty());
+  }
 #else
   EXPECT_FALSE(p.cuda_built);
   EXPECT_EQ(p.devices, 0);
