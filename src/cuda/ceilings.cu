@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cctype>
 #include <fstream>
 #include <sstream>
 #include <vector>
@@ -95,7 +96,9 @@ double median_ms(int warmup, int reps, F&& launch) {
 
 std::string version_str(int v) { return std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 10); }
 
-// The kernel module's version line: "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.04  ...".
+// The kernel module's version line: "NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.04  ..."
+// or, for the open modules, "... Open Kernel Module for x86_64  580.159.04  ...": the first
+// word after "Kernel Module" that looks like a version.
 std::string nvidia_driver_version() {
   std::ifstream f("/proc/driver/nvidia/version");
   std::string line;
@@ -104,7 +107,8 @@ std::string nvidia_driver_version() {
     if (pos != std::string::npos) {
       std::istringstream ss(line.substr(pos + 13));
       std::string v;
-      if (ss >> v) return v;
+      while (ss >> v)
+        if (std::isdigit(static_cast<unsigned char>(v[0])) && v.find('.') != std::string::npos) return v;
     }
   }
   if (FILE* p = popen("nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null", "r")) {
