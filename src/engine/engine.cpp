@@ -138,17 +138,20 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
     std::fill(logits.begin() + std::ptrdiff_t(n_real), logits.end(), -std::numeric_limits<float>::infinity());
   };
   std::vector<int32_t> fed(req.prompt.begin(), req.prompt.begin() + hit.n_tokens);
+  // Without a cache there is nothing to snapshot at the cut: prefill straight through (a snapshot
+  // is a whole state copy, ~10 ms on CUDA for a new state and its decode graph).
+  const size_t cut = cache_.capacity() > 0 ? req.cache_cut : 0;
   for (int pos = hit.n_tokens; pos < n_prompt;) {
     if (auto f = stop_now()) {
       res.finish = *f;
       return res;
     }
     int end = std::min(n_prompt, pos + opt_.prefill_chunk);
-    if (req.cache_cut > size_t(pos) && req.cache_cut < size_t(end)) end = int(req.cache_cut);
+    if (cut > size_t(pos) && cut < size_t(end)) end = int(cut);
     forward(std::span<const int32_t>(req.prompt.data() + pos, size_t(end - pos)));
     fed.insert(fed.end(), req.prompt.begin() + pos, req.prompt.begin() + end);
     pos = end;
-    if (size_t(pos) == req.cache_cut && pos < n_prompt) {
+    if (size_t(pos) == cut && pos < n_prompt) {
       keep_spare(cache_.insert(fed, model_->clone_state(*state)));
       publish_cache_stats();
     }

@@ -23,9 +23,9 @@ bool Scheduler::wait_turn(Ticket& t, const std::function<bool()>& give_up, std::
       running_ = t.id_;
       return true;
     }
-    lk.unlock();
+    // give_up runs under the lock (it must not call back into the scheduler): a release between
+    // an unlocked give_up and the wait would lose its notification and cost a whole poll period.
     if (give_up && give_up()) return false;
-    lk.lock();
     cv_.wait_for(lk, poll);
   }
 }

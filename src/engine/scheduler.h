@@ -32,7 +32,7 @@ class Scheduler {
   // A place in line, or null when max_waiting requests are already waiting.
   std::unique_ptr<Ticket> enqueue();
   // Blocks until it is this ticket's turn (true) or until give_up() returns true (false);
-  // give_up is polled every `poll`.
+  // give_up is polled every `poll`, with the scheduler's lock held (it must not call the scheduler).
   bool wait_turn(Ticket& t, const std::function<bool()>& give_up,
                  std::chrono::milliseconds poll = std::chrono::milliseconds(20));
 

@@ -396,3 +396,67 @@ TEST(Engine, GreedyFastPathOnTheDemoModel) {
   EXPECT_EQ(fast_calls, 47);
   EXPECT_EQ(slow_calls, 0);
 }
+
+// Without a prefix cache a request neither snapshots its state at the cut nor splits its prefill
+// there, and the second request reuses the first one's state (reset, not new); with a cache the
+// snapshot is taken.
+TEST(Engine, StatesWithAndWithoutACache) {
+  const auto dir = tansy::test::source_dir() / "models" / "tansy-demo";
+  if (!std::filesystem::exists(dir / "config.json")) GTEST_SKIP() << "no " << dir;
+  struct Calls {
+    int news = 0, clones = 0, resets = 0, forwards = 0;
+  };
+  struct Counting : Model {
+    std::unique_ptr<Model> in;
+    Calls* c;
+    Counting(std::unique_ptr<Model> m, Calls* calls) : in(std::move(m)), c(calls) {}
+    const tansy::ModelConfig& config() const override { return in->config(); }
+    std::string backend_name() const override { return in->backend_name(); }
+    std::unique_ptr<SequenceState> new_state(int n) override {
+      ++c->news;
+      return in->new_state(n);
+    }
+    std::unique_ptr<SequenceState> clone_state(const SequenceState& s) override {
+      ++c->clones;
+      return in->clone_state(s);
+    }
+    bool reset_state(SequenceState& s) override {
+      ++c->resets;
+      return in->reset_state(s);
+    }
+    void forward(SequenceState& s, std::span<const int32_t> ids, std::span<float> l, bool all) override {
+      ++c->forwards;
+      in->forward(s, ids, l, all);
+    }
+  };
+  auto run = [&](size_t cache_entries) {
+    Calls calls;
+    tansy::ModelOptions mo;
+    mo.backend = "cpu";
+    EngineOptions eo;
+    eo.max_seq = 256;
+    eo.prefix_cache_entries = cache_entries;
+    Engine e(std::make_unique<Counting>(tansy::open_model(dir, mo), &calls), tansy::Tokenizer::load(dir), eo);
+    std::vector<std::vector<int32_t>> outs;
+    for (const char* text : {"What does the word apple mean?", "Define the word river."}) {
+      GenRequest req = greedy_request(e.tokenizer().encode(text), 4);
+      req.cache_cut = req.prompt.size() - 1;  // as the server sets it for /v1/completions
+      req.ignore_eos = true;
+      std::vector<int32_t> toks;
+      e.generate(req, [&](const GenStep& s) {
+        if (s.token >= 0) toks.push_back(s.token);
+        return true;
+      });
+      outs.push_back(toks);
+    }
+    return std::pair{calls, outs};
+  };
+  auto [none, out0] = run(0);
+  EXPECT_EQ(none.clones, 0) << "no snapshot without a cache";
+  EXPECT_EQ(none.news, 1);
+  EXPECT_EQ(none.resets, 1) << "the second request reuses the first one's state";
+  EXPECT_EQ(none.forwards, 2 + 2 * 3) << "one prefill pass per request (no split at the cut) + 3 decode steps";
+  auto [cached, out2] = run(2);
+  EXPECT_EQ(cached.clones, 2) << "a snapshot at each request's cut";
+  EXPECT_EQ(out0, out2) << "the same answers either way";
+}
