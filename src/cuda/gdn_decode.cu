@@ -101,6 +101,29 @@ __global__ void conv_window_kernel(GdnConvArgs A) {
 
 constexpr int kColsPerBlock = 32;
 
+// One token of the delta rule for this thread's 32 state rows (warp w holds rows 32w..32w+31 of
+// column c0 + lane), once qs/ks are published: decay, u = Sᵀk over the block's four warps,
+// S += k·beta·(v − u), and this warp's part of o = Sᵀq (the caller adds the four parts).
+__device__ __forceinline__ float delta_rule_step(float (&s)[32], const float* qs, const float* ks, float v, float beta,
+                                                 float decay, float (*red_u)[32], int warp, int lane) {
+  float u = 0.f;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    s[i] *= decay;
+    u = fmaf(s[i], ks[warp * 32 + i], u);
+  }
+  red_u[warp][lane] = u;
+  __syncthreads();
+  const float d = beta * (v - (red_u[0][lane] + red_u[1][lane] + red_u[2][lane] + red_u[3][lane]));
+  float o = 0.f;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    s[i] = fmaf(ks[warp * 32 + i], d, s[i]);
+    o = fmaf(s[i], qs[warp * 32 + i], o);
+  }
+  return o;
+}
+
 // Block per (value head, 32 state columns); warp w holds rows 32w..32w+31 of those columns in
 // registers for the whole token run, so the state is read and written once per call.
 __global__ void __launch_bounds__(128) gdn_recurrent_kernel(GdnPrefillArgs A) {
@@ -122,21 +145,7 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(GdnPrefillArgs A) {
     const float beta = A.beta[int64_t(t) * A.n_v_heads + h];
     const float decay = __expf(A.g[int64_t(t) * A.n_v_heads + h]);
     __syncthreads();
-    float u = 0.f;
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      s[i] *= decay;
-      u = fmaf(s[i], ks[warp * 32 + i], u);
-    }
-    red_u[warp][lane] = u;
-    __syncthreads();
-    const float d = beta * (v - (red_u[0][lane] + red_u[1][lane] + red_u[2][lane] + red_u[3][lane]));
-    float o = 0.f;
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      s[i] = fmaf(ks[warp * 32 + i], d, s[i]);
-      o = fmaf(s[i], qs[warp * 32 + i], o);
-    }
+    const float o = delta_rule_step(s, qs, ks, v, beta, decay, red_u, warp, lane);
     red_o[warp][lane] = o;
     __syncthreads();
     if (warp == 0) {
@@ -174,21 +183,7 @@ __global__ void __launch_bounds__(128) gdn_decode_kernel(GdnDecodeArgs A) {
   qs[d] = qv * qn;
   ks[d] = kv * kn;
   __syncthreads();
-  float u = 0.f;
-#pragma unroll
-  for (int i = 0; i < 32; ++i) {
-    s[i] *= decay;
-    u = fmaf(s[i], ks[warp * 32 + i], u);
-  }
-  red_u[warp][lane] = u;
-  __syncthreads();
-  const float dlt = beta * (v - (red_u[0][lane] + red_u[1][lane] + red_u[2][lane] + red_u[3][lane]));
-  float o = 0.f;
-#pragma unroll
-  for (int i = 0; i < 32; ++i) {
-    s[i] = fmaf(ks[warp * 32 + i], dlt, s[i]);
-    o = fmaf(s[i], qs[warp * 32 + i], o);
-  }
+  const float o = delta_rule_step(s, qs, ks, v, beta, decay, red_u, warp, lane);
 #pragma unroll
   for (int i = 0; i < 32; ++i) S[int64_t(i) * kGdnDim] = s[i];
   red_o[warp][lane] = o;

@@ -689,6 +689,16 @@ int rows_per_warp(int max_rpw, int out_rows, unsigned grid_y) {
   return rpw;
 }
 
+// TANSY_MATVEC_SMEM=0 keeps the register kernels where the shared-memory ones would run (for
+// comparisons); read once.
+bool smem_staging_on() {
+  static const bool on = [] {
+    const char* v = std::getenv("TANSY_MATVEC_SMEM");
+    return !v || std::strcmp(v, "0") != 0;
+  }();
+  return on;
+}
+
 template <int BITS, int T, int MODE>
 void launch_matvec_t(const DevLinear& W, const bf16* X, int64_t ldx, int n, void* Y, int64_t ldy, bool y_f32,
                      int out_rows, const int* idx, int k, int rows_per_expert, unsigned grid_y, cudaStream_t stream,
@@ -696,11 +706,8 @@ void launch_matvec_t(const DevLinear& W, const bf16* X, int64_t ldx, int n, void
   const int rpw = rows_per_warp(max_rows_per_warp(T, MODE), out_rows, grid_y);
   if constexpr (T == 1) {
     // One token: the shared-memory kernel, when the block's rows fit (and scales come in 16-byte
-    // pieces). TANSY_MATVEC_SMEM=0 keeps the register kernel (for comparisons).
-    static const bool smem_on = [] {
-      const char* v = std::getenv("TANSY_MATVEC_SMEM");
-      return !v || std::strcmp(v, "0") != 0;
-    }();
+    // pieces).
+    const bool smem_on = smem_staging_on();
     const SmemLayout lay = smem_layout<BITS>(W.in, kWarps * rpw * (MODE != 0 ? 2 : 1));
     if (smem_on && (MODE == 2 || (n == 1 && grid_y == 1)) && lay.total <= kSmemMatvecMax &&
         (BITS == 16 || (W.in / kQuantGroup) % 8 == 0)) {
@@ -803,6 +810,7 @@ __global__ void __launch_bounds__(kThreads, 3) moe_down_kernel(DevLinear Wd, int
   const int sub = threadIdx.x % G;
   const int r = blockIdx.x * (kThreads / G) + threadIdx.x / G;
   const bool valid = r < H;
+  float acc = 0.f;
   if constexpr (SMEM) {
     // All slots' rows of this block (and their scales and biases) in one cp.async batch.
     constexpr int R = kThreads / G;
@@ -831,7 +839,6 @@ __global__ void __launch_bounds__(kThreads, 3) moe_down_kernel(DevLinear Wd, int
     }
     cp_async_wait_all();
     __syncthreads();
-    float acc = 0.f;
     if (valid) {
 #pragma unroll 4
       for (int it = sub; it < k * cpr; it += G) {
@@ -847,27 +854,10 @@ __global__ void __launch_bounds__(kThreads, 3) moe_down_kernel(DevLinear Wd, int
         acc = fmaf(s_w[j], chunk_dot<BITS>(wv, xs + (j * cpr + c) * S, sc, bi), acc);
       }
     }
-    acc = group_sum<G>(acc);
-    float sq = 0.f;
-    if (valid && sub == 0) {
-      float y = acc;
-      if (shared) y += sg * __bfloat162float(shared[int64_t(t) * H + r]);
-      if (res.h) {
-        const float v = res.h[r] + y;
-        res.h[r] = v;
-        sq = v * v;
-      } else {
-        out[int64_t(t) * H + r] = __float2bfloat16(y);
-      }
-    }
-    if (res.h) residual_partial(sq, res.ss, red);
-    return;
-  }
-  // Up to kU chunks per lane are loaded in one batch (codes, scales, biases), then used (the
-  // batch size keeps the kernel at three blocks per multiprocessor).
-  constexpr int kU = 8;
-  float acc = 0.f;
-  if (valid) {
+  } else if (valid) {
+    // Up to kU chunks per lane are loaded in one batch (codes, scales, biases), then used (the
+    // batch size keeps the kernel at three blocks per multiprocessor).
+    constexpr int kU = 8;
     for (int base = sub; base < k * cpr; base += kU * G) {
       uint4 wv[kU];
       float sc[kU], bi[kU];
@@ -1004,10 +994,7 @@ void launch_moe_down(const DevLinear& Wd, int n_experts, const int* idx, const f
     const size_t smem = stage_bytes<BITS>(Wd.in, k);
     auto launch = [&]<int G>() {
       // Shared-memory staging of the slots' rows when they fit (and scales come in 16-byte pieces).
-      static const bool smem_on = [] {
-        const char* v = std::getenv("TANSY_MATVEC_SMEM");
-        return !v || std::strcmp(v, "0") != 0;
-      }();
+      const bool smem_on = smem_staging_on();
       constexpr int R = kThreads / G;
       const size_t big = align16(smem) + size_t(k) * R * Wd.in * BITS / 8 +
                          (BITS == 16 ? 0 : size_t(k) * R * (Wd.in / kQuantGroup) * 4);
