@@ -437,17 +437,21 @@ TEST(Engine, StatesWithAndWithoutACache) {
     eo.max_seq = 256;
     eo.prefix_cache_entries = cache_entries;
     Engine e(std::make_unique<Counting>(tansy::open_model(dir, mo), &calls), tansy::Tokenizer::load(dir), eo);
-    std::vector<std::vector<int32_t>> outs;
+    // Each answer's tokens and their exact logprobs: a reused state that kept anything of the
+    // previous request would move them.
+    std::vector<std::pair<std::vector<int32_t>, std::vector<float>>> outs;
     for (const char* text : {"What does the word apple mean?", "Define the word river."}) {
       GenRequest req = greedy_request(e.tokenizer().encode(text), 4);
       req.cache_cut = req.prompt.size() - 1;  // as the server sets it for /v1/completions
       req.ignore_eos = true;
-      std::vector<int32_t> toks;
+      req.logprobs = 0;
+      std::pair<std::vector<int32_t>, std::vector<float>> out;
       e.generate(req, [&](const GenStep& s) {
-        if (s.token >= 0) toks.push_back(s.token);
+        if (s.token >= 0) out.first.push_back(s.token);
+        if (s.logprobs) out.second.push_back(s.logprobs->logprob);
         return true;
       });
-      outs.push_back(toks);
+      outs.push_back(out);
     }
     return std::pair{calls, outs};
   };
