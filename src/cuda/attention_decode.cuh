@@ -39,4 +39,13 @@ inline size_t attn_scratch_floats(int n, int n_heads, int splits) {
 void attention_decode(const QkvLayout& qkv, int n, const int* pos, const bf16* k_cache, const bf16* v_cache,
                       int splits, float* scratch, bf16* out, int64_t ldo, cudaStream_t stream);
 
+// One token (m == 1) in two kernels: qk_norm_rope and the split pass fused (the cached keys of
+// each split are copied into shared memory before the PDL wait, while the projection before it
+// still runs; the split holding the position writes the new k/v into the cache), then the merge
+// with the output gate. Same results as qk_norm_rope + attention_decode for one token. Needs
+// n_heads / n_kv in {1, 2, 4, 8}.
+void attention_decode_fused(const QkvLayout& qkv, const int* pos, const float* q_norm, const float* k_norm, float eps,
+                            int rotary_dim, double theta, bf16* k_cache, bf16* v_cache, int splits, float* scratch,
+                            bf16* out, int64_t ldo, cudaStream_t stream);
+
 }  // namespace tansy::cuda

@@ -51,6 +51,7 @@ namespace {
 constexpr int kChunk = 4096;       // tokens per forward chunk (bounds the scratch buffers)
 constexpr int kLogitRows = 32;     // lm_head rows computed per pass when all positions are wanted
 constexpr int kDecodeSplits = 128;  // most key-range splits of decode attention (short contexts use fewer)
+constexpr int kFusedDecodeSplits = 64;  // the same for the fused one-token kernel (2 x 64 blocks at 4,096)
 constexpr int kPrefillSplitKeys = 2048;  // GEMV-path prefill: keys per split
 
 // ---- weight upload ----
@@ -569,7 +570,7 @@ class CudaModel final : public Model, public StageProfiler {
     sh_act_.resize(C * c.shared_intermediate);
     sh_out_.resize(C * H);
     // decode: kDecodeSplits partials; GEMV prefill keeps tokens x splits <= kChunk
-    static_assert(kDecodeSplits <= kChunk);
+    static_assert(kDecodeSplits <= kChunk && kFusedDecodeSplits <= kChunk);
     attn_scratch_.resize(attn_scratch_floats(kChunk, c.num_heads, 1));
     d_logits_.resize(size_t(kLogitRows) * c.vocab_size);
     d_argmax_.resize(kArgmaxBlocks);
@@ -801,12 +802,10 @@ class CudaModel final : public Model, public StageProfiler {
         mark("attn.in_proj+norm", wbytes(L.attn_in.view));
         matvec_norm(L.attn_in.view, in, MatvecOut{P, false, proj_ld_}, stream_);  // [q+gate | k | v]
         QkvLayout lay{P, proj_ld_, c.num_heads, c.num_kv_heads};
-        mark("attn.qk_norm_rope");
-        qk_norm_rope(lay, 1, st.pos.get(), L.q_norm.get(), L.k_norm.get(), c.rms_eps, c.rotary_dim, c.rope_theta,
-                     S.K.get(), S.V.get(), stream_);
-        mark("attn.decode (split+combine)", 2.0 * (st.n + 1) * c.kv_dim() * 2, 0, 2);
-        attention_decode(lay, 1, st.pos.get(), S.K.get(), S.V.get(), kDecodeSplits, attn_scratch_.get(), mix_.get(), QD,
-                         stream_);
+        mark("attn.q/k norm+rope+cache+split, merge", 2.0 * (st.n + 1) * c.kv_dim() * 2, 0, 2);
+        attention_decode_fused(lay, st.pos.get(), L.q_norm.get(), L.k_norm.get(), c.rms_eps, c.rotary_dim,
+                               c.rope_theta, S.K.get(), S.V.get(), kFusedDecodeSplits, attn_scratch_.get(), mix_.get(),
+                               QD, stream_);
         mark("attn.o_proj+residual", wbytes(L.attn_o.view));
         matvec_residual(L.attn_o.view, mix_.get(), mixer_out, stream_);
       }

@@ -452,6 +452,108 @@ TEST(DecodeKernels, AttentionDecode) {
   check_attention(2, 1, 10, 3, 4);  // tiny golden heads
 }
 
+// One token through attention_decode_fused: q/k norm + RoPE of the pre-norm projection rows, the
+// new k/v written into the cache at the position, attention over ctx cached keys plus the new one,
+// output gate. Reference: cpu::rmsnorm + cpu::rope (q and k rounded to bf16, as cached/stored),
+// cpu::attention, sigmoid gate.
+void check_attention_fused(int NH, int NKV, int ctx, int splits) {
+  const int hd = 256, rot = 64;
+  const float eps = 1e-6f;
+  const double theta = 1e7;
+  cuda::QkvLayout L;
+  L.n_heads = NH;
+  L.n_kv = NKV;
+  L.ld = L.v_off() + NKV * hd;
+  auto row = randn(size_t(L.ld), 2.f);
+  round_bf16_inplace(row);
+  auto drow = to_device_bf16(row);
+  L.base = drow.get();
+  auto qn = randn(hd, 0.1f, 1.f), kn = randn(hd, 0.1f, 1.f);
+  DeviceBuffer<float> dqn = to_device(qn), dkn = to_device(kn);
+  const int cap = ctx + 2;  // the row after the position must stay untouched
+  auto K = randn(size_t(cap) * NKV * hd), V = randn(size_t(cap) * NKV * hd);
+  round_bf16_inplace(K);
+  round_bf16_inplace(V);
+  auto dK = to_device_bf16(K), dV = to_device_bf16(V);
+  DeviceBuffer<int> dpos = to_device(std::vector<int>{ctx});
+  DeviceBuffer<float> scratch(cuda::attn_scratch_floats(1, NH, splits));
+  DeviceBuffer<bf16> out(size_t(NH) * hd);
+  poison(out);
+  poison(scratch);
+  cuda::attention_decode_fused(L, dpos.get(), dqn.get(), dkn.get(), eps, rot, theta, dK.get(), dV.get(), splits,
+                               scratch.get(), out.get(), NH * hd, 0);
+  // reference: the new k/v at row ctx, then attention over ctx + 1 keys
+  std::vector<float> q(size_t(NH) * hd);
+  for (int h = 0; h < NH; ++h) {
+    cpu::rmsnorm(&row[size_t(h) * 2 * hd], qn.data(), hd, eps, &q[size_t(h) * hd]);
+    cpu::rope(&q[size_t(h) * hd], rot, ctx, theta);
+  }
+  round_bf16_inplace(q);
+  for (int j = 0; j < NKV; ++j) {
+    float* k = &K[(size_t(ctx) * NKV + j) * hd];
+    cpu::rmsnorm(&row[L.k_off() + size_t(j) * hd], kn.data(), hd, eps, k);
+    cpu::rope(k, rot, ctx, theta);
+    for (int d = 0; d < hd; ++d) k[d] = round_bf16(k[d]);
+    std::copy(&row[L.v_off() + size_t(j) * hd], &row[L.v_off() + size_t(j + 1) * hd], &V[(size_t(ctx) * NKV + j) * hd]);
+  }
+  std::vector<float> ref(size_t(NH) * hd);
+  cpu::attention(q.data(), K.data(), V.data(), ctx + 1, NH, NKV, hd, ref.data());
+  for (int h = 0; h < NH; ++h)
+    for (int d = 0; d < hd; ++d) ref[size_t(h) * hd + d] *= 1.f / (1.f + std::exp(-row[size_t(h) * 2 * hd + hd + d]));
+  const std::string what = "attention_decode_fused heads " + std::to_string(NH) + "/" + std::to_string(NKV) + " ctx " +
+                           std::to_string(ctx) + " splits " + std::to_string(splits);
+  EXPECT_REL(from_device_bf16(out.get(), out.size()), ref, kTolBf16, what);
+  // the cache: row ctx holds the new k (bf16-rounded, as the reference) and v exactly; the rest is untouched
+  const auto gK = from_device_bf16(dK.get(), K.size()), gV = from_device_bf16(dV.get(), V.size());
+  const size_t r0 = size_t(ctx) * NKV * hd, r1 = r0 + size_t(NKV) * hd;
+  EXPECT_REL(std::vector<float>(gK.begin() + r0, gK.begin() + r1), std::vector<float>(K.begin() + r0, K.begin() + r1),
+             kTolBf16, "  new k in the cache");
+  for (size_t i = 0; i < K.size(); ++i) {
+    if (i >= r0 && i < r1) {
+      ASSERT_EQ(gV[i], V[i]) << what << ": new v at " << i - r0;
+      continue;
+    }
+    ASSERT_EQ(gK[i], K[i]) << what << ": cached k changed at " << i;
+    ASSERT_EQ(gV[i], V[i]) << what << ": cached v changed at " << i;
+  }
+}
+
+TEST(DecodeKernels, AttentionDecodeFused) {
+  // tile (32 keys), stage ring (3 tiles) and split (>= 16 keys) boundaries
+  for (int ctx : {0, 1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 95, 96, 97, 127, 128, 129, 1000, 4095, 5000})
+    check_attention_fused(16, 2, ctx, 64);
+  check_attention_fused(16, 2, 40000, 64);
+  for (int splits : {1, 2, 7, 128, 256}) check_attention_fused(16, 2, 1000, splits);  // many tiles per split
+  check_attention_fused(8, 2, 300, 64);   // 4 heads per kv head
+  check_attention_fused(4, 2, 300, 64);   // 2: the demo model
+  check_attention_fused(2, 1, 10, 4);     // 2: tiny goldens
+  check_attention_fused(4, 4, 300, 64);   // 1
+}
+
+TEST(DecodeKernels, AttentionDecodeFusedRejectsBadShapes) {
+  cuda::QkvLayout L;
+  L.n_heads = 16;
+  L.n_kv = 1;  // 16 query heads per kv head: not supported
+  L.ld = L.v_off() + 256;
+  DeviceBuffer<bf16> rows(L.ld), K(256), V(256), out(16 * 256);
+  DeviceBuffer<float> w(256), scratch(cuda::attn_scratch_floats(1, 16, 4));
+  DeviceBuffer<int> pos = to_device(std::vector<int>{0});
+  L.base = rows.get();
+  EXPECT_THROW(cuda::attention_decode_fused(L, pos.get(), w.get(), w.get(), 1e-6f, 64, 1e7, K.get(), V.get(), 4,
+                                            scratch.get(), out.get(), 16 * 256, 0),
+               Error);
+  L.n_kv = 2;
+  L.ld = L.v_off() + 512;
+  DeviceBuffer<bf16> rows2(L.ld);
+  L.base = rows2.get();
+  EXPECT_THROW(cuda::attention_decode_fused(L, pos.get(), w.get(), w.get(), 1e-6f, 40, 1e7, K.get(), V.get(), 4,
+                                            scratch.get(), out.get(), 16 * 256, 0),
+               Error);  // rotary_dim not a multiple of 16
+  EXPECT_THROW(cuda::attention_decode_fused(L, pos.get(), w.get(), w.get(), 1e-6f, 64, 1e7, K.get(), V.get(), 0,
+                                            scratch.get(), out.get(), 16 * 256, 0),
+               Error);  // no split
+}
+
 // ---- Gated DeltaNet ----
 
 struct GdnSetup {
@@ -929,6 +1031,36 @@ TEST(DecodeTiming, RealShapes) {
   report("add_rmsnorm", time_launches([&](cudaStream_t s) {
            cuda::add_rmsnorm(hres.get(), r.get(), nd.w.get(), 1, H, 1e-6f, nd.xn.get(), s);
          }), 0);
+  // attention of one token at the real shapes (16 query heads over 2 kv heads): the unfused
+  // qk_norm_rope + split + merge against the fused kernel + merge, at several split counts
+  for (int ctx : {256, 4096, 32768, 131071}) {
+    const int NH = 16, NKV = 2, hd = 256;
+    cuda::QkvLayout L;
+    L.n_heads = NH;
+    L.n_kv = NKV;
+    L.ld = L.v_off() + NKV * hd;
+    auto drow = to_device_bf16(randn(size_t(L.ld)));
+    L.base = drow.get();
+    DeviceBuffer<float> qn = to_device(randn(hd, 0.1f, 1.f)), kn = to_device(randn(hd, 0.1f, 1.f));
+    auto dK = to_device_bf16(randn(size_t(ctx + 1) * NKV * hd)), dV = to_device_bf16(randn(size_t(ctx + 1) * NKV * hd));
+    DeviceBuffer<int> dpos = to_device(std::vector<int>{ctx});
+    DeviceBuffer<float> scr(cuda::attn_scratch_floats(1, NH, 256));
+    DeviceBuffer<bf16> ao(size_t(NH) * hd);
+    const double kv_bytes = 2.0 * (ctx + 1) * NKV * hd * 2;
+    char name[96];
+    std::snprintf(name, sizeof name, "attn ctx %d: qk_norm_rope + split/merge (128)", ctx);
+    report(name, time_launches([&](cudaStream_t s) {
+             cuda::qk_norm_rope(L, 1, dpos.get(), qn.get(), kn.get(), 1e-6f, 64, 1e7, dK.get(), dV.get(), s);
+             cuda::attention_decode(L, 1, dpos.get(), dK.get(), dV.get(), 128, scr.get(), ao.get(), NH * hd, s);
+           }), kv_bytes);
+    for (int splits : {32, 64, 128}) {
+      std::snprintf(name, sizeof name, "attn ctx %d: fused + merge (%d)", ctx, splits);
+      report(name, time_launches([&](cudaStream_t s) {
+               cuda::attention_decode_fused(L, dpos.get(), qn.get(), kn.get(), 1e-6f, 64, 1e7, dK.get(), dV.get(),
+                                            splits, scr.get(), ao.get(), NH * hd, s);
+             }), kv_bytes);
+    }
+  }
   TestMatrix lm = make_matrix(WFormat::kAffine4, 248320, H);
   report("lm_head [248320x2048]", time_launches([&](cudaStream_t s) {
            cuda::matvec(lm.dev, dxn.get(), H, 1, cuda::MatvecOut{y32.get(), true, 248320}, s);
