@@ -41,11 +41,21 @@ __device__ __forceinline__ uint4 f32_to_bf16x8(const float* f) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+// Threads j < rot / 2 of the block write cos and sin of position p's angle for frequency j
+// (NeoX: theta^(-2j/rot)) to cs[j] / sn[j]; the caller syncs before reading them.
+__device__ __forceinline__ void rope_table(int p, int rot, double theta, float* cs, float* sn) {
+  const int j = threadIdx.x;
+  if (j >= rot / 2) return;
+  // The angle in double: at positions ~1e5 an f32 product would be off by ~1e-2 rad.
+  const double inv_freq = exp(-(2.0 * j / rot) * log(theta));
+  sincosf(float(fmod(double(p) * inv_freq, kTwoPi)), &sn[j], &cs[j]);
+}
+
 // One warp RMS-norms the 256 values at src (weight w) and rotates the first `rot` dims (NeoX
-// halves, base theta) for position p. Lane owns dims lane*8 .. lane*8+7, returned in y (f32).
+// halves) by the angles of rope_table. Lane owns dims lane*8 .. lane*8+7, returned in y (f32).
 // Needs rot % 16 == 0, so that a dim's rotation partner sits in another lane at the same slot.
 __device__ __forceinline__ void norm_rope_warp(const bf16* __restrict__ src, const float* __restrict__ w, float eps,
-                                               int rot, double theta, int p, float (&y)[8]) {
+                                               int rot, const float* cs, const float* sn, float (&y)[8]) {
   const int lane = threadIdx.x % 32;
   float x[8];
   bf16x8_to_f32(*reinterpret_cast<const uint4*>(src + lane * 8), x);
@@ -67,33 +77,33 @@ __device__ __forceinline__ void norm_rope_warp(const bf16* __restrict__ src, con
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const int d = lane * 8 + i, j = d % half;
-    // The angle in double: at positions ~1e5 an f32 product would be off by ~1e-2 rad.
-    const double inv_freq = exp(-(2.0 * j / rot) * log(theta));
-    const float ang = float(fmod(double(p) * inv_freq, kTwoPi));
-    float sn, cs;
-    sincosf(ang, &sn, &cs);
-    y[i] = d < half ? y[i] * cs - partner[i] * sn : y[i] * cs + partner[i] * sn;
+    y[i] = d < half ? y[i] * cs[j] - partner[i] * sn[j] : y[i] * cs[j] + partner[i] * sn[j];
   }
 }
 
 // Warp per (head, token); head < n_heads is a query head, else a kv head. 8 heads per block.
+// The position (advanced by the previous step, never by the kernel just before) is read before
+// the PDL wait, so the rotation angles are computed while the predecessor finishes.
 constexpr int kRopeWarps = 8;
 __global__ void __launch_bounds__(kRopeWarps * 32) qk_norm_rope_kernel(QkvLayout L, const int* __restrict__ pos,
                                                                        const float* __restrict__ q_norm,
                                                                        const float* __restrict__ k_norm, float eps,
                                                                        int rot, double theta, bf16* k_cache,
                                                                        bf16* v_cache) {
+  __shared__ float cs[kHeadDim / 2], sn[kHeadDim / 2];
+  const int head = blockIdx.x * kRopeWarps + threadIdx.x / 32, t = blockIdx.y, lane = threadIdx.x % 32;
+  const int p = *pos + t;
+  rope_table(p, rot, theta, cs, sn);
+  __syncthreads();
   pdl_wait();
   pdl_launch_dependents();
-  const int head = blockIdx.x * kRopeWarps + threadIdx.x / 32, t = blockIdx.y, lane = threadIdx.x % 32;
   if (head >= L.n_heads + L.n_kv) return;
-  const int p = *pos + t;
   const bool is_q = head < L.n_heads;
   const int kvh = head - L.n_heads;
   bf16* row = L.base + int64_t(t) * L.ld;
   bf16* src = is_q ? row + int64_t(head) * 2 * kHeadDim : row + L.k_off() + int64_t(kvh) * kHeadDim;
   float y[8];
-  norm_rope_warp(src, is_q ? q_norm : k_norm, eps, rot, theta, p, y);
+  norm_rope_warp(src, is_q ? q_norm : k_norm, eps, rot, cs, sn, y);
   const uint4 packed = f32_to_bf16x8(y);
   if (is_q) {
     *reinterpret_cast<uint4*>(src + lane * 8) = packed;
@@ -185,9 +195,10 @@ __global__ void __launch_bounds__(kWarps * 32) attn_split_kernel(QkvLayout L, co
 }
 
 // ---- One-token decode: q/k norm + RoPE + cache write + split attention in one kernel ----
-// Block per (kv head, split), 8 warps. Before the PDL wait (the cache rows < pos were written by
-// earlier steps) the block starts cp.async copies of its first kFusedStages tiles of cached keys
-// and values into shared memory; after it, it norms and rotates the group's query heads and the
+// Block per (kv head, split), 8 warps. Before the PDL wait (the position and the cache rows < pos
+// were written by earlier steps, never by the projection just before) the block starts cp.async
+// copies of its first kFusedStages tiles of cached keys and values into shared memory and
+// computes the rotation angles; after it, it norms and rotates the group's query heads and the
 // new key, and the block whose split holds the position writes the new k/v into the cache. Warp w
 // handles keys 4w .. 4w+3 of every 32-key tile for all G query heads (lane = 8 dims) with its own
 // online softmax; the warps merge at the end into the same partials attn_split_kernel writes.
@@ -250,6 +261,7 @@ __global__ void __launch_bounds__(kFusedWarps * 32, 1) attn_decode_fused_kernel(
   bf16* Kn = Vt + kFusedStages * kTileElems;  // the new key and value, bf16 as cached
   bf16* Vn = Kn + kHeadDim;
   float* qs = reinterpret_cast<float*>(Vn + kHeadDim);  // [G][256]
+  __shared__ float cs[kHeadDim / 2], sn[kHeadDim / 2];
   const QkvLayout& L = a.L;
   const int kvh = blockIdx.x, s = blockIdx.y, tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int p = *a.pos, len = p + 1;
@@ -277,6 +289,8 @@ __global__ void __launch_bounds__(kFusedWarps * 32, 1) attn_decode_fused_kernel(
   };
 #pragma unroll
   for (int i = 0; i < kFusedStages; ++i) issue(i);
+  rope_table(p, a.rot, a.theta, cs, sn);
+  __syncthreads();
   pdl_wait();
   pdl_launch_dependents();
 
@@ -285,13 +299,13 @@ __global__ void __launch_bounds__(kFusedWarps * 32, 1) attn_decode_fused_kernel(
   for (int hh = warp; hh <= G; hh += kFusedWarps) {
     float y[8];
     if (hh < G) {
-      norm_rope_warp(L.base + int64_t(kvh * G + hh) * 2 * kHeadDim, a.q_norm, a.eps, a.rot, a.theta, p, y);
+      norm_rope_warp(L.base + int64_t(kvh * G + hh) * 2 * kHeadDim, a.q_norm, a.eps, a.rot, cs, sn, y);
       float r[8];
       bf16x8_to_f32(f32_to_bf16x8(y), r);
       *reinterpret_cast<float4*>(qs + hh * kHeadDim + lane * 8) = make_float4(r[0], r[1], r[2], r[3]);
       *reinterpret_cast<float4*>(qs + hh * kHeadDim + lane * 8 + 4) = make_float4(r[4], r[5], r[6], r[7]);
     } else {
-      norm_rope_warp(L.base + L.k_off() + int64_t(kvh) * kHeadDim, a.k_norm, a.eps, a.rot, a.theta, p, y);
+      norm_rope_warp(L.base + L.k_off() + int64_t(kvh) * kHeadDim, a.k_norm, a.eps, a.rot, cs, sn, y);
       const uint4 kb = f32_to_bf16x8(y);
       const uint4 vb = *reinterpret_cast<const uint4*>(L.base + L.v_off() + int64_t(kvh) * kHeadDim + lane * 8);
       *reinterpret_cast<uint4*>(Kn + lane * 8) = kb;

@@ -218,6 +218,10 @@ class CudaModel final : public Model, public StageProfiler {
     const char* mode = std::getenv("TANSY_CUDA_PREFILL");
     if (mode && std::string(mode) == "gemv") tc_prefill_ = false;
     else if (mode && std::string(mode) != "tc") fail("TANSY_CUDA_PREFILL must be 'tc' or 'gemv', not '{}'", mode);
+    // TANSY_ATTN_FUSED=0: decode attention as qk_norm_rope + split + merge (to compare).
+    const char* fused = std::getenv("TANSY_ATTN_FUSED");
+    if (fused && std::string(fused) == "0") attn_fused_ = false;
+    else if (fused && std::string(fused) != "1") fail("TANSY_ATTN_FUSED must be 0 or 1, not '{}'", fused);
     validate_config();
     greedy_limit_ = cfg_.vocab_size;
     {
@@ -386,17 +390,19 @@ class CudaModel final : public Model, public StageProfiler {
   }
 
   // The decode graph with the token id moved in and out (logits stay on the device).
-  int32_t greedy_step(SequenceState& state, int32_t tok, int limit) override {
-    if (trace_ || route_trace_) return Model::greedy_step(state, tok, limit);
+  int32_t greedy_step(SequenceState& state, std::span<const int32_t> ids, int limit) override {
+    if (trace_ || route_trace_) return Model::greedy_step(state, ids, limit);
     auto& st = dynamic_cast<CudaState&>(state);
     if (limit < 1 || limit > cfg_.vocab_size) fail("greedy_step: limit {} outside 1..{}", limit, cfg_.vocab_size);
-    check_ids(st, std::span<const int32_t>(&tok, 1));
+    if (ids.empty()) fail("greedy_step: no ids to feed");
+    check_ids(st, ids);
+    if (ids.size() > 1) return prefill_argmax(st, ids, limit);  // a piece of prompt
     if (limit != st.graph_limit) {
       greedy_limit_ = limit;  // states made from now on capture this limit
       CUDA_CHECK(cudaStreamSynchronize(stream_));
       capture_decode_graph(st);
     }
-    *h_tok_ = tok;
+    *h_tok_ = ids[0];
     CUDA_CHECK(cudaMemcpyAsync(d_tok_.get(), h_tok_, sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
     CUDA_CHECK(cudaGraphLaunch(st.decode_graph, stream_));
     st.n += 1;
@@ -414,16 +420,7 @@ class CudaModel final : public Model, public StageProfiler {
       capture_decode_graph(st);
       greedy_limit_ = saved;
     }
-    const int P = int(prompt.size());
-    int m = 0;
-    for (int c0 = 0; c0 < P; c0 += m) {
-      m = std::min(kChunk, P - c0);
-      CUDA_CHECK(cudaMemcpyAsync(d_ids_.get(), prompt.data() + c0, sizeof(int) * m, cudaMemcpyHostToDevice, stream_));
-      run_chunk(st, m);
-    }
-    lm_head(m - 1, 1);
-    argmax(d_logits_.get(), cfg_.vocab_size, d_argmax_.get(), d_tok_.get(), nullptr, nullptr, stream_);
-    int32_t tok = fetch_token();
+    int32_t tok = prefill_argmax(st, prompt, cfg_.vocab_size);
     for (int i = 0; i < n; ++i) {
       // The state holds exactly the tokens fed: a token is fed only after on_token accepted it.
       if (!on_token(tok) || i + 1 == n) return;
@@ -637,6 +634,21 @@ class CudaModel final : public Model, public StageProfiler {
     st.n += m;
   }
 
+  // Feeds `ids` in chunks, then lm_head and the argmax over [0, limit) of the last row only,
+  // the id moved to the host (d_tok_ holds it for a decode step that feeds it).
+  int32_t prefill_argmax(CudaState& st, std::span<const int32_t> ids, int limit) {
+    const int P = int(ids.size());
+    int m = 0;
+    for (int c0 = 0; c0 < P; c0 += m) {
+      m = std::min(kChunk, P - c0);
+      CUDA_CHECK(cudaMemcpyAsync(d_ids_.get(), ids.data() + c0, sizeof(int) * m, cudaMemcpyHostToDevice, stream_));
+      run_chunk(st, m);
+    }
+    lm_head(m - 1, 1);
+    argmax(d_logits_.get(), limit, d_argmax_.get(), d_tok_.get(), nullptr, nullptr, stream_);
+    return fetch_token();
+  }
+
   void lm_head(int row0, int rows) {
     matvec(lm_head_.view, xn_.get() + size_t(row0) * cfg_.hidden_size, cfg_.hidden_size, rows,
            MatvecOut{d_logits_.get(), true, cfg_.vocab_size}, stream_);
@@ -802,10 +814,19 @@ class CudaModel final : public Model, public StageProfiler {
         mark("attn.in_proj+norm", wbytes(L.attn_in.view));
         matvec_norm(L.attn_in.view, in, MatvecOut{P, false, proj_ld_}, stream_);  // [q+gate | k | v]
         QkvLayout lay{P, proj_ld_, c.num_heads, c.num_kv_heads};
-        mark("attn.q/k norm+rope+cache+split, merge", 2.0 * (st.n + 1) * c.kv_dim() * 2, 0, 2);
-        attention_decode_fused(lay, st.pos.get(), L.q_norm.get(), L.k_norm.get(), c.rms_eps, c.rotary_dim,
-                               c.rope_theta, S.K.get(), S.V.get(), kFusedDecodeSplits, attn_scratch_.get(), mix_.get(),
-                               QD, stream_);
+        if (!attn_fused_) {
+          mark("attn.qk_norm_rope");
+          qk_norm_rope(lay, 1, st.pos.get(), L.q_norm.get(), L.k_norm.get(), c.rms_eps, c.rotary_dim, c.rope_theta,
+                       S.K.get(), S.V.get(), stream_);
+          mark("attn.decode (split+combine)", 2.0 * (st.n + 1) * c.kv_dim() * 2, 0, 2);
+          attention_decode(lay, 1, st.pos.get(), S.K.get(), S.V.get(), kDecodeSplits, attn_scratch_.get(), mix_.get(),
+                           QD, stream_);
+        } else {
+          mark("attn.q/k norm+rope+cache+split, merge", 2.0 * (st.n + 1) * c.kv_dim() * 2, 0, 2);
+          attention_decode_fused(lay, st.pos.get(), L.q_norm.get(), L.k_norm.get(), c.rms_eps, c.rotary_dim,
+                                 c.rope_theta, S.K.get(), S.V.get(), kFusedDecodeSplits, attn_scratch_.get(),
+                                 mix_.get(), QD, stream_);
+        }
         mark("attn.o_proj+residual", wbytes(L.attn_o.view));
         matvec_residual(L.attn_o.view, mix_.get(), mixer_out, stream_);
       }
@@ -1004,6 +1025,7 @@ class CudaModel final : public Model, public StageProfiler {
   ModelConfig cfg_;
   cudaStream_t stream_ = nullptr;
   bool tc_prefill_ = true;
+  bool attn_fused_ = true;
   DevMatrix embed_, lm_head_;
   DeviceBuffer<float> final_norm_;
   std::vector<DevLayer> layers_;

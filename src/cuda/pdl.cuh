@@ -1,9 +1,12 @@
 // Programmatic dependent launch for the decode kernels: a kernel launched with pdl_launch may be
 // scheduled while its predecessor in the stream still runs, hiding the launch gap (decode runs
 // ~500 short kernels per token). The rule that keeps it correct: every kernel launched through
-// pdl_launch calls pdl_wait() before touching memory an earlier kernel writes, and calls
-// pdl_launch_dependents() only after that wait (so at most one grid runs ahead, and every
-// dependency stays transitive). Kernels launched with <<<>>> ignore both and wait as usual.
+// pdl_launch calls pdl_launch_dependents() only after its pdl_wait() (so at most one grid runs
+// ahead, and every dependency stays transitive: when a kernel starts, every kernel before its
+// predecessor has completed), and calls pdl_wait() before touching memory its predecessor may
+// write (in practice: anything written in the same step). Reading before the wait what only
+// earlier steps wrote (weights, a KV-cache row of an earlier position) overlaps the read with
+// the predecessor's tail. Kernels launched with <<<>>> ignore both and wait as usual.
 // TANSY_CUDA_PDL=0 launches without the attribute (to compare the two).
 #pragma once
 #include <cstdlib>
@@ -36,6 +39,12 @@ inline bool pdl_enabled() {
   return on;
 }
 
+// TANSY_SMEM_CARVEOUT=N (0..100): every kernel launched through pdl_launch prefers N% of the
+// unified L1/shared memory as shared memory (cudaFuncAttributePreferredSharedMemoryCarveout), so
+// that consecutive decode kernels share one split of it; unset: the driver's choice per kernel.
+int smem_carveout();
+void prefer_carveout(const void* kern);
+
 template <typename... Params, typename... Args>
 void pdl_launch(void (*kern)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args&&... args) {
   cudaLaunchConfig_t cfg = {};
@@ -48,6 +57,7 @@ void pdl_launch(void (*kern)(Params...), dim3 grid, dim3 block, size_t smem, cud
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  if (smem_carveout() >= 0) prefer_carveout(reinterpret_cast<const void*>(kern));
   CUDA_CHECK(cudaLaunchKernelEx(&cfg, kern, std::forward<Args>(args)...));
   CUDA_LAUNCH_CHECK();
 }

@@ -138,6 +138,12 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
     std::fill(logits.begin() + std::ptrdiff_t(n_real), logits.end(), -std::numeric_limits<float>::infinity());
   };
   std::vector<int32_t> fed(req.prompt.begin(), req.prompt.begin() + hit.n_tokens);
+  // Plain greedy: the host path would take the argmax over [0, n_real), so the model may fuse
+  // feeding tokens with choosing the next one (Model::greedy_step: on CUDA the logits stay on
+  // the device), from the prompt's last piece on. Forced tokens still pending take precedence,
+  // as they do on the host path.
+  const bool greedy_fast = opt_.greedy_fast_path && is_plain_greedy(req.sampling) && req.logprobs < 0;
+  std::optional<int32_t> next_greedy;  // the next token, already chosen by greedy_step
   // Without a cache there is nothing to snapshot at the cut: prefill straight through (a snapshot
   // is a whole state copy, ~10 ms on CUDA for a new state and its decode graph).
   const size_t cut = cache_.capacity() > 0 ? req.cache_cut : 0;
@@ -148,7 +154,9 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
     }
     int end = std::min(n_prompt, pos + opt_.prefill_chunk);
     if (cut > size_t(pos) && cut < size_t(end)) end = int(cut);
-    forward(std::span<const int32_t>(req.prompt.data() + pos, size_t(end - pos)));
+    const std::span<const int32_t> piece(req.prompt.data() + pos, size_t(end - pos));
+    if (greedy_fast && end == n_prompt) next_greedy = model_->greedy_step(*state, piece, int(n_real));
+    else forward(piece);
     fed.insert(fed.end(), req.prompt.begin() + pos, req.prompt.begin() + end);
     pos = end;
     if (size_t(pos) == cut && pos < n_prompt) {
@@ -158,11 +166,6 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
   }
 
   Sampler sampler(req.sampling, req.prompt);
-  // Plain greedy: the host path would take the argmax over [0, n_real), so the model may fuse
-  // feeding a token with choosing the next one (Model::greedy_step: on CUDA the logits stay on
-  // the device). Forced tokens still pending take precedence, as they do on the host path.
-  const bool greedy_fast = opt_.greedy_fast_path && is_plain_greedy(req.sampling) && req.logprobs < 0;
-  std::optional<int32_t> next_greedy;  // the next token, already chosen by greedy_step
   StreamDecoder decoder(tok_);
   StopMatcher stops(req.stop);
   std::vector<float> raw;
@@ -216,7 +219,7 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
       break;
     }
     if (greedy_fast && pending.empty())
-      next_greedy = model_->greedy_step(*state, tok, int(n_real));
+      next_greedy = model_->greedy_step(*state, std::span<const int32_t>(&tok, 1), int(n_real));
     else
       forward(std::span<const int32_t>(&tok, 1));
     fed.push_back(tok);

@@ -29,11 +29,12 @@ void Model::generate_greedy(SequenceState& state, std::span<const int32_t> promp
   }
 }
 
-int32_t Model::greedy_step(SequenceState& state, int32_t tok, int limit) {
+int32_t Model::greedy_step(SequenceState& state, std::span<const int32_t> ids, int limit) {
   const int V = config().vocab_size;
   if (limit < 1 || limit > V) fail("greedy_step: limit {} outside 1..{}", limit, V);
+  if (ids.empty()) fail("greedy_step: no ids to feed");
   std::vector<float> logits(static_cast<size_t>(V));
-  forward(state, std::span<const int32_t>(&tok, 1), logits, false);
+  forward(state, ids, logits, false);
   return argmax(std::span<const float>(logits.data(), size_t(limit)));
 }
 

@@ -49,11 +49,12 @@ class Model {
   virtual void generate_greedy(SequenceState& state, std::span<const int32_t> prompt, int n,
                                const std::function<bool(int32_t)>& on_token);
 
-  // One greedy decode step: feeds `tok` after what `state` holds and returns the argmax of the
-  // next-token logits over ids [0, limit) (1 <= limit <= vocab_size; ties to the lower id).
-  // The default runs forward() and an argmax on the host; the CUDA backend keeps the logits on
-  // the device (its decode graph) and moves only the token id.
-  virtual int32_t greedy_step(SequenceState& state, int32_t tok, int limit);
+  // Greedy step: feeds `ids` (one decode token, or a piece of prompt) after what `state` holds
+  // and returns the argmax of the logits after the last of them over ids [0, limit)
+  // (1 <= limit <= vocab_size; ties to the lower id). The default runs forward() and an argmax
+  // on the host; the CUDA backend keeps the logits on the device (one token: its decode graph)
+  // and moves only the token id.
+  virtual int32_t greedy_step(SequenceState& state, std::span<const int32_t> ids, int limit);
 
   // Debugging and layer-by-layer tests: when set, forward() reports named intermediates of the
   // last position fed ("layer.{i}.mixer_out", "layer.{i}.moe_out", "layer.{i}.hidden", "final_norm"),

@@ -279,13 +279,13 @@ TEST_P(Golden, GreedyGraphMatchesEagerAndGolden) {
   // greedy_step (the server's path): the graph with the id moved in and out
   {
     auto sg = m->new_state(int(prompt.size()) + n + 1);
-    m->forward(*sg, prompt, logits, false);
-    std::vector<int32_t> steps = {argmax(logits)};
-    while (int(steps.size()) < n) steps.push_back(m->greedy_step(*sg, steps.back(), m->config().vocab_size));
+    const int V = m->config().vocab_size;
+    std::vector<int32_t> steps = {m->greedy_step(*sg, prompt, V)};  // the prompt: chunked forward + device argmax
+    while (int(steps.size()) < n) steps.push_back(m->greedy_step(*sg, std::span<const int32_t>(&steps.back(), 1), V));
     EXPECT_EQ(steps, eager) << "greedy_step vs eager";
     // a smaller limit: the argmax is taken over the prefix only
-    const int limit = m->config().vocab_size / 2;
-    const int32_t t = m->greedy_step(*sg, steps.back(), limit);
+    const int limit = V / 2;
+    const int32_t t = m->greedy_step(*sg, std::span<const int32_t>(&steps.back(), 1), limit);
     EXPECT_LT(t, limit);
   }
   // A reset state decodes exactly as a new one (the server reuses states).

@@ -75,10 +75,10 @@ class FakeModel : public Model {
     ++forward_calls;
     fill(st.toks, logits);
   }
-  int32_t greedy_step(SequenceState& state, int32_t tok, int limit) override {
+  int32_t greedy_step(SequenceState& state, std::span<const int32_t> ids, int limit) override {
     ++greedy_calls;
     limits.push_back(limit);
-    return Model::greedy_step(state, tok, limit);
+    return Model::greedy_step(state, ids, limit);
   }
 
   static void fill(const std::vector<int32_t>& toks, std::span<float> logits) {
@@ -216,11 +216,11 @@ TEST(Engine, GreedyFastPathEqualsTheGeneralPath) {
     Outcome a = fast.run(req), b = slow.run(req);
     expect_same(a, b);
     EXPECT_EQ(a.tokens, oracle(prompt, n));
-    // The fast path ran every decode step (the first token comes from the prefill's logits),
-    // always with the tokenizer's id count as the limit; the general path never.
-    EXPECT_EQ(a.greedy_calls, n - 1);
+    // The fast path ran the prompt's last piece and every decode step, always with the
+    // tokenizer's id count as the limit; the general path never.
+    EXPECT_EQ(a.greedy_calls, n);
     EXPECT_EQ(b.greedy_calls, 0);
-    EXPECT_EQ(a.limits, std::vector<int>(size_t(n - 1), kTokIds));
+    EXPECT_EQ(a.limits, std::vector<int>(size_t(n), kTokIds));
     EXPECT_EQ(a.res.finish, Finish::kLength);
   }
 }
@@ -268,7 +268,7 @@ TEST(Engine, GreedyFastPathStopsLikeTheGeneralPath) {
     Outcome a = fast.run(req, 7), b = slow.run(req, 7);
     expect_same(a, b);
     EXPECT_EQ(a.res.finish, Finish::kCancelled);
-    EXPECT_EQ(a.greedy_calls, 6);
+    EXPECT_EQ(a.greedy_calls, 1 + 6);
   }
 }
 
@@ -288,15 +288,16 @@ TEST(Engine, ForcedTokensTakePrecedenceOverTheFastPath) {
   EXPECT_EQ(std::vector<int32_t>(a.tokens.begin() + long(at) + 1, a.tokens.begin() + long(at) + 4),
             (std::vector<int32_t>{'x', 'y', 'z'}));
   EXPECT_TRUE(a.forced[at + 1] && a.forced[at + 2] && a.forced[at + 3]);
-  // Steps whose successor is forced feed through forward(): three fewer greedy steps.
-  EXPECT_EQ(a.greedy_calls, 30 - 1 - 3);
+  // Steps whose successor is forced feed through forward(): three fewer greedy steps (the
+  // prompt and 29 decode steps otherwise).
+  EXPECT_EQ(a.greedy_calls, 30 - 3);
   // Forcing from the first step (no trigger).
   req.force_trigger.reset();
   Harness fast2(true), slow2(false);
   Outcome c = fast2.run(req), d = slow2.run(req);
   expect_same(c, d);
   EXPECT_EQ(std::vector<int32_t>(c.tokens.begin(), c.tokens.begin() + 3), (std::vector<int32_t>{'x', 'y', 'z'}));
-  EXPECT_EQ(c.greedy_calls, 30 - 1 - 2);
+  EXPECT_EQ(c.greedy_calls, 30 - 2);
 }
 
 TEST(Engine, OtherSamplingKeepsTheGeneralPath) {
@@ -361,9 +362,9 @@ TEST(Engine, GreedyFastPathOnTheDemoModel) {
     void forward(SequenceState& s, std::span<const int32_t> ids, std::span<float> l, bool all) override {
       in->forward(s, ids, l, all);
     }
-    int32_t greedy_step(SequenceState& s, int32_t tok, int limit) override {
+    int32_t greedy_step(SequenceState& s, std::span<const int32_t> ids, int limit) override {
       ++greedy;
-      return in->greedy_step(s, tok, limit);
+      return in->greedy_step(s, ids, limit);
     }
   };
   auto run = [&](bool fast, const std::string& text, int n, int* calls) {
