@@ -130,7 +130,9 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
   cached_tokens_total_ += uint64_t(hit.n_tokens);
   publish_cache_stats();
 
-  std::vector<float> logits(static_cast<size_t>(vocab));
+  // One buffer for every request (generate() is not reentrant): no 1 MB allocation per request.
+  if (logits_.size() != size_t(vocab)) logits_.assign(size_t(vocab), 0.f);
+  std::vector<float>& logits = logits_;
   // Embedding rows past the tokenizer's last id are padding: never sample or report them.
   const size_t n_real = size_t(std::min(vocab, tok_.vocab_size()));
   auto forward = [&](std::span<const int32_t> ids) {

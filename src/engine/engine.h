@@ -107,6 +107,7 @@ class Engine {
   std::vector<int32_t> eos_;
   PrefixCache cache_;
   std::unique_ptr<SequenceState> spare_;  // reused for the next request that misses the cache
+  std::vector<float> logits_;             // [vocab], reused by every request
   void keep_spare(std::unique_ptr<SequenceState> s) {
     if (s && !spare_) spare_ = std::move(s);
   }
