@@ -220,10 +220,6 @@ class CudaModel final : public Model, public StageProfiler {
     const char* mode = std::getenv("TANSY_CUDA_PREFILL");
     if (mode && std::string(mode) == "gemv") tc_prefill_ = false;
     else if (mode && std::string(mode) != "tc") fail("TANSY_CUDA_PREFILL must be 'tc' or 'gemv', not '{}'", mode);
-    // TANSY_ROUTE_IN_EXPERTS=0: decode routes in the router's last block (to compare).
-    const char* rie = std::getenv("TANSY_ROUTE_IN_EXPERTS");
-    if (rie && std::string(rie) == "0") route_in_experts_ = false;
-    else if (rie && std::string(rie) != "1") fail("TANSY_ROUTE_IN_EXPERTS must be 0 or 1, not '{}'", rie);
     // TANSY_ATTN_FUSED=0: decode attention as qk_norm_rope + split + merge (to compare).
     const char* fused = std::getenv("TANSY_ATTN_FUSED");
     if (fused && std::string(fused) == "0") attn_fused_ = false;
@@ -861,31 +857,13 @@ class CudaModel final : public Model, public StageProfiler {
       re.idx = topk_idx_.get();
       re.w = topk_w_.get();
       re.counter = route_counter_.get();
+      mark("moe.router+norm+topk", wbytes(L.router.view));
+      matvec_norm_route(L.router.view, pin, router_logits_.get(), re, stream_);
+      report_routes(i, 1, L.sh_folded ? K + 1 : K);
       const double gu1 = wbytes(L.experts_gu.view.rows(0, 2 * I)), dn1 = wbytes(L.experts_down.view.rows(0, H));
-      const DevLinear& gu_w = L.sh_folded ? L.experts_gu.view : L.routed_gu;
-      const int gu_experts = L.sh_folded ? E + 1 : E, slots = L.sh_folded ? K + 1 : K;
-      // Routing in the experts kernel (every block routes from the logits) when it can, else in
-      // the router's last block.
-      const bool route_in = route_in_experts_ && experts_route_fusable(gu_w, gu_experts, slots);
-      if (route_in) {
-        mark("moe.router+norm", wbytes(L.router.view));
-        matvec_norm(L.router.view, pin, MatvecOut{router_logits_.get(), true, router_ld_}, stream_);
-      } else {
-        mark("moe.router+norm+topk", wbytes(L.router.view));
-        matvec_norm_route(L.router.view, pin, router_logits_.get(), re, stream_);
-        report_routes(i, 1, slots);
-      }
-      auto experts_gu = [&] {
-        if (route_in) {
-          matvec_swiglu_experts_route(gu_w, gu_experts, router_logits_.get(), re, xn_.get(), act_.get(), stream_);
-          report_routes(i, 1, slots);
-        } else {
-          matvec_swiglu_experts(gu_w, gu_experts, topk_idx_.get(), 1, slots, xn_.get(), H, act_.get(), stream_);
-        }
-      };
       if (L.sh_folded) {
-        mark(route_in ? "moe.routing+experts gate|up (k+shared)" : "moe.experts gate|up (k+shared)", (K + 1) * gu1);
-        experts_gu();
+        mark("moe.experts gate|up (k+shared)", (K + 1) * gu1);
+        matvec_swiglu_experts(L.experts_gu.view, E + 1, topk_idx_.get(), 1, K + 1, xn_.get(), H, act_.get(), stream_);
         mark("moe.experts down+combine+residual", (K + 1) * dn1);
         moe_down_residual(L.experts_down.view, E + 1, topk_idx_.get(), topk_w_.get(), act_.get(), K + 1, nullptr,
                           nullptr, moe_out, stream_);
@@ -894,8 +872,8 @@ class CudaModel final : public Model, public StageProfiler {
         mark("moe.shared expert", wbytes(L.sh_gu_v) + wbytes(L.sh_down_v), 0, 2);
         matvec_swiglu(L.sh_gu_v, xn_.get(), H, 1, sh_act_.get(), SI, stream_);
         matvec(L.sh_down_v, sh_act_.get(), SI, 1, MatvecOut{r_.get(), false, H}, stream_);
-        mark(route_in ? "moe.routing+experts gate|up" : "moe.experts gate|up", K * gu1);
-        experts_gu();
+        mark("moe.experts gate|up (k+shared)", K * gu1);
+        matvec_swiglu_experts(L.routed_gu, E, topk_idx_.get(), 1, K, xn_.get(), H, act_.get(), stream_);
         mark("moe.experts down+combine+residual", K * dn1);
         moe_down_residual(L.routed_down, E, topk_idx_.get(), topk_w_.get(), act_.get(), K, r_.get(),
                           router_logits_.get() + E, moe_out, stream_);
@@ -1065,7 +1043,6 @@ class CudaModel final : public Model, public StageProfiler {
   cudaStream_t stream_ = nullptr;
   bool tc_prefill_ = true;
   bool attn_fused_ = true;
-  bool route_in_experts_ = true;
   DevMatrix embed_, lm_head_;
   DeviceBuffer<float> final_norm_;
   std::vector<DevLayer> layers_;

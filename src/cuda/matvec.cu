@@ -189,12 +189,11 @@ __device__ void stage_rows(const bf16* x, int64_t ldx, int rows, int valid_rows,
 }
 
 // What a decode launch fuses around the product (T == 1, MODE 0 only).
-enum class Epi : int { kNone = 0, kRoute = 1, kGdnIn = 2, kResidual = 3, kRouteIn = 4 };
+enum class Epi : int { kNone = 0, kRoute = 1, kGdnIn = 2, kResidual = 3 };
 struct Fusion {
   NormIn norm;  // norm.w == nullptr: X is read as given
   Epi epi = Epi::kNone;
-  RouteEpilogue route;  // kRoute: the router's epilogue; kRouteIn: routed experts route first
-  const float* route_logits = nullptr;  // kRouteIn
+  RouteEpilogue route;
   GdnInEpilogue gdn;
   ResidualOut resid;
 };
@@ -548,38 +547,14 @@ __global__ void __launch_bounds__(kThreads, 2) matvec_smem_kernel(DevLinear W, c
   const bf16* ssm = reinterpret_cast<const bf16*>(base + lay.sb);
   const bf16* bsm = ssm + int64_t(kWarps) * rpw * wmul * groups;
   // MODE 2 (routed experts, one slot per blockIdx.y): the rows come from the expert the previous
-  // kernel chose, so their copy starts after the wait. With kRouteIn every block routes the
-  // token itself from the router's logits (warp 0, as route_topk does) and block (0, 0) stores
-  // the choice for the down projection: no last-block hand-off in the router.
-  int expert = 0;
+  // kernel chose, so their copy starts after the wait.
   if constexpr (MODE == 2) {
     pdl_wait();
     pdl_launch_dependents();
-    if (fz.epi == Epi::kRouteIn) {
-      __shared__ int s_idx[kMaxTopK];
-      __shared__ float s_w[kMaxTopK];
-      const RouteEpilogue& R = fz.route;
-      if (warp == 0) {
-        if (R.E <= 8 * 32) route_warp<8>(fz.route_logits, R.E, R.k, s_idx, s_w);
-        else route_warp<32>(fz.route_logits, R.E, R.k, s_idx, s_w);
-        if (lane == 0 && R.shared_slot) {
-          s_idx[R.k] = R.E;
-          s_w[R.k] = 1.f / (1.f + expf(-fz.route_logits[R.E]));
-        }
-      }
-      __syncthreads();
-      if (blockIdx.x == 0 && blockIdx.y == 0 && int(threadIdx.x) < k) {
-        R.idx[threadIdx.x] = s_idx[threadIdx.x];
-        R.w[threadIdx.x] = s_w[threadIdx.x];
-      }
-      expert = s_idx[blockIdx.y];
-    } else {
-      expert = idx[blockIdx.y];
-    }
   }
   {
     int64_t w0 = int64_t(out0) * wmul;
-    if constexpr (MODE == 2) w0 += int64_t(expert) * rows_per_expert;
+    if constexpr (MODE == 2) w0 += int64_t(idx[blockIdx.y]) * rows_per_expert;
     const uint8_t* gw = BITS == 16 ? reinterpret_cast<const uint8_t*>(W.w + w0 * W.in)
                                    : reinterpret_cast<const uint8_t*>(W.q) + w0 * row_bytes;
     const int64_t wbytes = int64_t(wrows) * row_bytes;
@@ -724,23 +699,18 @@ bool smem_staging_on() {
   return on;
 }
 
-// One token: the shared-memory kernel runs when it is on, the block's rows fit and the scales come
-// in 16-byte pieces.
-template <int BITS, int MODE>
-bool smem_kernel_fits(const DevLinear& W, int rpw, int n, unsigned grid_y) {
-  const SmemLayout lay = smem_layout<BITS>(W.in, kWarps * rpw * (MODE != 0 ? 2 : 1));
-  return smem_staging_on() && (MODE == 2 || (n == 1 && grid_y == 1)) && lay.total <= kSmemMatvecMax &&
-         (BITS == 16 || (W.in / kQuantGroup) % 8 == 0);
-}
-
 template <int BITS, int T, int MODE>
 void launch_matvec_t(const DevLinear& W, const bf16* X, int64_t ldx, int n, void* Y, int64_t ldy, bool y_f32,
                      int out_rows, const int* idx, int k, int rows_per_expert, unsigned grid_y, cudaStream_t stream,
                      const Fusion& fz = Fusion{}) {
   const int rpw = rows_per_warp(max_rows_per_warp(T, MODE), out_rows, grid_y);
   if constexpr (T == 1) {
-    if (smem_kernel_fits<BITS, MODE>(W, rpw, n, grid_y)) {
-      const SmemLayout lay = smem_layout<BITS>(W.in, kWarps * rpw * (MODE != 0 ? 2 : 1));
+    // One token: the shared-memory kernel, when the block's rows fit (and scales come in 16-byte
+    // pieces).
+    const bool smem_on = smem_staging_on();
+    const SmemLayout lay = smem_layout<BITS>(W.in, kWarps * rpw * (MODE != 0 ? 2 : 1));
+    if (smem_on && (MODE == 2 || (n == 1 && grid_y == 1)) && lay.total <= kSmemMatvecMax &&
+        (BITS == 16 || (W.in / kQuantGroup) % 8 == 0)) {
       constexpr auto skern = matvec_smem_kernel<BITS, MODE>;
       allow_smem<skern>(lay.total, "matvec");
       pdl_launch(skern, dim3(ceil_div(out_rows, kWarps * rpw), grid_y), dim3(kThreads), lay.total, stream, W, X, ldx, Y,
@@ -748,9 +718,6 @@ void launch_matvec_t(const DevLinear& W, const bf16* X, int64_t ldx, int n, void
       return;
     }
   }
-  TANSY_CHECK(fz.epi != Epi::kRouteIn,
-              "matvec_swiglu_experts_route: routing inside the experts kernel needs its shared-memory variant "
-              "(check experts_route_fusable first)");
   const size_t smem = stage_bytes<BITS>(W.in, T);
   constexpr auto kern = matvec_kernel<BITS, T, MODE>;
   allow_smem<kern>(smem, "matvec");
@@ -1008,44 +975,6 @@ void matvec_swiglu_experts(const DevLinear& W, int n_experts, const int* idx, in
   const int rows_per_expert = W.out / n_experts;
   launch_matvec<2>(W, X, ldx, n, act, rows_per_expert / 2, false, rows_per_expert / 2, idx, k, rows_per_expert,
                    stream);
-}
-
-bool experts_route_fusable(const DevLinear& W, int n_experts, int slots) {
-  if (n_experts <= 0 || W.out % (2 * n_experts) != 0 || slots < 1 || slots > kMaxTopK) return false;
-  const int out_rows = W.out / n_experts / 2;
-  const int rpw = rows_per_warp(max_rows_per_warp(1, 2), out_rows, unsigned(slots));
-  switch (W.fmt) {
-    case WFormat::kAffine4: return smem_kernel_fits<4, 2>(W, rpw, 1, unsigned(slots));
-    case WFormat::kAffine8: return smem_kernel_fits<8, 2>(W, rpw, 1, unsigned(slots));
-    default: return smem_kernel_fits<16, 2>(W, rpw, 1, unsigned(slots));
-  }
-}
-
-void matvec_swiglu_experts_route(const DevLinear& W, int n_experts, const float* logits, const RouteEpilogue& route,
-                                 const bf16* X, bf16* act, cudaStream_t stream) {
-  W.check("matvec_swiglu_experts_route");
-  check_x(X, W.in, 1, W.in, "matvec_swiglu_experts_route");
-  const int slots = route.k + (route.shared_slot ? 1 : 0);
-  TANSY_CHECK(route.E >= 1 && route.E <= kRouteMaxExperts && route.k >= 1 && route.k <= route.E && slots <= kMaxTopK &&
-                  n_experts == route.E + (route.shared_slot ? 1 : 0),
-              "matvec_swiglu_experts_route: top-{} of {} experts ({} stacked) unsupported", route.k, route.E, n_experts);
-  TANSY_CHECK(logits && route.idx && route.w && act, "matvec_swiglu_experts_route: missing buffers");
-  TANSY_CHECK(experts_route_fusable(W, n_experts, slots),
-              "matvec_swiglu_experts_route: the experts' rows do not fit the shared-memory kernel");
-  const int rows_per_expert = W.out / n_experts;
-  Fusion fz;
-  fz.epi = Epi::kRouteIn;
-  fz.route = route;
-  fz.route_logits = logits;
-  auto go = [&]<int BITS>() {
-    launch_matvec_t<BITS, 1, 2>(W, X, W.in, 1, act, rows_per_expert / 2, false, rows_per_expert / 2, nullptr, slots,
-                                rows_per_expert, unsigned(slots), stream, fz);
-  };
-  switch (W.fmt) {
-    case WFormat::kAffine4: go.template operator()<4>(); break;
-    case WFormat::kAffine8: go.template operator()<8>(); break;
-    default: go.template operator()<16>(); break;
-  }
 }
 
 namespace {

@@ -115,16 +115,6 @@ void matvec_swiglu(const DevLinear& W, const bf16* X, int64_t ldx, int n, bf16* 
 void matvec_swiglu_experts(const DevLinear& W, int n_experts, const int* idx, int n, int k, const bf16* X,
                            int64_t ldx, bf16* act, cudaStream_t stream);
 
-// The same for one token, routing first: every block routes the token from the router's f32
-// logits [E (+1: the shared expert's gate)] as RouteEpilogue describes (softmax, top-k,
-// renormalised; with shared_slot slot k = expert E with weight sigmoid(logits[E])), runs its
-// slot's expert, and block (0, 0) stores idx/w [k (+1)] for moe_down_*. route.counter is unused.
-// n_experts = E (+1 when the shared expert is stacked as expert E). Only the shared-memory kernel
-// does this: call experts_route_fusable first (false: route in the router's epilogue instead).
-bool experts_route_fusable(const DevLinear& W, int n_experts, int slots);
-void matvec_swiglu_experts_route(const DevLinear& W, int n_experts, const float* logits, const RouteEpilogue& route,
-                                 const bf16* X, bf16* act, cudaStream_t stream);
-
 // Routed experts' down projections fused with the weighted combine:
 // out[t, r] = Σ_j wts[t, j]·(Wd_{idx[t,j]}[r]·act[t*k+j]) + sigmoid(sh_logit[t*sh_ld])·shared[t, r]
 // Wd stacks n_experts matrices [H, I]; shared bf16 [n, H] (the shared expert's output, may alias out);

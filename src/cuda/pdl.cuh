@@ -39,12 +39,6 @@ inline bool pdl_enabled() {
   return on;
 }
 
-// TANSY_SMEM_CARVEOUT=N (0..100): every kernel launched through pdl_launch prefers N% of the
-// unified L1/shared memory as shared memory (cudaFuncAttributePreferredSharedMemoryCarveout), so
-// that consecutive decode kernels share one split of it; unset: the driver's choice per kernel.
-int smem_carveout();
-void prefer_carveout(const void* kern);
-
 template <typename... Params, typename... Args>
 void pdl_launch(void (*kern)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args&&... args) {
   cudaLaunchConfig_t cfg = {};
@@ -57,7 +51,6 @@ void pdl_launch(void (*kern)(Params...), dim3 grid, dim3 block, size_t smem, cud
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = pdl_enabled() ? 1 : 0;
-  if (smem_carveout() >= 0) prefer_carveout(reinterpret_cast<const void*>(kern));
   CUDA_CHECK(cudaLaunchKernelEx(&cfg, kern, std::forward<Args>(args)...));
   CUDA_LAUNCH_CHECK();
 }
