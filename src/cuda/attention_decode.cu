@@ -506,27 +506,35 @@ void check_layout(const QkvLayout& L, int n, const char* what) {
   TANSY_CHECK(n >= 1 && n <= 65535, "{}: {} tokens outside 1..65535", what, n);
 }
 
+void check_rotary(int rotary_dim, const char* what) {
+  TANSY_CHECK(rotary_dim >= 0 && rotary_dim <= kHeadDim && rotary_dim % 16 == 0,
+              "{}: rotary_dim {} unsupported (a multiple of 16 up to {})", what, rotary_dim, kHeadDim);
+}
+
+// The split pass's arguments, shared by attention_decode and attention_decode_fused.
+void check_splits(const QkvLayout& L, const int* pos, const void* k_cache, const void* v_cache, int splits,
+                  const float* scratch, const bf16* out, int64_t ldo, const char* what) {
+  TANSY_CHECK(splits >= 1 && splits <= kMaxAttnSplits, "{}: {} splits outside 1..{}", what, splits, kMaxAttnSplits);
+  TANSY_CHECK(pos && k_cache && v_cache && scratch && out && ldo >= int64_t(L.n_heads) * kHeadDim, "{}: bad arguments",
+              what);
+  TANSY_CHECK(aligned16(k_cache) && aligned16(v_cache) && aligned16(scratch), "{}: misaligned buffers", what);
+}
+
 }  // namespace
 
 void qk_norm_rope(const QkvLayout& qkv, int n, const int* pos, const float* q_norm, const float* k_norm, float eps,
                   int rotary_dim, double theta, bf16* k_cache, bf16* v_cache, cudaStream_t stream) {
   check_layout(qkv, n, "qk_norm_rope");
-  TANSY_CHECK(rotary_dim >= 0 && rotary_dim <= kHeadDim && rotary_dim % 16 == 0,
-              "qk_norm_rope: rotary_dim {} unsupported (a multiple of 16 up to {})", rotary_dim, kHeadDim);
+  check_rotary(rotary_dim, "qk_norm_rope");
   TANSY_CHECK(theta > 0 && pos && q_norm && k_norm && k_cache && v_cache, "qk_norm_rope: bad arguments");
   pdl_launch(qk_norm_rope_kernel, dim3((qkv.n_heads + qkv.n_kv + kRopeWarps - 1) / kRopeWarps, n),
-             dim3(kRopeWarps * 32), 0, stream, qkv, pos, q_norm,
-             k_norm, eps, rotary_dim, theta, k_cache, v_cache);
+             dim3(kRopeWarps * 32), 0, stream, qkv, pos, q_norm, k_norm, eps, rotary_dim, theta, k_cache, v_cache);
 }
 
 void attention_decode(const QkvLayout& qkv, int n, const int* pos, const bf16* k_cache, const bf16* v_cache,
                       int splits, float* scratch, bf16* out, int64_t ldo, cudaStream_t stream) {
   check_layout(qkv, n, "attention_decode");
-  TANSY_CHECK(splits >= 1 && splits <= kMaxAttnSplits, "attention_decode: {} splits outside 1..{}", splits,
-              kMaxAttnSplits);
-  TANSY_CHECK(pos && k_cache && v_cache && scratch && out && ldo >= int64_t(qkv.n_heads) * kHeadDim,
-              "attention_decode: bad arguments");
-  TANSY_CHECK(aligned16(k_cache) && aligned16(v_cache) && aligned16(scratch), "attention_decode: misaligned buffers");
+  check_splits(qkv, pos, k_cache, v_cache, splits, scratch, out, ldo, "attention_decode");
   pdl_launch(attn_split_kernel, dim3(qkv.n_kv, splits, n), dim3(kWarps * 32), 0, stream, qkv, pos, k_cache, v_cache,
              splits, scratch);
   pdl_launch(attn_combine_kernel, dim3(qkv.n_heads, n), dim3(kCombineThreads), 0, stream, qkv, pos, splits, scratch,
@@ -548,15 +556,9 @@ void attention_decode_fused(const QkvLayout& qkv, const int* pos, const float* q
                             int rotary_dim, double theta, bf16* k_cache, bf16* v_cache, int splits, float* scratch,
                             bf16* out, int64_t ldo, cudaStream_t stream) {
   check_layout(qkv, 1, "attention_decode_fused");
-  TANSY_CHECK(rotary_dim >= 0 && rotary_dim <= kHeadDim && rotary_dim % 16 == 0,
-              "attention_decode_fused: rotary_dim {} unsupported (a multiple of 16 up to {})", rotary_dim, kHeadDim);
-  TANSY_CHECK(splits >= 1 && splits <= kMaxAttnSplits, "attention_decode_fused: {} splits outside 1..{}", splits,
-              kMaxAttnSplits);
-  TANSY_CHECK(theta > 0 && pos && q_norm && k_norm && k_cache && v_cache && scratch && out &&
-                  ldo >= int64_t(qkv.n_heads) * kHeadDim,
-              "attention_decode_fused: bad arguments");
-  TANSY_CHECK(aligned16(k_cache) && aligned16(v_cache) && aligned16(scratch),
-              "attention_decode_fused: misaligned buffers");
+  check_rotary(rotary_dim, "attention_decode_fused");
+  check_splits(qkv, pos, k_cache, v_cache, splits, scratch, out, ldo, "attention_decode_fused");
+  TANSY_CHECK(theta > 0 && q_norm && k_norm, "attention_decode_fused: bad arguments");
   FusedArgs a{qkv, pos, q_norm, k_norm, eps, rotary_dim, theta, k_cache, v_cache, splits, scratch};
   switch (qkv.n_heads / qkv.n_kv) {
     case 1: launch_fused<1>(a, stream); break;

@@ -271,26 +271,15 @@ class CudaModel final : public Model, public StageProfiler {
 
   bool reset_state(SequenceState& state) override {
     auto& st = dynamic_cast<CudaState&>(state);
-    if (!st.reset_graph) {
-      cudaGraph_t g = nullptr;
-      CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed));
-      try {
+    if (!st.reset_graph)
+      capture(st.reset_graph, [&] {
         CUDA_CHECK(cudaMemsetAsync(st.pos.get(), 0, sizeof(int), stream_));
         for (auto& L : st.layers)
           if (L.S.size()) {
             CUDA_CHECK(cudaMemsetAsync(L.window.get(), 0, L.window.bytes(), stream_));
             CUDA_CHECK(cudaMemsetAsync(L.S.get(), 0, L.S.bytes(), stream_));
           }
-      } catch (...) {
-        cudaStreamEndCapture(stream_, &g);
-        if (g) cudaGraphDestroy(g);
-        throw;
-      }
-      CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
-      const cudaError_t e = cudaGraphInstantiate(&st.reset_graph, g, 0);
-      cudaGraphDestroy(g);
-      CUDA_CHECK(e);
-    }
+      });
     CUDA_CHECK(cudaGraphLaunch(st.reset_graph, stream_));
     st.n = 0;  // the KV cache needs no clearing: attention reads positions < n only
     return true;
@@ -406,7 +395,8 @@ class CudaModel final : public Model, public StageProfiler {
     return collect(marks);
   }
 
-  // The decode graph with the token id moved in and out (logits stay on the device).
+  // One token: the decode graph with the token id moved in and out; a piece of prompt: the
+  // chunked forward and the argmax of its last row. The logits stay on the device either way.
   int32_t greedy_step(SequenceState& state, std::span<const int32_t> ids, int limit) override {
     if (trace_ || route_trace_) return Model::greedy_step(state, ids, limit);
     auto& st = dynamic_cast<CudaState&>(state);
@@ -615,33 +605,45 @@ class CudaModel final : public Model, public StageProfiler {
     return *h_tok_;
   }
 
-  void capture_decode_graph(CudaState& st) {
+  // Captures what `body` enqueues on the stream into `exec` (replacing a graph already there).
+  template <typename Body>
+  void capture(cudaGraphExec_t& exec, Body&& body) {
     cudaGraph_t g = nullptr;
-    // Tracing synchronises the stream, which a capture forbids; graphs are never traced.
-    TraceFn saved = std::exchange(trace_, nullptr);
-    RouteTraceFn saved_routes = std::exchange(route_trace_, nullptr);
     CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed));
     try {
-      run_layers(st, d_tok_.get(), 1, /*tc=*/false);
-      lm_head(0, 1);
-      argmax(d_logits_.get(), greedy_limit_, d_argmax_.get(), d_tok_.get(), nullptr, nullptr, stream_);
+      body();
     } catch (...) {
       cudaStreamEndCapture(stream_, &g);
       if (g) cudaGraphDestroy(g);
+      throw;
+    }
+    CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
+    if (exec) {
+      CUDA_CHECK(cudaGraphExecDestroy(exec));
+      exec = nullptr;
+    }
+    const cudaError_t e = cudaGraphInstantiate(&exec, g, 0);
+    cudaGraphDestroy(g);
+    CUDA_CHECK(e);
+  }
+
+  void capture_decode_graph(CudaState& st) {
+    // Tracing synchronises the stream, which a capture forbids; graphs are never traced.
+    TraceFn saved = std::exchange(trace_, nullptr);
+    RouteTraceFn saved_routes = std::exchange(route_trace_, nullptr);
+    try {
+      capture(st.decode_graph, [&] {
+        run_layers(st, d_tok_.get(), 1, /*tc=*/false);
+        lm_head(0, 1);
+        argmax(d_logits_.get(), greedy_limit_, d_argmax_.get(), d_tok_.get(), nullptr, nullptr, stream_);
+      });
+    } catch (...) {
       trace_ = std::move(saved);
       route_trace_ = std::move(saved_routes);
       throw;
     }
     trace_ = std::move(saved);
     route_trace_ = std::move(saved_routes);
-    CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
-    if (st.decode_graph) {
-      CUDA_CHECK(cudaGraphExecDestroy(st.decode_graph));
-      st.decode_graph = nullptr;
-    }
-    cudaError_t e = cudaGraphInstantiate(&st.decode_graph, g, 0);
-    cudaGraphDestroy(g);
-    CUDA_CHECK(e);
     st.graph_limit = greedy_limit_;
   }
 

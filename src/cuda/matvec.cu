@@ -993,26 +993,22 @@ void launch_moe_down(const DevLinear& Wd, int n_experts, const int* idx, const f
     const int cpr = Wd.in / Chunk<BITS>::kCols;
     const size_t smem = stage_bytes<BITS>(Wd.in, k);
     auto launch = [&]<int G>() {
+      constexpr int R = kThreads / G;  // output rows per block
+      TANSY_CHECK(!res.h || ceil_div(H, R) <= unsigned(kNormParts),
+                  "moe_down_combine: {} rows need more than {} partial sums", H, kNormParts);
+      auto run = [&]<bool STAGED>(size_t bytes) {
+        constexpr auto kern = moe_down_kernel<BITS, G, STAGED>;
+        allow_smem<kern>(bytes, "moe_down_combine");
+        pdl_launch(kern, dim3(ceil_div(H, R), n), dim3(kThreads), bytes, stream, Wd, H, idx, wts, act, k, shared,
+                   sh_logit, sh_ld, out, res);
+      };
       // Shared-memory staging of the slots' rows when they fit (and scales come in 16-byte pieces).
-      const bool smem_on = smem_staging_on();
-      constexpr int R = kThreads / G;
       const size_t big = align16(smem) + size_t(k) * R * Wd.in * BITS / 8 +
                          (BITS == 16 ? 0 : size_t(k) * R * (Wd.in / kQuantGroup) * 4);
-      if (smem_on && big <= kSmemMatvecMax && (BITS == 16 || (Wd.in / kQuantGroup) % 8 == 0)) {
-        constexpr auto kern = moe_down_kernel<BITS, G, true>;
-        allow_smem<kern>(big, "moe_down_combine");
-        TANSY_CHECK(!res.h || ceil_div(H, kThreads / G) <= unsigned(kNormParts),
-                    "moe_down_combine: {} rows need more than {} partial sums", H, kNormParts);
-        pdl_launch(kern, dim3(ceil_div(H, kThreads / G), n), dim3(kThreads), big, stream, Wd, H, idx, wts, act, k,
-                   shared, sh_logit, sh_ld, out, res);
-        return;
-      }
-      constexpr auto kern = moe_down_kernel<BITS, G, false>;
-      allow_smem<kern>(smem, "moe_down_combine");
-      TANSY_CHECK(!res.h || ceil_div(H, kThreads / G) <= unsigned(kNormParts),
-                  "moe_down_combine: {} rows need more than {} partial sums", H, kNormParts);
-      pdl_launch(kern, dim3(ceil_div(H, kThreads / G), n), dim3(kThreads), smem, stream, Wd, H, idx, wts, act, k,
-                 shared, sh_logit, sh_ld, out, res);
+      if (smem_staging_on() && big <= kSmemMatvecMax && (BITS == 16 || (Wd.in / kQuantGroup) % 8 == 0))
+        run.template operator()<true>(big);
+      else
+        run.template operator()<false>(smem);
     };
     if (cpr >= 32) launch.template operator()<32>();
     else if (cpr >= 16) launch.template operator()<16>();
