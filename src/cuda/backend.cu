@@ -39,6 +39,7 @@
 #include "cuda/gdn_decode.cuh"
 #include "cuda/gdn_prefill.cuh"
 #include "cuda/gemm.cuh"
+#include "cuda/lm_head.cuh"
 #include "cuda/matvec.cuh"
 #include "cuda/moe.cuh"
 #include "cuda/norm.cuh"
@@ -224,6 +225,11 @@ class CudaModel final : public Model, public StageProfiler {
     const char* fused = std::getenv("TANSY_ATTN_FUSED");
     if (fused && std::string(fused) == "0") attn_fused_ = false;
     else if (fused && std::string(fused) != "1") fail("TANSY_ATTN_FUSED must be 0 or 1, not '{}'", fused);
+    // TANSY_HEAD_FUSED=0: decode's final norm, lm_head, argmax and position as separate kernels
+    // (to compare). The fused head reads 4-bit lm_heads only; other formats use the separate ones.
+    const char* head = std::getenv("TANSY_HEAD_FUSED");
+    if (head && std::string(head) == "0") head_fused_ = false;
+    else if (head && std::string(head) != "1") fail("TANSY_HEAD_FUSED must be 0 or 1, not '{}'", head);
     validate_config();
     greedy_limit_ = cfg_.vocab_size;
     {
@@ -231,6 +237,7 @@ class CudaModel final : public Model, public StageProfiler {
       ModelWeights w = load_weights(cfg_, store);
       upload(w);
     }
+    if (lm_head_.view.fmt != WFormat::kAffine4 || cfg_.hidden_size > kFusedNormMaxDim) head_fused_ = false;
     allocate_scratch();
     warm_up();
   }
@@ -355,12 +362,8 @@ class CudaModel final : public Model, public StageProfiler {
     CUDA_CHECK(cudaMemcpyAsync(d_tok_.get(), h_tok_, sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
     marks_ = &marks;
     try {
-      run_layers(st, d_tok_.get(), 1, false);
+      decode_step(st, cfg_.vocab_size);
       st.n += 1;
-      mark("lm_head", wbytes(lm_head_.view), 0, 1);
-      lm_head(0, 1);
-      mark("argmax", 4.0 * cfg_.vocab_size, 0, 2);
-      argmax(d_logits_.get(), cfg_.vocab_size, d_argmax_.get(), d_tok_.get(), nullptr, nullptr, stream_);
       mark("");
     } catch (...) {
       marks_ = nullptr;
@@ -578,6 +581,11 @@ class CudaModel final : public Model, public StageProfiler {
     attn_scratch_.resize(attn_scratch_floats(kChunk, c.num_heads, 1));
     d_logits_.resize(size_t(kLogitRows) * c.vocab_size);
     d_argmax_.resize(kArgmaxBlocks);
+    if (head_fused_) {
+      d_head_scratch_.resize(lm_head_scratch());
+      head_counter_.resize(1);
+      CUDA_CHECK(cudaMemset(head_counter_.get(), 0, head_counter_.bytes()));
+    }
     if (tc_prefill_) {
       expert_offsets_.resize(E + 1);
       tile_offsets_.resize(E + 1);
@@ -593,9 +601,7 @@ class CudaModel final : public Model, public StageProfiler {
   void warm_up() {
     auto st = make_state(1, false);
     CUDA_CHECK(cudaMemsetAsync(d_tok_.get(), 0, sizeof(int), stream_));
-    run_layers(*st, d_tok_.get(), 1, /*tc=*/false);
-    lm_head(0, 1);
-    argmax(d_logits_.get(), cfg_.vocab_size, d_argmax_.get(), d_tok_.get(), nullptr, nullptr, stream_);
+    decode_step(*st, cfg_.vocab_size);
     CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
 
@@ -632,11 +638,7 @@ class CudaModel final : public Model, public StageProfiler {
     TraceFn saved = std::exchange(trace_, nullptr);
     RouteTraceFn saved_routes = std::exchange(route_trace_, nullptr);
     try {
-      capture(st.decode_graph, [&] {
-        run_layers(st, d_tok_.get(), 1, /*tc=*/false);
-        lm_head(0, 1);
-        argmax(d_logits_.get(), greedy_limit_, d_argmax_.get(), d_tok_.get(), nullptr, nullptr, stream_);
-      });
+      capture(st.decode_graph, [&] { decode_step(st, greedy_limit_); });
     } catch (...) {
       trace_ = std::move(saved);
       route_trace_ = std::move(saved_routes);
@@ -666,6 +668,36 @@ class CudaModel final : public Model, public StageProfiler {
     lm_head(m - 1, 1);
     argmax(d_logits_.get(), limit, d_argmax_.get(), d_tok_.get(), nullptr, nullptr, stream_);
     return fetch_token();
+  }
+
+  // One decode step on the token id in d_tok_ (the decode graph's body): the layers, the final
+  // norm, lm_head, the argmax over [0, limit) into d_tok_ and the position advance. The host's
+  // st.n is the caller's to advance.
+  void decode_step(CudaState& st, int limit) {
+    if (!head_fused_ || trace_) {
+      run_layers(st, d_tok_.get(), 1, /*tc=*/false);
+      mark("lm_head", wbytes(lm_head_.view), 0, 1);
+      lm_head(0, 1);
+      mark("argmax", 4.0 * cfg_.vocab_size, 0, 2);
+      argmax(d_logits_.get(), limit, d_argmax_.get(), d_tok_.get(), nullptr, nullptr, stream_);
+      return;
+    }
+    run_decode_fused(st, d_tok_.get(), /*head=*/false);
+    LmHeadArgs a;
+    a.W = lm_head_.view;
+    a.x.h = h_.get();
+    a.x.ss = ss_parts_.get() + size_t(2 * cfg_.num_layers) * kNormParts;
+    a.x.w = final_norm_.get();
+    a.x.eps = cfg_.rms_eps;
+    a.x.xn_out = xn_.get();
+    a.logits = d_logits_.get();
+    a.limit = limit;
+    a.token = d_tok_.get();
+    a.pos = st.pos.get();
+    a.scratch = d_head_scratch_.get();
+    a.counter = head_counter_.get();
+    mark("final norm + lm_head + argmax + position", wbytes(lm_head_.view), 0, 1);
+    lm_head_argmax(a, stream_);
   }
 
   void lm_head(int row0, int rows) {
@@ -772,7 +804,8 @@ class CudaModel final : public Model, public StageProfiler {
   // One token, each norm / routing / GDN step fused into its neighbour (see the file comment).
   // The products that end a block add into the f32 residual row h_ in place and leave the partial
   // sums of its squares (ss_parts_, one row of kNormParts per norm point) for the next norm.
-  void run_decode_fused(CudaState& st, const int* ids) {
+  // head == false leaves the final norm and the position to the fused head (decode_step).
+  void run_decode_fused(CudaState& st, const int* ids, bool head = true) {
     const ModelConfig& c = cfg_;
     const int H = c.hidden_size, E = c.num_experts, K = c.experts_per_tok;
     const int I = c.moe_intermediate;
@@ -881,6 +914,7 @@ class CudaModel final : public Model, public StageProfiler {
                           router_logits_.get() + E, moe_out, stream_);
       }
     }
+    if (!head) return;
     mark("final_norm + position", 0, 0, 2);
     add_rmsnorm(h, nullptr, final_norm_.get(), 1, H, c.rms_eps, xn_.get(), stream_);
     advance_pos(st.pos.get(), 1, stream_);
@@ -1045,6 +1079,7 @@ class CudaModel final : public Model, public StageProfiler {
   cudaStream_t stream_ = nullptr;
   bool tc_prefill_ = true;
   bool attn_fused_ = true;
+  bool head_fused_ = true;
   DevMatrix embed_, lm_head_;
   DeviceBuffer<float> final_norm_;
   std::vector<DevLayer> layers_;
@@ -1072,6 +1107,8 @@ class CudaModel final : public Model, public StageProfiler {
   DeviceBuffer<float> attn_scratch_;   // split-attention partials
   DeviceBuffer<float> d_logits_;       // [kLogitRows, vocab]
   DeviceBuffer<unsigned long long> d_argmax_;
+  DeviceBuffer<unsigned long long> d_head_scratch_;  // fused head: one argmax candidate per block
+  DeviceBuffer<unsigned> head_counter_;
   DeviceBuffer<int> expert_offsets_, tile_offsets_, sorted_slot_, slot_row_;  // prefill MoE routing
   DeviceBuffer<bf16> yd_;              // [m*k, H] routed experts' down outputs in sorted order
   int32_t* h_tok_ = nullptr;           // pinned

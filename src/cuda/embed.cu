@@ -41,13 +41,6 @@ __global__ void embed_kernel(DevLinear E, const int* __restrict__ ids, float* __
   }
 }
 
-// Key ordering: larger value first, then lower index. NaN maps below -inf.
-__device__ __forceinline__ unsigned long long argmax_key(float v, int i) {
-  uint32_t u = __float_as_uint(v);
-  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-  if (v != v) u = 0;
-  return (static_cast<unsigned long long>(u) << 32) | (0xffffffffu - uint32_t(i));
-}
 
 __device__ unsigned long long block_max(unsigned long long k) {
   __shared__ unsigned long long red[32];
@@ -82,7 +75,7 @@ __global__ void argmax_final(const unsigned long long* scratch, int* dst, int* r
   for (int i = threadIdx.x + blockDim.x; i < kArgmaxBlocks; i += blockDim.x) best = scratch[i] > best ? scratch[i] : best;
   best = block_max(best);
   if (threadIdx.x == 0) {
-    const int id = int(0xffffffffu - uint32_t(best & 0xffffffffu));
+    const int id = argmax_index(best);
     *dst = id;
     if (ring) ring[(*counter)++] = id;
   }

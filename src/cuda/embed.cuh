@@ -14,6 +14,16 @@ namespace tansy::cuda {
 // that point's partials are never written, so they stay zero).
 void embed(const DevLinear& E, const int* ids, int n, float* h, cudaStream_t stream, float* ss = nullptr);
 
+// Argmax key: a larger key is a larger value, then a lower index; NaN maps below -inf.
+__device__ __forceinline__ unsigned long long argmax_key(float v, int i) {
+  uint32_t u = __float_as_uint(v);
+  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  if (v != v) u = 0;
+  return (static_cast<unsigned long long>(u) << 32) | (0xffffffffu - uint32_t(i));
+}
+// The index a key was made from.
+__device__ __forceinline__ int argmax_index(unsigned long long key) { return int(0xffffffffu - uint32_t(key & 0xffffffffu)); }
+
 constexpr int kArgmaxBlocks = 264;  // 2 per SM on an H200
 
 // Index of the largest of logits[0..n) (ties to the lower index; NaN never wins).

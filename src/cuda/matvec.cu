@@ -671,16 +671,6 @@ size_t stage_bytes(int in, int rows) {
   return size_t(rows) * (in / Chunk<BITS>::kCols) * Chunk<BITS>::kStride * sizeof(float);
 }
 
-int sm_count() {
-  static const int sms = [] {
-    int dev = 0, n = 0;
-    CUDA_CHECK(cudaGetDevice(&dev));
-    CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-    return n;
-  }();
-  return sms;
-}
-
 // Rows per warp: as many as still give every multiprocessor a block.
 int rows_per_warp(int max_rpw, int out_rows, unsigned grid_y) {
   const int sms = sm_count();
@@ -898,6 +888,17 @@ __global__ void __launch_bounds__(kThreads, 3) moe_down_kernel(DevLinear Wd, int
 }
 
 }  // namespace
+
+int sm_count() {
+  static const int sms = [] {
+    int dev = 0, n = 0;
+    CUDA_CHECK(cudaGetDevice(&dev));
+    CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    return n;
+  }();
+  return sms;
+}
+
 
 void matvec(const DevLinear& W, const bf16* X, int64_t ldx, int n, const MatvecOut& Y, cudaStream_t stream) {
   W.check("matvec");

@@ -30,6 +30,9 @@ struct DevLinear {
   void check(const char* what) const;
 };
 
+// Multiprocessors of the current device (read once).
+int sm_count();
+
 struct MatvecOut {
   void* ptr = nullptr;  // row 0, column 0 (a column offset is a pointer offset)
   bool f32 = false;     // else bf16

@@ -12,6 +12,7 @@
 #include "cuda/attention_decode.cuh"
 #include "cuda/embed.cuh"
 #include "cuda/gdn_decode.cuh"
+#include "cuda/lm_head.cuh"
 #include "cuda/matvec.cuh"
 #include "cuda/moe.cuh"
 #include "cuda/norm.cuh"
@@ -917,6 +918,107 @@ TEST(FusedDecode, GdnInProjAndStep) {
   }
 }
 
+// The fused decode head: final norm + lm_head + argmax + position in one launch, at the real
+// shape, at partial tiles (rows not a multiple of 32), one quant group per row, and few groups
+// per warp (the demo model's hidden size 256).
+TEST(FusedDecode, LmHeadArgmax) {
+  for (auto [out, in] : {std::pair{248320, 2048}, std::pair{4100, 2048}, std::pair{8184, 256}, std::pair{33, 64}}) {
+    TestMatrix W = make_matrix(WFormat::kAffine4, out, in);
+    const NormCase c = make_norm_case(in);
+    NormDev d(c);
+    DeviceBuffer<float> logits(out);
+    DeviceBuffer<unsigned long long> scratch(cuda::lm_head_scratch());
+    DeviceBuffer<unsigned> counter(1);
+    CUDA_CHECK(cudaMemset(counter.get(), 0, 4));
+    DeviceBuffer<int> tok(1), pos = to_device(std::vector<int>{7});
+    int calls = 0;
+    for (int limit : {out, std::max(1, out / 3)}) {
+      poison(logits);
+      cuda::LmHeadArgs a;
+      a.W = W.dev;
+      a.x = d.in;
+      a.logits = logits.get();
+      a.limit = limit;
+      a.token = tok.get();
+      a.pos = pos.get();
+      a.scratch = scratch.get();
+      a.counter = counter.get();
+      cuda::lm_head_argmax(a, 0);
+      ++calls;
+      const std::string label = "lm_head_argmax [" + std::to_string(out) + "x" + std::to_string(in) + "] limit " +
+                                std::to_string(limit);
+      const auto got = from_device(logits.get(), out);
+      const auto xn = from_device_bf16(d.xn.get(), in);
+      EXPECT_REL(xn, c.x, 5e-3, "  xn_out");
+      std::vector<float> ref(out), ref_own(out);
+      cpu::matmul(W.host, c.x.data(), 1, ref.data());
+      cpu::matmul(W.host, xn.data(), 1, ref_own.data());
+      // against the CPU norm: a bf16 rounding of x that falls the other way moves y by ~1e-3
+      EXPECT_REL(got, ref, 3e-3, label);
+      // on the kernel's own x: f32 accumulation order only (tensor-core adds, per quant group)
+      EXPECT_REL(got, ref_own, 1e-4, "  same on the kernel's x");
+      const std::vector<float> head(got.begin(), got.begin() + limit), head_ref(ref_own.begin(), ref_own.begin() + limit);
+      const int id = from_device(tok.get(), 1)[0];
+      EXPECT_EQ(id, tansy::argmax(head)) << label << ": the argmax of the kernel's own logits";
+      ASSERT_TRUE(id >= 0 && id < limit) << label;
+      const float best = *std::max_element(head_ref.begin(), head_ref.end());
+      EXPECT_GE(ref_own[id], best - 1e-4f * (std::fabs(best) + 1.f)) << label << ": the CPU's best logit is " << best;
+      EXPECT_EQ(from_device(pos.get(), 1)[0], 7 + calls) << label << ": position advanced once per call";
+      EXPECT_EQ(from_device(counter.get(), 1)[0], 0u) << label << ": counter left zero";
+      std::printf("  %s -> id %d\n", label.c_str(), id);
+    }
+  }
+  {  // ties go to the lower id, and ids from `limit` on never win: rows 5 and 9 are the largest
+    TestMatrix W = make_matrix(WFormat::kAffine4, 40, 128);
+    const NormCase c = make_norm_case(128);
+    double sx = 0;
+    for (float v : c.x) sx += v;
+    std::fill(W.s.begin(), W.s.end(), uint16_t(0));
+    std::fill(W.b.begin(), W.b.end(), uint16_t(0));
+    for (int r : {5, 9})
+      for (int gi = 0; gi < 2; ++gi) W.b[size_t(r) * 2 + gi] = f32_to_bf16(sx > 0 ? 1.f : -1.f);
+    CUDA_CHECK(cudaMemcpy(W.ds.get(), W.s.data(), W.s.size() * 2, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(W.db.get(), W.b.data(), W.b.size() * 2, cudaMemcpyHostToDevice));
+    NormDev d(c);
+    DeviceBuffer<float> logits(40);
+    DeviceBuffer<unsigned long long> scratch(cuda::lm_head_scratch());
+    DeviceBuffer<unsigned> counter(1);
+    CUDA_CHECK(cudaMemset(counter.get(), 0, 4));
+    DeviceBuffer<int> tok(1);
+    for (auto [limit, want] : {std::pair{40, 5}, std::pair{6, 5}, std::pair{5, 0}}) {
+      cuda::LmHeadArgs a;
+      a.W = W.dev;
+      a.x = d.in;
+      a.logits = logits.get();
+      a.limit = limit;
+      a.token = tok.get();
+      a.scratch = scratch.get();
+      a.counter = counter.get();
+      cuda::lm_head_argmax(a, 0);
+      EXPECT_EQ(from_device(tok.get(), 1)[0], want) << "limit " << limit;
+    }
+    // refused: other formats, in beyond the register-held x, a limit outside 1..out
+    cuda::LmHeadArgs a;
+    a.W = W.dev;
+    a.x = d.in;
+    a.logits = logits.get();
+    a.token = tok.get();
+    a.scratch = scratch.get();
+    a.counter = counter.get();
+    for (int bad : {0, 41}) {
+      a.limit = bad;
+      EXPECT_THROW(cuda::lm_head_argmax(a, 0), Error) << "limit " << bad;
+    }
+    a.limit = 40;
+    TestMatrix W8 = make_matrix(WFormat::kAffine8, 40, 128);
+    a.W = W8.dev;
+    EXPECT_THROW(cuda::lm_head_argmax(a, 0), Error);
+    TestMatrix Wwide = make_matrix(WFormat::kAffine4, 40, cuda::kFusedNormMaxDim + 64);
+    a.W = Wwide.dev;
+    EXPECT_THROW(cuda::lm_head_argmax(a, 0), Error);
+  }
+}
+
 }  // namespace
 }  // namespace tansy
 
@@ -1086,6 +1188,23 @@ TEST(DecodeTiming, RealShapes) {
   report("lm_head [248320x2048]", time_launches([&](cudaStream_t s) {
            cuda::matvec(lm.dev, dxn.get(), H, 1, cuda::MatvecOut{y32.get(), true, 248320}, s);
          }, 20), mat_bytes(lm.dev));
+  {
+    DeviceBuffer<unsigned long long> scratch(cuda::lm_head_scratch());
+    DeviceBuffer<unsigned> counter(1);
+    CUDA_CHECK(cudaMemset(counter.get(), 0, 4));
+    DeviceBuffer<int> tok(1), pos(1);
+    cuda::LmHeadArgs a;
+    a.W = lm.dev;
+    a.x = nd.in;
+    a.logits = y32.get();
+    a.limit = 248320;
+    a.token = tok.get();
+    a.pos = pos.get();
+    a.scratch = scratch.get();
+    a.counter = counter.get();
+    report("lm_head fused: norm + product + argmax + pos", time_launches([&](cudaStream_t s) { cuda::lm_head_argmax(a, s); }, 20),
+           mat_bytes(lm.dev));
+  }
   CUDA_CHECK(cudaDeviceSynchronize());
 }
 

@@ -38,6 +38,29 @@ constexpr double kLogitTolShort = 0.05;  // sequences of <= 7 tokens
 constexpr double kLogitTolLong = 0.6;
 constexpr double kMarginFrac = 0.25;
 constexpr double kTraceTol = 0.05;
+// The mixer and MoE outputs are added to the residual stream; their error is measured against
+// that stream's norm (the layer's hidden output) when it is the larger, because a branch whose own
+// norm is small reads the stream-sized bf16 noise as a large relative error: realdims-mlx layer
+// 2's mixer output has norm 1.86 against a stream of 12.2, and a CPU emulation of the GEMV prefill
+// path's bf16 rounding points put its own relative error at 0.035-0.076 (no expert flips), with
+// the H200 measuring 0.052. Its own relative error must still stay below kBranchOwnTol.
+constexpr double kBranchOwnTol = 0.10;
+
+// "layer.<i>.hidden" for "layer.<i>.mixer_out" and "layer.<i>.moe_out"; "" for other names.
+std::string branch_stream(const std::string& name) {
+  for (const char* suffix : {".mixer_out", ".moe_out"}) {
+    const std::string s = suffix;
+    if (name.size() > s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0)
+      return name.substr(0, name.size() - s.size()) + ".hidden";
+  }
+  return "";
+}
+
+double norm(const std::vector<float>& v) {
+  double s = 0;
+  for (float x : v) s += double(x) * x;
+  return std::sqrt(s);
+}
 
 // TANSY_SOURCE_DIR in the environment overrides the build's path (the tests may run from a copy).
 fs::path goldens_dir() {
@@ -225,12 +248,21 @@ void compare_traces(Model& gpu, Model& cpu, std::span<const int32_t> ids, const 
   std::string worst_name;
   for (const auto& n : order) {
     ASSERT_TRUE(tc.count(n)) << "CPU trace lacks " << n;
-    const double e = rel_err(tg[n], tc[n]);
+    const double own = rel_err(tg[n], tc[n]);
+    double e = own;
+    // A branch added to the residual stream is measured against the stream it joins (the
+    // layer's hidden output), with a looser check of its own relative error besides.
+    const std::string hidden = branch_stream(n);
+    if (!hidden.empty()) {
+      ASSERT_TRUE(tc.count(hidden)) << "CPU trace lacks " << hidden;
+      e = own * norm(tc[n]) / std::max(norm(tc[n]), norm(tc[hidden]));
+      EXPECT_LE(own, kBranchOwnTol) << label << " " << n << " (own norm)";
+    }
     if (e > worst) {
       worst = e;
       worst_name = n;
     }
-    EXPECT_LE(e, kTraceTol) << label << " " << n;
+    EXPECT_LE(e, kTraceTol) << label << " " << n << (hidden.empty() ? "" : " (against " + hidden + ")");
   }
   std::printf("  %-44s %zu intermediates, worst rel err %.4f at %s\n", label.c_str(), order.size(), worst,
               worst_name.c_str());

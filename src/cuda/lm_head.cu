@@ -1,0 +1,259 @@
+// Decode's head in one launch (see lm_head.cuh). The general matvec reaches half the card's
+// bandwidth on the 286 MB lm_head: every block waits for its whole weight batch, then computes
+// from shared memory with x re-read per row. Here one block per multiprocessor runs a kStages-deep
+// cp.async pipeline over 32-row tiles (tile i + kStages - 1 is in flight while tile i is used),
+// x lives in registers as mma B fragments, and the 4-bit codes become mma A fragments with one
+// shift and one LOP3 per 8 columns: nibbles k and k+4 of a word form the bf16 pair 128+q (exact),
+// so the k order inside a word is (0,4),(1,5),(2,6),(3,7) and x is packed in the same order.
+//
+// Work split: warp w owns quant groups w, w+8, ... of every row (so its B fragments fit in
+// registers); per tile each warp leaves one partial per row in shared memory and warp 0 adds them
+// up during the next tile. Per group the mma accumulator restarts, so that the group's scale and
+// bias apply in f32: y = s·Σ(128+q)x + (b - 128s)·Σx, as matvec's chunk_dot.
+#include "cuda/lm_head.cuh"
+
+#include <algorithm>
+
+#include "cuda/embed.cuh"
+#include "cuda/gemm.cuh"
+#include "cuda/pdl.cuh"
+
+namespace tansy::cuda {
+namespace {
+
+constexpr int kWarps = 8, kThreads = kWarps * 32;
+constexpr int kTileRows = 32;  // two mma row blocks of 16
+constexpr int kStages = 4;
+constexpr int kMaxGroupsPerWarp = kFusedNormMaxDim / kQuantGroup / kWarps;
+constexpr int kRowPad = 32;  // bytes after each staged row: consecutive rows start 8 banks apart
+
+struct Layout {
+  int row_stride;  // bytes between staged rows
+  int sb;          // offset of scales [kTileRows][G], then biases [kTileRows][G] (bf16)
+  int stage;       // bytes per stage (16-byte multiple)
+};
+__host__ __device__ inline Layout layout(int in) {
+  Layout L;
+  L.row_stride = in / 2 + kRowPad;
+  L.sb = kTileRows * L.row_stride;
+  L.stage = (L.sb + kTileRows * (in / kQuantGroup) * 4 + 15) / 16 * 16;
+  return L;
+}
+size_t smem_bytes(int in) { return size_t(kStages) * layout(in).stage + size_t(in) * 2; }
+
+// n bytes (any count) from 16-byte aligned global src to 16-byte aligned shared dst; the last
+// piece reads only what is left and zero-fills the rest.
+__device__ __forceinline__ void copy_async(uint8_t* dst, const uint8_t* src, int n) {
+  for (int o = threadIdx.x * 16; o < n; o += kThreads * 16) {
+    const int b = min(16, n - o);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(tc::smem_addr(dst + o)), "l"(src + o), "r"(b));
+  }
+}
+
+// Tile `tile` (rows 32·tile …) of W into a stage: codes (rows past W.out zero-filled), scales, biases.
+__device__ void issue_tile(const DevLinear& W, int tile, uint8_t* stage, const Layout& L) {
+  const int G = W.in / kQuantGroup, row_bytes = W.in / 2, cpr = row_bytes / 16;
+  const int r0 = tile * kTileRows, rows = min(kTileRows, W.out - r0);
+  const uint8_t* gw = reinterpret_cast<const uint8_t*>(W.q) + int64_t(r0) * row_bytes;
+  for (int i = threadIdx.x; i < kTileRows * cpr; i += kThreads) {
+    const int r = i / cpr, c = i - r * cpr;
+    const bool ok = r < rows;
+    tc::cp_async16(stage + r * L.row_stride + c * 16, ok ? gw + int64_t(r) * row_bytes + c * 16 : gw, ok);
+  }
+  const int sb = rows * G * 2;
+  copy_async(stage + L.sb, reinterpret_cast<const uint8_t*>(W.scales + int64_t(r0) * G), sb);
+  copy_async(stage + L.sb + kTileRows * G * 2, reinterpret_cast<const uint8_t*>(W.biases + int64_t(r0) * G), sb);
+}
+
+// One word of 8 columns for rows g (wa) and g+8 (wb): two k-steps of 16.
+__device__ __forceinline__ void mma_word(float (&c)[4], uint32_t wa, uint32_t wb, const uint32_t (&b)[2][2]) {
+  uint32_t p[4], q[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    p[k] = ((wa >> (4 * k)) & 0x000F000Fu) | 0x43004300u;
+    q[k] = ((wb >> (4 * k)) & 0x000F000Fu) | 0x43004300u;
+  }
+  const uint32_t a0[4] = {p[0], q[0], p[1], q[1]}, a1[4] = {p[2], q[2], p[3], q[3]};
+  tc::mma_bf16(c, a0, b[0][0], b[0][1]);
+  tc::mma_bf16(c, a1, b[1][0], b[1][1]);
+}
+
+__device__ __forceinline__ unsigned long long max_u64(unsigned long long a, unsigned long long b) { return a > b ? a : b; }
+
+__device__ __forceinline__ unsigned long long warp_max(unsigned long long k) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) k = max_u64(k, __shfl_xor_sync(0xffffffffu, k, o));
+  return k;
+}
+
+__global__ void __launch_bounds__(kThreads, 1) lm_head_kernel(LmHeadArgs a) {
+  extern __shared__ float4 smem4[];
+  __shared__ float red[2][kWarps][kTileRows];
+  __shared__ float nred[kWarps];
+  __shared__ unsigned long long kred[kWarps];
+  __shared__ int last;
+  uint8_t* base = reinterpret_cast<uint8_t*>(smem4);
+  const DevLinear& W = a.W;
+  const int G = W.in / kQuantGroup;
+  const Layout L = layout(W.in);
+  bf16* xb = reinterpret_cast<bf16*>(base + kStages * L.stage);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int ntiles = (W.out + kTileRows - 1) / kTileRows;
+  const int mine = int(blockIdx.x) < ntiles ? (ntiles - 1 - int(blockIdx.x)) / int(gridDim.x) + 1 : 0;
+  auto tile_of = [&](int j) { return int(blockIdx.x) + j * int(gridDim.x); };
+
+  // Weights never depend on the step: the first stages load while the previous kernel finishes.
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < mine) issue_tile(W, tile_of(s), base + s * L.stage, L);
+    tc::cp_async_commit();
+  }
+  pdl_wait();
+  pdl_launch_dependents();
+
+  // x = bf16(h·rsqrt(Σss/in + eps)·w), the partials summed in matvec's stage_norm order.
+  {
+    float part = 0.f;
+    for (int i = threadIdx.x; i < kNormParts; i += kThreads) part += a.x.ss[i];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+    if (lane == 0) nred[warp] = part;
+    __syncthreads();
+    float tot = 0.f;
+    for (int w = 0; w < kWarps; ++w) tot += nred[w];
+    const float scale = rsqrtf(tot / float(W.in) + a.x.eps);
+    const bool writer = a.x.xn_out && blockIdx.x == 0;
+    for (int i = threadIdx.x; i < W.in; i += kThreads) {
+      const bf16 v = __float2bfloat16(a.x.h[i] * scale * a.x.w[i]);
+      xb[i] = v;
+      if (writer) a.x.xn_out[i] = v;
+    }
+    __syncthreads();
+  }
+  // B fragments of this lane: group j, word 2t+wi of the group, k-step kb, register (k and k+8).
+  uint32_t bx[kMaxGroupsPerWarp][2][2][2];
+  float sx[kMaxGroupsPerWarp];
+#pragma unroll
+  for (int j = 0; j < kMaxGroupsPerWarp; ++j) {
+    const int gi = warp + j * kWarps;
+    sx[j] = 0.f;
+    if (gi >= G) continue;
+    float s = 0.f;
+#pragma unroll
+    for (int wi = 0; wi < 2; ++wi) {
+      const uint4 v = *reinterpret_cast<const uint4*>(xb + gi * kQuantGroup + (2 * t + wi) * 8);
+      bx[j][wi][0][0] = __byte_perm(v.x, v.z, 0x5410);  // columns 0, 4
+      bx[j][wi][0][1] = __byte_perm(v.x, v.z, 0x7632);  // 1, 5
+      bx[j][wi][1][0] = __byte_perm(v.y, v.w, 0x5410);  // 2, 6
+      bx[j][wi][1][1] = __byte_perm(v.y, v.w, 0x7632);  // 3, 7
+      const uint32_t e[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int m = 0; m < 4; ++m) s += __uint_as_float(e[m] << 16) + __uint_as_float(e[m] & 0xffff0000u);
+    }
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    s += __shfl_xor_sync(0xffffffffu, s, 2);
+    sx[j] = s;
+  }
+
+  // Warp 0: the rows of tile `tile` from the warps' partials; logits out, argmax candidates kept.
+  unsigned long long best = 0;
+  auto finish_tile = [&](int tile, const float (*part)[kTileRows]) {
+    const int r = tile * kTileRows + lane;
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) v += part[w][lane];
+    if (r < W.out) {
+      a.logits[r] = v;
+      if (r < a.limit) best = max_u64(best, argmax_key(v, r));
+    }
+  };
+
+  for (int it = 0; it < mine; ++it) {
+    tc::cp_async_wait<kStages - 2>();
+    __syncthreads();  // tile `it` landed for every thread; every warp is done with tile it-1's stage
+    if (it + kStages - 1 < mine)
+      issue_tile(W, tile_of(it + kStages - 1), base + ((it + kStages - 1) % kStages) * L.stage, L);
+    tc::cp_async_commit();
+    if (it > 0 && warp == 0) finish_tile(tile_of(it - 1), red[(it - 1) & 1]);
+    const uint8_t* st = base + (it % kStages) * L.stage;
+    const bf16* ssm = reinterpret_cast<const bf16*>(st + L.sb);
+    const bf16* bsm = ssm + kTileRows * G;
+#pragma unroll
+    for (int sub = 0; sub < 2; ++sub) {
+      const int ra = sub * 16 + g, rb = ra + 8;
+      float ta = 0.f, tb = 0.f;
+#pragma unroll
+      for (int j = 0; j < kMaxGroupsPerWarp; ++j) {
+        const int gi = warp + j * kWarps;
+        if (gi >= G) break;
+        const uint2 wa = *reinterpret_cast<const uint2*>(st + ra * L.row_stride + gi * 32 + t * 8);
+        const uint2 wb = *reinterpret_cast<const uint2*>(st + rb * L.row_stride + gi * 32 + t * 8);
+        float c[4] = {0.f, 0.f, 0.f, 0.f};
+        mma_word(c, wa.x, wb.x, bx[j][0]);
+        mma_word(c, wa.y, wb.y, bx[j][1]);
+        const float sa = __bfloat162float(ssm[ra * G + gi]), ba = __bfloat162float(bsm[ra * G + gi]);
+        const float sb = __bfloat162float(ssm[rb * G + gi]), bb = __bfloat162float(bsm[rb * G + gi]);
+        ta += fmaf(sa, c[0], (ba - 128.f * sa) * sx[j]);
+        tb += fmaf(sb, c[2], (bb - 128.f * sb) * sx[j]);
+      }
+      if (t == 0) {
+        red[it & 1][warp][ra] = ta;
+        red[it & 1][warp][rb] = tb;
+      }
+    }
+  }
+  tc::cp_async_wait<0>();
+  __syncthreads();
+  if (warp == 0) {
+    if (mine > 0) finish_tile(tile_of(mine - 1), red[(mine - 1) & 1]);
+    best = warp_max(best);
+    if (lane == 0) a.scratch[blockIdx.x] = best;
+  }
+  // The last block to finish picks the winner among the blocks' candidates.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(a.counter, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  unsigned long long b = 0;
+  for (int i = threadIdx.x; i < int(gridDim.x); i += kThreads) b = max_u64(b, __ldcg(a.scratch + i));
+  b = warp_max(b);
+  if (lane == 0) kred[warp] = b;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 0; w < kWarps; ++w) b = max_u64(b, kred[w]);
+    *a.token = argmax_index(b);
+    if (a.pos) *a.pos += 1;
+    *a.counter = 0;
+  }
+}
+
+}  // namespace
+
+int lm_head_scratch() { return sm_count(); }
+
+void lm_head_argmax(const LmHeadArgs& a, cudaStream_t stream) {
+  const DevLinear& W = a.W;
+  TANSY_CHECK(W.fmt == WFormat::kAffine4, "lm_head_argmax: weight format {} unsupported (4-bit only)",
+              wformat_name(W.fmt));
+  W.check("lm_head_argmax");
+  TANSY_CHECK(W.in <= kFusedNormMaxDim, "lm_head_argmax: in = {} exceeds {}", W.in, kFusedNormMaxDim);
+  TANSY_CHECK(aligned16(W.scales) && aligned16(W.biases), "lm_head_argmax: scales and biases must be 16-byte aligned");
+  TANSY_CHECK(a.x.h && a.x.ss && a.x.w, "lm_head_argmax: the norm input (h, ss, w) is missing");
+  TANSY_CHECK(a.logits && a.token && a.scratch && a.counter, "lm_head_argmax: logits, token, scratch and counter are required");
+  TANSY_CHECK(a.limit >= 1 && a.limit <= W.out, "lm_head_argmax: limit {} outside 1..{}", a.limit, W.out);
+  const int grid = std::min<int>(ceil_div(W.out, kTileRows), lm_head_scratch());
+  const size_t smem = smem_bytes(W.in);
+  static size_t granted = 0;
+  if (smem > granted) {
+    const cudaError_t e = cudaFuncSetAttribute(lm_head_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      fail("lm_head_argmax: {} bytes of shared memory unavailable ({})", smem, cudaGetErrorString(e));
+    }
+    granted = smem;
+  }
+  pdl_launch(lm_head_kernel, dim3(grid), dim3(kThreads), smem, stream, a);
+}
+
+}  // namespace tansy::cuda
