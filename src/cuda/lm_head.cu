@@ -1,7 +1,8 @@
-// Decode's head in one launch (see lm_head.cuh). The general matvec reaches half the card's
-// bandwidth on the 286 MB lm_head: every block waits for its whole weight batch, then computes
-// from shared memory with x re-read per row. Here one block per multiprocessor runs a kStages-deep
-// cp.async pipeline over 32-row tiles (tile i + kStages - 1 is in flight while tile i is used),
+// Decode's head in one launch (see lm_head.cuh). Per-thread 16-byte cp.async copies stall at half
+// the card's bandwidth on the 286 MB lm_head (the general matvec and a first cut of this kernel
+// both measured ~2.0 TB/s on the H200), so the weights move by bulk copies (TMA, one per staged
+// row) that signal an mbarrier per stage. One block per multiprocessor runs a kStages-deep
+// pipeline over 32-row tiles (tile i + kStages - 1 is in flight while tile i is used),
 // x lives in registers as mma B fragments, and the 4-bit codes become mma A fragments with one
 // shift and one LOP3 per 8 columns: nibbles k and k+4 of a word form the bf16 pair 128+q (exact),
 // so the k order inside a word is (0,4),(1,5),(2,6),(3,7) and x is packed in the same order.
@@ -14,6 +15,7 @@
 
 #include <algorithm>
 
+#include "cuda/bulk_copy.cuh"
 #include "cuda/embed.cuh"
 #include "cuda/gemm.cuh"
 #include "cuda/pdl.cuh"
@@ -23,7 +25,7 @@ namespace {
 
 constexpr int kWarps = 8, kThreads = kWarps * 32;
 constexpr int kTileRows = 32;  // two mma row blocks of 16
-constexpr int kStages = 4;
+constexpr int kStages = 5;
 constexpr int kMaxGroupsPerWarp = kFusedNormMaxDim / kQuantGroup / kWarps;
 constexpr int kRowPad = 32;  // bytes after each staged row: consecutive rows start 8 banks apart
 
@@ -41,28 +43,33 @@ __host__ __device__ inline Layout layout(int in) {
 }
 size_t smem_bytes(int in) { return size_t(kStages) * layout(in).stage + size_t(in) * 2; }
 
-// n bytes (any count) from 16-byte aligned global src to 16-byte aligned shared dst; the last
-// piece reads only what is left and zero-fills the rest.
-__device__ __forceinline__ void copy_async(uint8_t* dst, const uint8_t* src, int n) {
-  for (int o = threadIdx.x * 16; o < n; o += kThreads * 16) {
-    const int b = min(16, n - o);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(tc::smem_addr(dst + o)), "l"(src + o), "r"(b));
-  }
-}
-
-// Tile `tile` (rows 32·tile …) of W into a stage: codes (rows past W.out zero-filled), scales, biases.
-__device__ void issue_tile(const DevLinear& W, int tile, uint8_t* stage, const Layout& L) {
-  const int G = W.in / kQuantGroup, row_bytes = W.in / 2, cpr = row_bytes / 16;
+// Tile `tile` (rows 32·tile …) of W into a stage, by warp 0: one bulk copy per row of codes
+// (rows past W.out are not copied: their products are never stored), one each for the scales
+// and biases; a tail of those under 16 bytes (a partial last tile) is copied by plain stores,
+// visible to the other warps after the barrier that precedes the tile's use.
+__device__ void issue_tile(const DevLinear& W, int tile, uint8_t* stage, const Layout& L, uint64_t* bar, int lane) {
+  const int G = W.in / kQuantGroup, row_bytes = W.in / 2;
   const int r0 = tile * kTileRows, rows = min(kTileRows, W.out - r0);
   const uint8_t* gw = reinterpret_cast<const uint8_t*>(W.q) + int64_t(r0) * row_bytes;
-  for (int i = threadIdx.x; i < kTileRows * cpr; i += kThreads) {
-    const int r = i / cpr, c = i - r * cpr;
-    const bool ok = r < rows;
-    tc::cp_async16(stage + r * L.row_stride + c * 16, ok ? gw + int64_t(r) * row_bytes + c * 16 : gw, ok);
+  const int sb = rows * G * 2, sb_bulk = sb & ~15;
+  const bf16* gs = W.scales + int64_t(r0) * G;
+  const bf16* gb = W.biases + int64_t(r0) * G;
+  bf16* ds = reinterpret_cast<bf16*>(stage + L.sb);
+  bf16* db = ds + kTileRows * G;
+  if (lane == 0) {
+    bulk::fence_before_copy();  // earlier reads of the stage come first
+    bulk::mbar_expect_tx(bar, unsigned(rows * row_bytes + 2 * sb_bulk));
   }
-  const int sb = rows * G * 2;
-  copy_async(stage + L.sb, reinterpret_cast<const uint8_t*>(W.scales + int64_t(r0) * G), sb);
-  copy_async(stage + L.sb + kTileRows * G * 2, reinterpret_cast<const uint8_t*>(W.biases + int64_t(r0) * G), sb);
+  __syncwarp();
+  for (int r = lane; r < rows; r += 32) bulk::copy(stage + r * L.row_stride, gw + int64_t(r) * row_bytes, row_bytes, bar);
+  if (lane == 0 && sb_bulk > 0) {
+    bulk::copy(ds, gs, sb_bulk, bar);
+    bulk::copy(db, gb, sb_bulk, bar);
+  }
+  for (int i = sb_bulk / 2 + lane; i < sb / 2; i += 32) {
+    ds[i] = gs[i];
+    db[i] = gb[i];
+  }
 }
 
 // One word of 8 columns for rows g (wa) and g+8 (wb): two k-steps of 16.
@@ -92,6 +99,7 @@ __global__ void __launch_bounds__(kThreads, 1) lm_head_kernel(LmHeadArgs a) {
   __shared__ float nred[kWarps];
   __shared__ unsigned long long kred[kWarps];
   __shared__ int last;
+  __shared__ alignas(8) uint64_t full[kStages];  // stage s holds its tile
   uint8_t* base = reinterpret_cast<uint8_t*>(smem4);
   const DevLinear& W = a.W;
   const int G = W.in / kQuantGroup;
@@ -102,11 +110,14 @@ __global__ void __launch_bounds__(kThreads, 1) lm_head_kernel(LmHeadArgs a) {
   const int mine = int(blockIdx.x) < ntiles ? (ntiles - 1 - int(blockIdx.x)) / int(gridDim.x) + 1 : 0;
   auto tile_of = [&](int j) { return int(blockIdx.x) + j * int(gridDim.x); };
 
-  // Weights never depend on the step: the first stages load while the previous kernel finishes.
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < mine) issue_tile(W, tile_of(s), base + s * L.stage, L);
-    tc::cp_async_commit();
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) bulk::mbar_init(&full[s]);
+    bulk::fence_init();
   }
+  __syncthreads();
+  // Weights never depend on the step: the first stages load while the previous kernel finishes.
+  if (warp == 0)
+    for (int s = 0; s < kStages - 1 && s < mine; ++s) issue_tile(W, tile_of(s), base + s * L.stage, L, &full[s], lane);
   pdl_wait();
   pdl_launch_dependents();
 
@@ -168,12 +179,13 @@ __global__ void __launch_bounds__(kThreads, 1) lm_head_kernel(LmHeadArgs a) {
   };
 
   for (int it = 0; it < mine; ++it) {
-    tc::cp_async_wait<kStages - 2>();
-    __syncthreads();  // tile `it` landed for every thread; every warp is done with tile it-1's stage
-    if (it + kStages - 1 < mine)
-      issue_tile(W, tile_of(it + kStages - 1), base + ((it + kStages - 1) % kStages) * L.stage, L);
-    tc::cp_async_commit();
-    if (it > 0 && warp == 0) finish_tile(tile_of(it - 1), red[(it - 1) & 1]);
+    bulk::mbar_wait(&full[it % kStages], (it / kStages) & 1);  // tile `it` landed
+    __syncthreads();  // ... and every warp is done with tile it-1's stage (and the tails are visible)
+    if (warp == 0) {
+      const int nx = it + kStages - 1;
+      if (nx < mine) issue_tile(W, tile_of(nx), base + (nx % kStages) * L.stage, L, &full[nx % kStages], lane);
+      if (it > 0) finish_tile(tile_of(it - 1), red[(it - 1) & 1]);
+    }
     const uint8_t* st = base + (it % kStages) * L.stage;
     const bf16* ssm = reinterpret_cast<const bf16*>(st + L.sb);
     const bf16* bsm = ssm + kTileRows * G;
@@ -201,7 +213,6 @@ __global__ void __launch_bounds__(kThreads, 1) lm_head_kernel(LmHeadArgs a) {
       }
     }
   }
-  tc::cp_async_wait<0>();
   __syncthreads();
   if (warp == 0) {
     if (mine > 0) finish_tile(tile_of(mine - 1), red[(mine - 1) & 1]);

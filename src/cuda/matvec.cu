@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "cuda/bulk_copy.cuh"
 #include "cuda/moe.cuh"
 #include "cuda/pdl.cuh"
 #include "cuda/route_device.cuh"
@@ -529,8 +530,9 @@ template <int BITS, int MODE>
 __global__ void __launch_bounds__(kThreads, 2) matvec_smem_kernel(DevLinear W, const bf16* __restrict__ X, int64_t ldx,
                                                                  void* Y, int64_t ldy, int y_f32, int out_rows, int rpw,
                                                                  const int* __restrict__ idx, int k,
-                                                                 int rows_per_expert, Fusion fz) {
+                                                                 int rows_per_expert, int bulk_copies, Fusion fz) {
   extern __shared__ float4 smem4[];
+  __shared__ alignas(8) uint64_t wbar;  // bulk copies: the block's weights have landed
   constexpr bool kPair = MODE != 0;
   constexpr int S = Chunk<BITS>::kStride, kR = 4;  // kR: max rows per warp
   __shared__ float red[kWarps];
@@ -546,6 +548,13 @@ __global__ void __launch_bounds__(kThreads, 2) matvec_smem_kernel(DevLinear W, c
   const uint8_t* wsm = base + lay.w;
   const bf16* ssm = reinterpret_cast<const bf16*>(base + lay.sb);
   const bf16* bsm = ssm + int64_t(kWarps) * rpw * wmul * groups;
+  if (bulk_copies) {
+    if (threadIdx.x == 0) {
+      bulk::mbar_init(&wbar);
+      bulk::fence_init();
+    }
+    __syncthreads();
+  }
   // MODE 2 (routed experts, one slot per blockIdx.y): the rows come from the expert the previous
   // kernel chose, so their copy starts after the wait.
   if constexpr (MODE == 2) {
@@ -558,6 +567,22 @@ __global__ void __launch_bounds__(kThreads, 2) matvec_smem_kernel(DevLinear W, c
     const uint8_t* gw = BITS == 16 ? reinterpret_cast<const uint8_t*>(W.w + w0 * W.in)
                                    : reinterpret_cast<const uint8_t*>(W.q) + w0 * row_bytes;
     const int64_t wbytes = int64_t(wrows) * row_bytes;
+    if (bulk_copies) {
+      // warp 0: 4 KiB pieces of the rows over its lanes, then the scales and biases
+      const int64_t sbytes = BITS == 16 ? 0 : int64_t(wrows) * groups * 2;
+      if (warp == 0) {
+        constexpr int64_t kPiece = 4096;
+        if (lane == 0) bulk::mbar_expect_tx(&wbar, unsigned(wbytes + 2 * sbytes));
+        __syncwarp();
+        for (int64_t o = lane * kPiece; o < wbytes; o += 32 * kPiece)
+          bulk::copy(base + lay.w + o, gw + o, unsigned(min(kPiece, wbytes - o)), &wbar);
+        if (BITS != 16 && lane == 1) {
+          uint8_t* ds = base + lay.sb;
+          bulk::copy(ds, W.scales + w0 * groups, unsigned(sbytes), &wbar);
+          bulk::copy(ds + int64_t(kWarps) * rpw * wmul * groups * 2, W.biases + w0 * groups, unsigned(sbytes), &wbar);
+        }
+      }
+    } else {
     for (int64_t o = int64_t(threadIdx.x) * 16; o < wbytes; o += kThreads * 16)
       cp_async16(base + lay.w + o, gw + o);
     if constexpr (BITS != 16) {
@@ -572,6 +597,7 @@ __global__ void __launch_bounds__(kThreads, 2) matvec_smem_kernel(DevLinear W, c
       }
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
+    }
   }
   if constexpr (MODE != 2) {
     pdl_wait();
@@ -595,7 +621,8 @@ __global__ void __launch_bounds__(kThreads, 2) matvec_smem_kernel(DevLinear W, c
       if (lane < G.kernel - 1) conv_in[i] = __bfloat162float(G.window[int64_t(lane) * G.conv_dim + rows[i]]);
     }
   }
-  cp_async_wait_all();
+  if (bulk_copies) bulk::mbar_wait(&wbar, 0);
+  else cp_async_wait_all();
   __syncthreads();
 
   float acc[kR], acc2[kR];
@@ -689,6 +716,18 @@ bool smem_staging_on() {
   return on;
 }
 
+// TANSY_MATVEC_BULK=0 stages the shared-memory kernels' weights with per-thread cp.async copies
+// instead of bulk copies (for comparisons); read once.
+bool bulk_copies_on() {
+  static const bool on = [] {
+    const char* v = std::getenv("TANSY_MATVEC_BULK");
+    if (!v || std::strcmp(v, "1") == 0) return true;
+    if (std::strcmp(v, "0") == 0) return false;
+    fail("TANSY_MATVEC_BULK must be 0 or 1, not '{}'", v);
+  }();
+  return on;
+}
+
 template <int BITS, int T, int MODE>
 void launch_matvec_t(const DevLinear& W, const bf16* X, int64_t ldx, int n, void* Y, int64_t ldy, bool y_f32,
                      int out_rows, const int* idx, int k, int rows_per_expert, unsigned grid_y, cudaStream_t stream,
@@ -704,7 +743,7 @@ void launch_matvec_t(const DevLinear& W, const bf16* X, int64_t ldx, int n, void
       constexpr auto skern = matvec_smem_kernel<BITS, MODE>;
       allow_smem<skern>(lay.total, "matvec");
       pdl_launch(skern, dim3(ceil_div(out_rows, kWarps * rpw), grid_y), dim3(kThreads), lay.total, stream, W, X, ldx, Y,
-                 ldy, y_f32 ? 1 : 0, out_rows, rpw, idx, k, rows_per_expert, fz);
+                 ldy, y_f32 ? 1 : 0, out_rows, rpw, idx, k, rows_per_expert, bulk_copies_on() ? 1 : 0, fz);
       return;
     }
   }
@@ -777,16 +816,48 @@ template <int BITS, int G, bool SMEM>
 __global__ void __launch_bounds__(kThreads, 3) moe_down_kernel(DevLinear Wd, int H, const int* __restrict__ idx,
                                                             const float* __restrict__ wts, const bf16* __restrict__ act,
                                                             int k, const bf16* shared, const float* sh_logit,
-                                                            int64_t sh_ld, bf16* out, ResidualOut res) {
+                                                            int64_t sh_ld, bf16* out, ResidualOut res,
+                                                            int bulk_copies) {
   extern __shared__ float4 smem4[];
+  __shared__ alignas(8) uint64_t wbar;  // bulk copies (SMEM): the slots' rows have landed
   float* xs = reinterpret_cast<float*>(smem4);
   __shared__ int s_e[kMaxTopK];
   __shared__ float s_w[kMaxTopK];
   __shared__ float red[kWarps];
   constexpr int S = Chunk<BITS>::kStride;
+  // SMEM: the block's R rows of every slot's expert (and their scales and biases) in shared memory.
+  constexpr int R = kThreads / G;
+  const int t = blockIdx.y, cpr = Wd.in / Chunk<BITS>::kCols;
+  const int groups = Wd.in / kQuantGroup, r0 = blockIdx.x * R, rows = min(R, H - r0);
+  const int64_t row_bytes = int64_t(Wd.in) * BITS / 8;
+  uint8_t* wsm = reinterpret_cast<uint8_t*>(smem4) + align16(size_t(k) * cpr * S * sizeof(float));
+  bf16* ssm = reinterpret_cast<bf16*>(wsm + int64_t(k) * R * row_bytes);
+  bf16* bsm = ssm + int64_t(k) * R * groups;
+  const bool bulk = SMEM && bulk_copies;
+  if (bulk && threadIdx.x == 0) {
+    bulk::mbar_init(&wbar);
+    bulk::fence_init();
+  }
   pdl_wait();
   pdl_launch_dependents();
-  const int t = blockIdx.y, cpr = Wd.in / Chunk<BITS>::kCols;
+  if (bulk && threadIdx.x < 32) {  // lane j < k copies slot j's rows, scales and biases
+    if (threadIdx.x == 0) {
+      const int64_t per = rows * row_bytes + (BITS == 16 ? 0 : 2 * int64_t(rows) * groups * 2);
+      bulk::mbar_expect_tx(&wbar, unsigned(k * per));
+    }
+    __syncwarp();
+    if (int(threadIdx.x) < k) {
+      const int j = threadIdx.x;
+      const int64_t g0 = int64_t(idx[t * k + j]) * H + r0;
+      const uint8_t* gw = BITS == 16 ? reinterpret_cast<const uint8_t*>(Wd.w + g0 * Wd.in)
+                                     : reinterpret_cast<const uint8_t*>(Wd.q) + g0 * row_bytes;
+      bulk::copy(wsm + int64_t(j) * R * row_bytes, gw, unsigned(rows * row_bytes), &wbar);
+      if constexpr (BITS != 16) {
+        bulk::copy(ssm + int64_t(j) * R * groups, Wd.scales + g0 * groups, unsigned(rows * groups * 2), &wbar);
+        bulk::copy(bsm + int64_t(j) * R * groups, Wd.biases + g0 * groups, unsigned(rows * groups * 2), &wbar);
+      }
+    }
+  }
   stage_rows<BITS>(act + int64_t(t) * k * Wd.in, Wd.in, k, k, Wd.in, xs);
   if (threadIdx.x < k) {
     s_e[threadIdx.x] = idx[t * k + threadIdx.x];
@@ -802,14 +873,10 @@ __global__ void __launch_bounds__(kThreads, 3) moe_down_kernel(DevLinear Wd, int
   const bool valid = r < H;
   float acc = 0.f;
   if constexpr (SMEM) {
-    // All slots' rows of this block (and their scales and biases) in one cp.async batch.
-    constexpr int R = kThreads / G;
-    const int groups = Wd.in / kQuantGroup, rl = threadIdx.x / G, r0 = blockIdx.x * R;
-    const int64_t row_bytes = int64_t(Wd.in) * BITS / 8;
-    const int rows = min(R, H - r0);
-    uint8_t* wsm = reinterpret_cast<uint8_t*>(smem4) + align16(size_t(k) * cpr * S * sizeof(float));
-    bf16* ssm = reinterpret_cast<bf16*>(wsm + int64_t(k) * R * row_bytes);
-    bf16* bsm = ssm + int64_t(k) * R * groups;
+    const int rl = threadIdx.x / G;
+    if (bulk) {
+      bulk::mbar_wait(&wbar, 0);  // initialised before the barrier above
+    } else {
     for (int j = 0; j < k; ++j) {
       const int64_t g0 = int64_t(s_e[j]) * H + r0;
       const uint8_t* gw = BITS == 16 ? reinterpret_cast<const uint8_t*>(Wd.w + g0 * Wd.in)
@@ -828,6 +895,7 @@ __global__ void __launch_bounds__(kThreads, 3) moe_down_kernel(DevLinear Wd, int
       }
     }
     cp_async_wait_all();
+    }
     __syncthreads();
     if (valid) {
 #pragma unroll 4
@@ -1001,7 +1069,7 @@ void launch_moe_down(const DevLinear& Wd, int n_experts, const int* idx, const f
         constexpr auto kern = moe_down_kernel<BITS, G, STAGED>;
         allow_smem<kern>(bytes, "moe_down_combine");
         pdl_launch(kern, dim3(ceil_div(H, R), n), dim3(kThreads), bytes, stream, Wd, H, idx, wts, act, k, shared,
-                   sh_logit, sh_ld, out, res);
+                   sh_logit, sh_ld, out, res, bulk_copies_on() ? 1 : 0);
       };
       // Shared-memory staging of the slots' rows when they fit (and scales come in 16-byte pieces).
       const size_t big = align16(smem) + size_t(k) * R * Wd.in * BITS / 8 +
