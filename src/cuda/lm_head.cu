@@ -23,7 +23,7 @@
 namespace tansy::cuda {
 namespace {
 
-constexpr int kWarps = 8, kThreads = kWarps * 32;
+constexpr int kWarps = 16, kThreads = kWarps * 32;  // 4 warps per scheduler hide the mma latency
 constexpr int kTileRows = 32;  // two mma row blocks of 16
 constexpr int kStages = 5;
 constexpr int kMaxGroupsPerWarp = kFusedNormMaxDim / kQuantGroup / kWarps;
@@ -43,10 +43,11 @@ __host__ __device__ inline Layout layout(int in) {
 }
 size_t smem_bytes(int in) { return size_t(kStages) * layout(in).stage + size_t(in) * 2; }
 
-// Tile `tile` (rows 32·tile …) of W into a stage, by warp 0: one bulk copy per row of codes
-// (rows past W.out are not copied: their products are never stored), one each for the scales
-// and biases; a tail of those under 16 bytes (a partial last tile) is copied by plain stores,
-// visible to the other warps after the barrier that precedes the tile's use.
+// Tile `tile` (rows 32·tile …) of W into a stage, by one warp: its lane 0 issues one bulk copy
+// per row of codes (bulk copies take warp-uniform operands, so one lane loops instead of every
+// lane issuing its own; rows past W.out are not copied: their products are never stored) and one
+// each for the scales and biases; a tail of those under 16 bytes (a partial last tile) is copied
+// by plain stores, visible to the other warps after the barrier that precedes the tile's use.
 __device__ void issue_tile(const DevLinear& W, int tile, uint8_t* stage, const Layout& L, uint64_t* bar, int lane) {
   const int G = W.in / kQuantGroup, row_bytes = W.in / 2;
   const int r0 = tile * kTileRows, rows = min(kTileRows, W.out - r0);
@@ -59,12 +60,11 @@ __device__ void issue_tile(const DevLinear& W, int tile, uint8_t* stage, const L
   if (lane == 0) {
     bulk::fence_before_copy();  // earlier reads of the stage come first
     bulk::mbar_expect_tx(bar, unsigned(rows * row_bytes + 2 * sb_bulk));
-  }
-  __syncwarp();
-  for (int r = lane; r < rows; r += 32) bulk::copy(stage + r * L.row_stride, gw + int64_t(r) * row_bytes, row_bytes, bar);
-  if (lane == 0 && sb_bulk > 0) {
-    bulk::copy(ds, gs, sb_bulk, bar);
-    bulk::copy(db, gb, sb_bulk, bar);
+    for (int r = 0; r < rows; ++r) bulk::copy(stage + r * L.row_stride, gw + int64_t(r) * row_bytes, row_bytes, bar);
+    if (sb_bulk > 0) {
+      bulk::copy(ds, gs, sb_bulk, bar);
+      bulk::copy(db, gb, sb_bulk, bar);
+    }
   }
   for (int i = sb_bulk / 2 + lane; i < sb / 2; i += 32) {
     ds[i] = gs[i];
@@ -116,7 +116,8 @@ __global__ void __launch_bounds__(kThreads, 1) lm_head_kernel(LmHeadArgs a) {
   }
   __syncthreads();
   // Weights never depend on the step: the first stages load while the previous kernel finishes.
-  if (warp == 0)
+  constexpr int kIssuer = kWarps - 1;  // the warp that issues the copies (warp 0 adds up the rows)
+  if (warp == kIssuer)
     for (int s = 0; s < kStages - 1 && s < mine; ++s) issue_tile(W, tile_of(s), base + s * L.stage, L, &full[s], lane);
   pdl_wait();
   pdl_launch_dependents();
@@ -124,7 +125,10 @@ __global__ void __launch_bounds__(kThreads, 1) lm_head_kernel(LmHeadArgs a) {
   // x = bf16(h·rsqrt(Σss/in + eps)·w), the partials summed in matvec's stage_norm order.
   {
     float part = 0.f;
-    for (int i = threadIdx.x; i < kNormParts; i += kThreads) part += a.x.ss[i];
+    // threads < 256 take parts i and i + 256, as matvec's 256-thread stage_norm does (the other
+    // warps add zeros), so the scale is bit-identical to the fused products' norms
+    if (threadIdx.x < 256)
+      for (int i = threadIdx.x; i < kNormParts; i += 256) part += a.x.ss[i];
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
     if (lane == 0) nred[warp] = part;
@@ -181,31 +185,51 @@ __global__ void __launch_bounds__(kThreads, 1) lm_head_kernel(LmHeadArgs a) {
   for (int it = 0; it < mine; ++it) {
     bulk::mbar_wait(&full[it % kStages], (it / kStages) & 1);  // tile `it` landed
     __syncthreads();  // ... and every warp is done with tile it-1's stage (and the tails are visible)
-    if (warp == 0) {
+    if (warp == kIssuer) {
       const int nx = it + kStages - 1;
       if (nx < mine) issue_tile(W, tile_of(nx), base + (nx % kStages) * L.stage, L, &full[nx % kStages], lane);
-      if (it > 0) finish_tile(tile_of(it - 1), red[(it - 1) & 1]);
     }
+    if (warp == 0 && it > 0) finish_tile(tile_of(it - 1), red[(it - 1) & 1]);
     const uint8_t* st = base + (it % kStages) * L.stage;
     const bf16* ssm = reinterpret_cast<const bf16*>(st + L.sb);
     const bf16* bsm = ssm + kTileRows * G;
+    // All codes first, then the 2 x J accumulation chains (row block x group) interleaved, so
+    // that independent mma are in flight instead of one dependent chain.
+    constexpr int J = kMaxGroupsPerWarp;
+    uint2 wv[2][J][2];  // [row block][group][row g, row g + 8]
+    float c[2][J][4];
+#pragma unroll
+    for (int sub = 0; sub < 2; ++sub)
+#pragma unroll
+      for (int j = 0; j < J; ++j) {
+        c[sub][j][0] = c[sub][j][1] = c[sub][j][2] = c[sub][j][3] = 0.f;
+        const int gi = warp + j * kWarps;
+        if (gi >= G) continue;
+        const uint8_t* p = st + (sub * 16 + g) * L.row_stride + gi * 32 + t * 8;
+        wv[sub][j][0] = *reinterpret_cast<const uint2*>(p);
+        wv[sub][j][1] = *reinterpret_cast<const uint2*>(p + 8 * L.row_stride);
+      }
+#pragma unroll
+    for (int wi = 0; wi < 2; ++wi)
+#pragma unroll
+      for (int sub = 0; sub < 2; ++sub)
+#pragma unroll
+        for (int j = 0; j < J; ++j) {
+          if (warp + j * kWarps >= G) continue;
+          mma_word(c[sub][j], wi ? wv[sub][j][0].y : wv[sub][j][0].x, wi ? wv[sub][j][1].y : wv[sub][j][1].x, bx[j][wi]);
+        }
 #pragma unroll
     for (int sub = 0; sub < 2; ++sub) {
       const int ra = sub * 16 + g, rb = ra + 8;
       float ta = 0.f, tb = 0.f;
 #pragma unroll
-      for (int j = 0; j < kMaxGroupsPerWarp; ++j) {
+      for (int j = 0; j < J; ++j) {
         const int gi = warp + j * kWarps;
-        if (gi >= G) break;
-        const uint2 wa = *reinterpret_cast<const uint2*>(st + ra * L.row_stride + gi * 32 + t * 8);
-        const uint2 wb = *reinterpret_cast<const uint2*>(st + rb * L.row_stride + gi * 32 + t * 8);
-        float c[4] = {0.f, 0.f, 0.f, 0.f};
-        mma_word(c, wa.x, wb.x, bx[j][0]);
-        mma_word(c, wa.y, wb.y, bx[j][1]);
+        if (gi >= G) continue;
         const float sa = __bfloat162float(ssm[ra * G + gi]), ba = __bfloat162float(bsm[ra * G + gi]);
         const float sb = __bfloat162float(ssm[rb * G + gi]), bb = __bfloat162float(bsm[rb * G + gi]);
-        ta += fmaf(sa, c[0], (ba - 128.f * sa) * sx[j]);
-        tb += fmaf(sb, c[2], (bb - 128.f * sb) * sx[j]);
+        ta += fmaf(sa, c[sub][j][0], (ba - 128.f * sa) * sx[j]);
+        tb += fmaf(sb, c[sub][j][2], (bb - 128.f * sb) * sx[j]);
       }
       if (t == 0) {
         red[it & 1][warp][ra] = ta;
