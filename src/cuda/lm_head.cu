@@ -14,6 +14,8 @@
 #include "cuda/lm_head.cuh"
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 
 #include "cuda/bulk_copy.cuh"
 #include "cuda/embed.cuh"
@@ -34,14 +36,14 @@ struct Layout {
   int sb;          // offset of scales [kTileRows][G], then biases [kTileRows][G] (bf16)
   int stage;       // bytes per stage (16-byte multiple)
 };
-__host__ __device__ inline Layout layout(int in) {
+__host__ __device__ inline Layout layout(int in, bool padded) {
   Layout L;
-  L.row_stride = in / 2 + kRowPad;
+  L.row_stride = in / 2 + (padded ? kRowPad : 0);
   L.sb = kTileRows * L.row_stride;
   L.stage = (L.sb + kTileRows * (in / kQuantGroup) * 4 + 15) / 16 * 16;
   return L;
 }
-size_t smem_bytes(int in) { return size_t(kStages) * layout(in).stage + size_t(in) * 2; }
+size_t smem_bytes(int in, bool padded) { return size_t(kStages) * layout(in, padded).stage + size_t(in) * 2; }
 
 // Tile `tile` (rows 32·tile …) of W into a stage, by one warp: its lane 0 issues one bulk copy
 // per row of codes (bulk copies take warp-uniform operands, so one lane loops instead of every
@@ -60,7 +62,8 @@ __device__ void issue_tile(const DevLinear& W, int tile, uint8_t* stage, const L
   if (lane == 0) {
     bulk::fence_before_copy();  // earlier reads of the stage come first
     bulk::mbar_expect_tx(bar, unsigned(rows * row_bytes + 2 * sb_bulk));
-    for (int r = 0; r < rows; ++r) bulk::copy(stage + r * L.row_stride, gw + int64_t(r) * row_bytes, row_bytes, bar);
+    if (L.row_stride == row_bytes) bulk::copy(stage, gw, rows * row_bytes, bar);
+    else for (int r = 0; r < rows; ++r) bulk::copy(stage + r * L.row_stride, gw + int64_t(r) * row_bytes, row_bytes, bar);
     if (sb_bulk > 0) {
       bulk::copy(ds, gs, sb_bulk, bar);
       bulk::copy(db, gb, sb_bulk, bar);
@@ -93,6 +96,7 @@ __device__ __forceinline__ unsigned long long warp_max(unsigned long long k) {
   return k;
 }
 
+template <bool kPadded>
 __global__ void __launch_bounds__(kThreads, 1) lm_head_kernel(LmHeadArgs a) {
   extern __shared__ float4 smem4[];
   __shared__ float red[2][kWarps][kTileRows];
@@ -103,7 +107,7 @@ __global__ void __launch_bounds__(kThreads, 1) lm_head_kernel(LmHeadArgs a) {
   uint8_t* base = reinterpret_cast<uint8_t*>(smem4);
   const DevLinear& W = a.W;
   const int G = W.in / kQuantGroup;
-  const Layout L = layout(W.in);
+  const Layout L = layout(W.in, kPadded);
   bf16* xb = reinterpret_cast<bf16*>(base + kStages * L.stage);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int ntiles = (W.out + kTileRows - 1) / kTileRows;
@@ -278,17 +282,25 @@ void lm_head_argmax(const LmHeadArgs& a, cudaStream_t stream) {
   TANSY_CHECK(a.logits && a.token && a.scratch && a.counter, "lm_head_argmax: logits, token, scratch and counter are required");
   TANSY_CHECK(a.limit >= 1 && a.limit <= W.out, "lm_head_argmax: limit {} outside 1..{}", a.limit, W.out);
   const int grid = std::min<int>(ceil_div(W.out, kTileRows), lm_head_scratch());
-  const size_t smem = smem_bytes(W.in);
-  static size_t granted = 0;
-  if (smem > granted) {
-    const cudaError_t e = cudaFuncSetAttribute(lm_head_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    if (e != cudaSuccess) {
-      cudaGetLastError();
-      fail("lm_head_argmax: {} bytes of shared memory unavailable ({})", smem, cudaGetErrorString(e));
+  static const bool padded = [] {
+    const char* v = std::getenv("TANSY_HEAD_COPY");
+    return !(v && std::string(v) == "whole");
+  }();
+  const size_t smem = smem_bytes(W.in, padded);
+  auto go = [&](auto kern) {
+    static size_t granted = 0;
+    if (smem > granted) {
+      const cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+      if (e != cudaSuccess) {
+        cudaGetLastError();
+        fail("lm_head_argmax: {} bytes of shared memory unavailable ({})", smem, cudaGetErrorString(e));
+      }
+      granted = smem;
     }
-    granted = smem;
-  }
-  pdl_launch(lm_head_kernel, dim3(grid), dim3(kThreads), smem, stream, a);
+    pdl_launch(kern, dim3(grid), dim3(kThreads), smem, stream, a);
+  };
+  if (padded) go(lm_head_kernel<true>);
+  else go(lm_head_kernel<false>);
 }
 
 }  // namespace tansy::cuda
