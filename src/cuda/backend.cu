@@ -237,7 +237,8 @@ class CudaModel final : public Model, public StageProfiler {
       ModelWeights w = load_weights(cfg_, store);
       upload(w);
     }
-    if (lm_head_.view.fmt != WFormat::kAffine4 || cfg_.hidden_size > kFusedNormMaxDim) head_fused_ = false;
+    if (lm_head_.view.fmt != WFormat::kAffine4 || cfg_.hidden_size > kFusedNormMaxDim || cfg_.hidden_size % 256 != 0)
+      head_fused_ = false;
     allocate_scratch();
     warm_up();
   }

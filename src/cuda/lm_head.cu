@@ -13,9 +13,10 @@
 // bias apply in f32: y = s·Σ(128+q)x + (b - 128s)·Σx, as matvec's chunk_dot.
 #include "cuda/lm_head.cuh"
 
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
 #include <algorithm>
-#include <cstdlib>
-#include <string>
 
 #include "cuda/bulk_copy.cuh"
 #include "cuda/embed.cuh"
@@ -29,31 +30,42 @@ constexpr int kWarps = 16, kThreads = kWarps * 32;  // 4 warps per scheduler hid
 constexpr int kTileRows = 32;  // two mma row blocks of 16
 constexpr int kStages = 5;
 constexpr int kMaxGroupsPerWarp = kFusedNormMaxDim / kQuantGroup / kWarps;
-constexpr int kRowPad = 32;  // bytes after each staged row: consecutive rows start 8 banks apart
+constexpr int kSlab = 128;                  // bytes of a row per tensor copy (the 128-byte swizzle span)
+constexpr int kSlabBytes = kTileRows * kSlab;  // one copy: 32 rows x 128 bytes, 1024-byte aligned
 
+// A stage: the codes as row_bytes / 128 slabs of [32 rows][128 bytes], each stored with the
+// 128-byte swizzle (16-byte chunk c of row r at chunk c ^ (r % 8)), so that the 8 rows an mma
+// fragment load touches at one column fall in 8 different bank groups; then scales
+// [kTileRows][G] and biases [kTileRows][G] (bf16).
 struct Layout {
-  int row_stride;  // bytes between staged rows
-  int sb;          // offset of scales [kTileRows][G], then biases [kTileRows][G] (bf16)
-  int stage;       // bytes per stage (16-byte multiple)
+  int sb;     // offset of the scales
+  int stage;  // bytes per stage (a multiple of 1024)
 };
-__host__ __device__ inline Layout layout(int in, bool padded) {
+__host__ __device__ inline Layout layout(int in) {
   Layout L;
-  L.row_stride = in / 2 + (padded ? kRowPad : 0);
-  L.sb = kTileRows * L.row_stride;
-  L.stage = (L.sb + kTileRows * (in / kQuantGroup) * 4 + 15) / 16 * 16;
+  L.sb = (in / 2 / kSlab) * kSlabBytes;
+  L.stage = (L.sb + kTileRows * (in / kQuantGroup) * 4 + 1023) / 1024 * 1024;
   return L;
 }
-size_t smem_bytes(int in, bool padded) { return size_t(kStages) * layout(in, padded).stage + size_t(in) * 2; }
+// + 1024: the dynamic shared memory is aligned to 1024 bytes inside the kernel
+size_t smem_bytes(int in) { return size_t(kStages) * layout(in).stage + size_t(in) * 2 + 1024; }
 
-// Tile `tile` (rows 32·tile …) of W into a stage, by one warp: its lane 0 issues one bulk copy
-// per row of codes (bulk copies take warp-uniform operands, so one lane loops instead of every
-// lane issuing its own; rows past W.out are not copied: their products are never stored) and one
-// each for the scales and biases; a tail of those under 16 bytes (a partial last tile) is copied
-// by plain stores, visible to the other warps after the barrier that precedes the tile's use.
-__device__ void issue_tile(const DevLinear& W, int tile, uint8_t* stage, const Layout& L, uint64_t* bar, int lane) {
+__device__ __forceinline__ void tensor_copy_2d(void* dst, const CUtensorMap* map, int c0, int c1, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+          tc::smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(tc::smem_addr(bar))
+      : "memory");
+}
+
+// Tile `tile` (rows 32·tile …) of W into a stage, by one warp: its lane 0 issues one tensor copy
+// per slab of codes (rows past W.out arrive as zeros, still counted) and one bulk copy each for
+// the scales and biases; a tail of those under 16 bytes (a partial last tile) is copied by plain
+// stores, visible to the other warps after the barrier that precedes the tile's use.
+__device__ void issue_tile(const CUtensorMap* map, const DevLinear& W, int tile, uint8_t* stage, const Layout& L,
+                           uint64_t* bar, int lane) {
   const int G = W.in / kQuantGroup, row_bytes = W.in / 2;
   const int r0 = tile * kTileRows, rows = min(kTileRows, W.out - r0);
-  const uint8_t* gw = reinterpret_cast<const uint8_t*>(W.q) + int64_t(r0) * row_bytes;
   const int sb = rows * G * 2, sb_bulk = sb & ~15;
   const bf16* gs = W.scales + int64_t(r0) * G;
   const bf16* gb = W.biases + int64_t(r0) * G;
@@ -61,9 +73,8 @@ __device__ void issue_tile(const DevLinear& W, int tile, uint8_t* stage, const L
   bf16* db = ds + kTileRows * G;
   if (lane == 0) {
     bulk::fence_before_copy();  // earlier reads of the stage come first
-    bulk::mbar_expect_tx(bar, unsigned(rows * row_bytes + 2 * sb_bulk));
-    if (L.row_stride == row_bytes) bulk::copy(stage, gw, rows * row_bytes, bar);
-    else for (int r = 0; r < rows; ++r) bulk::copy(stage + r * L.row_stride, gw + int64_t(r) * row_bytes, row_bytes, bar);
+    bulk::mbar_expect_tx(bar, unsigned(row_bytes / kSlab * kSlabBytes + 2 * sb_bulk));
+    for (int sl = 0; sl < row_bytes / kSlab; ++sl) tensor_copy_2d(stage + sl * kSlabBytes, map, sl * kSlab, r0, bar);
     if (sb_bulk > 0) {
       bulk::copy(ds, gs, sb_bulk, bar);
       bulk::copy(db, gb, sb_bulk, bar);
@@ -96,8 +107,7 @@ __device__ __forceinline__ unsigned long long warp_max(unsigned long long k) {
   return k;
 }
 
-template <bool kPadded>
-__global__ void __launch_bounds__(kThreads, 1) lm_head_kernel(LmHeadArgs a) {
+__global__ void __launch_bounds__(kThreads, 1) lm_head_kernel(const __grid_constant__ CUtensorMap map, LmHeadArgs a) {
   extern __shared__ float4 smem4[];
   __shared__ float red[2][kWarps][kTileRows];
   __shared__ float nred[kWarps];
@@ -105,9 +115,10 @@ __global__ void __launch_bounds__(kThreads, 1) lm_head_kernel(LmHeadArgs a) {
   __shared__ int last;
   __shared__ alignas(8) uint64_t full[kStages];  // stage s holds its tile
   uint8_t* base = reinterpret_cast<uint8_t*>(smem4);
+  base += (1024 - (tc::smem_addr(base) & 1023)) & 1023;  // the swizzle pattern needs 1024-byte alignment
   const DevLinear& W = a.W;
   const int G = W.in / kQuantGroup;
-  const Layout L = layout(W.in, kPadded);
+  const Layout L = layout(W.in);
   bf16* xb = reinterpret_cast<bf16*>(base + kStages * L.stage);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int ntiles = (W.out + kTileRows - 1) / kTileRows;
@@ -122,7 +133,7 @@ __global__ void __launch_bounds__(kThreads, 1) lm_head_kernel(LmHeadArgs a) {
   // Weights never depend on the step: the first stages load while the previous kernel finishes.
   constexpr int kIssuer = kWarps - 1;  // the warp that issues the copies (warp 0 adds up the rows)
   if (warp == kIssuer)
-    for (int s = 0; s < kStages - 1 && s < mine; ++s) issue_tile(W, tile_of(s), base + s * L.stage, L, &full[s], lane);
+    for (int s = 0; s < kStages - 1 && s < mine; ++s) issue_tile(&map, W, tile_of(s), base + s * L.stage, L, &full[s], lane);
   pdl_wait();
   pdl_launch_dependents();
 
@@ -191,7 +202,7 @@ __global__ void __launch_bounds__(kThreads, 1) lm_head_kernel(LmHeadArgs a) {
     __syncthreads();  // ... and every warp is done with tile it-1's stage (and the tails are visible)
     if (warp == kIssuer) {
       const int nx = it + kStages - 1;
-      if (nx < mine) issue_tile(W, tile_of(nx), base + (nx % kStages) * L.stage, L, &full[nx % kStages], lane);
+      if (nx < mine) issue_tile(&map, W, tile_of(nx), base + (nx % kStages) * L.stage, L, &full[nx % kStages], lane);
     }
     if (warp == 0 && it > 0) finish_tile(tile_of(it - 1), red[(it - 1) & 1]);
     const uint8_t* st = base + (it % kStages) * L.stage;
@@ -209,9 +220,11 @@ __global__ void __launch_bounds__(kThreads, 1) lm_head_kernel(LmHeadArgs a) {
         c[sub][j][0] = c[sub][j][1] = c[sub][j][2] = c[sub][j][3] = 0.f;
         const int gi = warp + j * kWarps;
         if (gi >= G) continue;
-        const uint8_t* p = st + (sub * 16 + g) * L.row_stride + gi * 32 + t * 8;
+        // row r = 16 sub + g (+ 8: same r % 8), bytes 32 gi + 8t: slab gi / 4, chunk 2 (gi % 4) + t / 2
+        const int chunk = (((gi & 3) << 1) | (t >> 1)) ^ g;
+        const uint8_t* p = st + (gi >> 2) * kSlabBytes + (sub * 16 + g) * kSlab + chunk * 16 + (t & 1) * 8;
         wv[sub][j][0] = *reinterpret_cast<const uint2*>(p);
-        wv[sub][j][1] = *reinterpret_cast<const uint2*>(p + 8 * L.row_stride);
+        wv[sub][j][1] = *reinterpret_cast<const uint2*>(p + 8 * kSlab);
       }
 #pragma unroll
     for (int wi = 0; wi < 2; ++wi)
@@ -269,6 +282,39 @@ __global__ void __launch_bounds__(kThreads, 1) lm_head_kernel(LmHeadArgs a) {
 
 }  // namespace
 
+// The tensor map of W's codes as bytes [out][in / 2], boxes of 32 rows x 128 bytes, 128-byte
+// swizzle, rows past the end read as zeros. Encoded on the host (driver entry point); the last
+// one is kept, since one model has one lm_head.
+static CUtensorMap codes_map(const DevLinear& W) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q);
+    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || !fn)
+      fail("lm_head_argmax: the driver has no cuTensorMapEncodeTiled ({})", cudaGetErrorString(e));
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  static struct {
+    const void* q = nullptr;
+    int out = 0, in = 0;
+    CUtensorMap map{};
+  } last;
+  if (last.q == W.q && last.out == W.out && last.in == W.in) return last.map;
+  const cuuint64_t dims[2] = {cuuint64_t(W.in / 2), cuuint64_t(W.out)};
+  const cuuint64_t strides[1] = {cuuint64_t(W.in / 2)};
+  const cuuint32_t box[2] = {kSlab, kTileRows}, estrides[2] = {1, 1};
+  CUtensorMap map{};
+  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<uint32_t*>(W.q), dims, strides, box,
+                            estrides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) fail("lm_head_argmax: cuTensorMapEncodeTiled failed ({})", int(r));
+  last.q = W.q;
+  last.out = W.out;
+  last.in = W.in;
+  last.map = map;
+  return map;
+}
+
 int lm_head_scratch() { return sm_count(); }
 
 void lm_head_argmax(const LmHeadArgs& a, cudaStream_t stream) {
@@ -276,31 +322,24 @@ void lm_head_argmax(const LmHeadArgs& a, cudaStream_t stream) {
   TANSY_CHECK(W.fmt == WFormat::kAffine4, "lm_head_argmax: weight format {} unsupported (4-bit only)",
               wformat_name(W.fmt));
   W.check("lm_head_argmax");
-  TANSY_CHECK(W.in <= kFusedNormMaxDim, "lm_head_argmax: in = {} exceeds {}", W.in, kFusedNormMaxDim);
+  TANSY_CHECK(W.in <= kFusedNormMaxDim && W.in % 256 == 0,
+              "lm_head_argmax: in = {} must be a multiple of 256 and at most {}", W.in, kFusedNormMaxDim);
   TANSY_CHECK(aligned16(W.scales) && aligned16(W.biases), "lm_head_argmax: scales and biases must be 16-byte aligned");
   TANSY_CHECK(a.x.h && a.x.ss && a.x.w, "lm_head_argmax: the norm input (h, ss, w) is missing");
   TANSY_CHECK(a.logits && a.token && a.scratch && a.counter, "lm_head_argmax: logits, token, scratch and counter are required");
   TANSY_CHECK(a.limit >= 1 && a.limit <= W.out, "lm_head_argmax: limit {} outside 1..{}", a.limit, W.out);
   const int grid = std::min<int>(ceil_div(W.out, kTileRows), lm_head_scratch());
-  static const bool padded = [] {
-    const char* v = std::getenv("TANSY_HEAD_COPY");
-    return !(v && std::string(v) == "whole");
-  }();
-  const size_t smem = smem_bytes(W.in, padded);
-  auto go = [&](auto kern) {
-    static size_t granted = 0;
-    if (smem > granted) {
-      const cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-      if (e != cudaSuccess) {
-        cudaGetLastError();
-        fail("lm_head_argmax: {} bytes of shared memory unavailable ({})", smem, cudaGetErrorString(e));
-      }
-      granted = smem;
+  const size_t smem = smem_bytes(W.in);
+  static size_t granted = 0;
+  if (smem > granted) {
+    const cudaError_t e = cudaFuncSetAttribute(lm_head_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      fail("lm_head_argmax: {} bytes of shared memory unavailable ({})", smem, cudaGetErrorString(e));
     }
-    pdl_launch(kern, dim3(grid), dim3(kThreads), smem, stream, a);
-  };
-  if (padded) go(lm_head_kernel<true>);
-  else go(lm_head_kernel<false>);
+    granted = smem;
+  }
+  pdl_launch(lm_head_kernel, dim3(grid), dim3(kThreads), smem, stream, codes_map(W), a);
 }
 
 }  // namespace tansy::cuda

@@ -24,10 +24,10 @@ struct LmHeadArgs {
 int lm_head_scratch();
 
 // x = bf16(rmsnorm(h)·w); logits[r] = Σ_i W[r, i]·x[i] for every row r; *token = argmax over
-// [0, limit); *pos += 1. Weights stream through a multi-stage cp.async pipeline into shared
-// memory in a grid of one block per multiprocessor; the products run on tensor cores (mma.sync
-// m16n8k16, the 4-bit codes widened to bf16 128+q exactly, f32 accumulation per quant group,
-// then scale and bias in f32). Throws unless W is 4-bit with in % 64 == 0 and in <= 2048.
+// [0, limit); *pos += 1. Weights stream through a multi-stage pipeline of tensor copies (TMA)
+// into shared memory in a grid of one block per multiprocessor; the products run on tensor cores
+// (mma.sync m16n8k16, the 4-bit codes widened to bf16 128+q exactly, f32 accumulation per quant
+// group, then scale and bias in f32). Throws unless W is 4-bit with in % 256 == 0 and in <= 2048.
 void lm_head_argmax(const LmHeadArgs& a, cudaStream_t stream);
 
 }  // namespace tansy::cuda

@@ -955,10 +955,11 @@ TEST(FusedDecode, GdnInProjAndStep) {
 }
 
 // The fused decode head: final norm + lm_head + argmax + position in one launch, at the real
-// shape, at partial tiles (rows not a multiple of 32), one quant group per row, and few groups
-// per warp (the demo model's hidden size 256).
+// shape, at partial tiles (rows not a multiple of 32, a single partial tile) and at the demo
+// model's hidden size 256 (one tensor-copy slab per row, fewer groups than warps).
 TEST(FusedDecode, LmHeadArgmax) {
-  for (auto [out, in] : {std::pair{248320, 2048}, std::pair{4100, 2048}, std::pair{8184, 256}, std::pair{33, 64}}) {
+  for (auto [out, in] : {std::pair{248320, 2048}, std::pair{4100, 2048}, std::pair{8184, 256}, std::pair{33, 256},
+                         std::pair{7, 1024}}) {
     TestMatrix W = make_matrix(WFormat::kAffine4, out, in);
     const NormCase c = make_norm_case(in);
     NormDev d(c);
@@ -1005,14 +1006,14 @@ TEST(FusedDecode, LmHeadArgmax) {
     }
   }
   {  // ties go to the lower id, and ids from `limit` on never win: rows 5 and 9 are the largest
-    TestMatrix W = make_matrix(WFormat::kAffine4, 40, 128);
-    const NormCase c = make_norm_case(128);
+    TestMatrix W = make_matrix(WFormat::kAffine4, 40, 256);
+    const NormCase c = make_norm_case(256);
     double sx = 0;
     for (float v : c.x) sx += v;
     std::fill(W.s.begin(), W.s.end(), uint16_t(0));
     std::fill(W.b.begin(), W.b.end(), uint16_t(0));
     for (int r : {5, 9})
-      for (int gi = 0; gi < 2; ++gi) W.b[size_t(r) * 2 + gi] = f32_to_bf16(sx > 0 ? 1.f : -1.f);
+      for (int gi = 0; gi < 4; ++gi) W.b[size_t(r) * 4 + gi] = f32_to_bf16(sx > 0 ? 1.f : -1.f);
     CUDA_CHECK(cudaMemcpy(W.ds.get(), W.s.data(), W.s.size() * 2, cudaMemcpyHostToDevice));
     CUDA_CHECK(cudaMemcpy(W.db.get(), W.b.data(), W.b.size() * 2, cudaMemcpyHostToDevice));
     NormDev d(c);
@@ -1033,7 +1034,8 @@ TEST(FusedDecode, LmHeadArgmax) {
       cuda::lm_head_argmax(a, 0);
       EXPECT_EQ(from_device(tok.get(), 1)[0], want) << "limit " << limit;
     }
-    // refused: other formats, in beyond the register-held x, a limit outside 1..out
+    // refused: other formats, in beyond the register-held x or not a multiple of the 128-byte slab, a
+    // limit outside 1..out
     cuda::LmHeadArgs a;
     a.W = W.dev;
     a.x = d.in;
@@ -1049,8 +1051,11 @@ TEST(FusedDecode, LmHeadArgmax) {
     TestMatrix W8 = make_matrix(WFormat::kAffine8, 40, 128);
     a.W = W8.dev;
     EXPECT_THROW(cuda::lm_head_argmax(a, 0), Error);
-    TestMatrix Wwide = make_matrix(WFormat::kAffine4, 40, cuda::kFusedNormMaxDim + 64);
+    TestMatrix Wwide = make_matrix(WFormat::kAffine4, 40, cuda::kFusedNormMaxDim + 256);
     a.W = Wwide.dev;
+    EXPECT_THROW(cuda::lm_head_argmax(a, 0), Error);
+    TestMatrix Wnarrow = make_matrix(WFormat::kAffine4, 40, 192);
+    a.W = Wnarrow.dev;
     EXPECT_THROW(cuda::lm_head_argmax(a, 0), Error);
   }
 }
