@@ -17,6 +17,7 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "cuda/bulk_copy.cuh"
 #include "cuda/embed.cuh"
@@ -28,7 +29,7 @@ namespace {
 
 constexpr int kWarps = 16, kThreads = kWarps * 32;  // 4 warps per scheduler hide the mma latency
 constexpr int kTileRows = 32;  // two mma row blocks of 16
-constexpr int kStages = 5;
+constexpr int kStages = 6;
 constexpr int kMaxGroupsPerWarp = kFusedNormMaxDim / kQuantGroup / kWarps;
 constexpr int kSlab = 128;                  // bytes of a row per tensor copy (the 128-byte swizzle span)
 constexpr int kSlabBytes = kTileRows * kSlab;  // one copy: 32 rows x 128 bytes, 1024-byte aligned
@@ -56,6 +57,20 @@ __device__ __forceinline__ void tensor_copy_2d(void* dst, const CUtensorMap* map
           tc::smem_addr(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(tc::smem_addr(bar))
       : "memory");
+}
+
+// Asks L2 for tile `tile` (codes, scales, biases; whole 16-byte pieces) without waiting: the
+// shared-memory stages are few, so tiles further ahead are pulled into L2 meanwhile.
+__device__ void prefetch_tile(const DevLinear& W, int tile) {
+  const int G = W.in / kQuantGroup, row_bytes = W.in / 2;
+  const int r0 = tile * kTileRows, rows = min(kTileRows, W.out - r0);
+  const int sb = (rows * G * 2) & ~15;
+  const uint8_t* gw = reinterpret_cast<const uint8_t*>(W.q) + int64_t(r0) * row_bytes;
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(gw), "r"(rows * row_bytes) : "memory");
+  if (sb > 0) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(W.scales + int64_t(r0) * G), "r"(sb) : "memory");
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(W.biases + int64_t(r0) * G), "r"(sb) : "memory");
+  }
 }
 
 // Tile `tile` (rows 32·tile …) of W into a stage, by one warp: its lane 0 issues one tensor copy
@@ -107,7 +122,8 @@ __device__ __forceinline__ unsigned long long warp_max(unsigned long long k) {
   return k;
 }
 
-__global__ void __launch_bounds__(kThreads, 1) lm_head_kernel(const __grid_constant__ CUtensorMap map, LmHeadArgs a) {
+__global__ void __launch_bounds__(kThreads, 1) lm_head_kernel(const __grid_constant__ CUtensorMap map, LmHeadArgs a,
+                                                            int ahead) {
   extern __shared__ float4 smem4[];
   __shared__ float red[2][kWarps][kTileRows];
   __shared__ float nred[kWarps];
@@ -133,7 +149,11 @@ __global__ void __launch_bounds__(kThreads, 1) lm_head_kernel(const __grid_const
   // Weights never depend on the step: the first stages load while the previous kernel finishes.
   constexpr int kIssuer = kWarps - 1;  // the warp that issues the copies (warp 0 adds up the rows)
   if (warp == kIssuer)
+  {
     for (int s = 0; s < kStages - 1 && s < mine; ++s) issue_tile(&map, W, tile_of(s), base + s * L.stage, L, &full[s], lane);
+    if (lane == 0)
+      for (int s = kStages - 1; s < kStages - 1 + ahead && s < mine; ++s) prefetch_tile(W, tile_of(s));
+  }
   pdl_wait();
   pdl_launch_dependents();
 
@@ -203,6 +223,7 @@ __global__ void __launch_bounds__(kThreads, 1) lm_head_kernel(const __grid_const
     if (warp == kIssuer) {
       const int nx = it + kStages - 1;
       if (nx < mine) issue_tile(&map, W, tile_of(nx), base + (nx % kStages) * L.stage, L, &full[nx % kStages], lane);
+      if (lane == 0 && ahead > 0 && nx + ahead < mine) prefetch_tile(W, tile_of(nx + ahead));
     }
     if (warp == 0 && it > 0) finish_tile(tile_of(it - 1), red[(it - 1) & 1]);
     const uint8_t* st = base + (it % kStages) * L.stage;
@@ -339,7 +360,12 @@ void lm_head_argmax(const LmHeadArgs& a, cudaStream_t stream) {
     }
     granted = smem;
   }
-  pdl_launch(lm_head_kernel, dim3(grid), dim3(kThreads), smem, stream, codes_map(W), a);
+  // TANSY_HEAD_AHEAD=N: tiles pulled into L2 ahead of the shared-memory stages (default 4).
+  static const int ahead = [] {
+    const char* v = std::getenv("TANSY_HEAD_AHEAD");
+    return v ? std::atoi(v) : 4;
+  }();
+  pdl_launch(lm_head_kernel, dim3(grid), dim3(kThreads), smem, stream, codes_map(W), a, ahead);
 }
 
 }  // namespace tansy::cuda
