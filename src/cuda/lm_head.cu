@@ -1,23 +1,28 @@
-// Decode's head in one launch (see lm_head.cuh). Per-thread 16-byte cp.async copies stall at half
-// the card's bandwidth on the 286 MB lm_head (the general matvec and a first cut of this kernel
-// both measured ~2.0 TB/s on the H200), so the weights move by bulk copies (TMA, one per staged
-// row) that signal an mbarrier per stage. One block per multiprocessor runs a kStages-deep
-// pipeline over 32-row tiles (tile i + kStages - 1 is in flight while tile i is used),
-// x lives in registers as mma B fragments, and the 4-bit codes become mma A fragments with one
-// shift and one LOP3 per 8 columns: nibbles k and k+4 of a word form the bf16 pair 128+q (exact),
-// so the k order inside a word is (0,4),(1,5),(2,6),(3,7) and x is packed in the same order.
+// Decode's head in one launch (see lm_head.cuh). One block of 16 warps per multiprocessor walks
+// its share of 32-row tiles through a 5-stage shared-memory pipeline: the codes arrive by 2-D
+// tensor copies (TMA, 32 rows x 128 bytes each, 128-byte swizzle so that fragment loads are free
+// of bank conflicts), the scales and biases by bulk copies, each stage completing on an mbarrier;
+// tile i + 4 is in flight while tile i is used. x lives in registers as mma B fragments, and
+// the 4-bit codes become mma A fragments with a shift and a mask per 8 columns: nibbles k and
+// k+4 of a word form the bf16 pair 128+q (exact), so the k order inside a word is (0,4),(1,5),
+// (2,6),(3,7) and x is packed in the same order.
 //
-// Work split: warp w owns quant groups w, w+8, ... of every row (so its B fragments fit in
+// Work split: warp w owns quant groups w, w+16, ... of every row (so its B fragments fit in
 // registers); per tile each warp leaves one partial per row in shared memory and warp 0 adds them
 // up during the next tile. Per group the mma accumulator restarts, so that the group's scale and
 // bias apply in f32: y = s·Σ(128+q)x + (b - 128s)·Σx, as matvec's chunk_dot.
+//
+// Measured on the H200 (DecodeTiming, 248320 x 2048): the general matvec 140 µs; this kernel with
+// per-thread cp.async copies 142 µs, with one bulk copy per padded row 153-176 µs, with one
+// unpadded bulk copy per tile 126 µs (bank conflicts), with swizzled tensor copies 119 µs (2.4
+// TB/s, not the ~4.4 TB/s the card reads: the copies do not keep enough in flight; a sixth stage
+// and L2 prefetch of later tiles made it slower).
 #include "cuda/lm_head.cuh"
 
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
 #include <algorithm>
-#include <cstdlib>
 
 #include "cuda/bulk_copy.cuh"
 #include "cuda/embed.cuh"
@@ -29,7 +34,7 @@ namespace {
 
 constexpr int kWarps = 16, kThreads = kWarps * 32;  // 4 warps per scheduler hide the mma latency
 constexpr int kTileRows = 32;  // two mma row blocks of 16
-constexpr int kStages = 6;
+constexpr int kStages = 5;
 constexpr int kMaxGroupsPerWarp = kFusedNormMaxDim / kQuantGroup / kWarps;
 constexpr int kSlab = 128;                  // bytes of a row per tensor copy (the 128-byte swizzle span)
 constexpr int kSlabBytes = kTileRows * kSlab;  // one copy: 32 rows x 128 bytes, 1024-byte aligned
@@ -57,20 +62,6 @@ __device__ __forceinline__ void tensor_copy_2d(void* dst, const CUtensorMap* map
           tc::smem_addr(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(tc::smem_addr(bar))
       : "memory");
-}
-
-// Asks L2 for tile `tile` (codes, scales, biases; whole 16-byte pieces) without waiting: the
-// shared-memory stages are few, so tiles further ahead are pulled into L2 meanwhile.
-__device__ void prefetch_tile(const DevLinear& W, int tile) {
-  const int G = W.in / kQuantGroup, row_bytes = W.in / 2;
-  const int r0 = tile * kTileRows, rows = min(kTileRows, W.out - r0);
-  const int sb = (rows * G * 2) & ~15;
-  const uint8_t* gw = reinterpret_cast<const uint8_t*>(W.q) + int64_t(r0) * row_bytes;
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(gw), "r"(rows * row_bytes) : "memory");
-  if (sb > 0) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(W.scales + int64_t(r0) * G), "r"(sb) : "memory");
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(W.biases + int64_t(r0) * G), "r"(sb) : "memory");
-  }
 }
 
 // Tile `tile` (rows 32·tile …) of W into a stage, by one warp: its lane 0 issues one tensor copy
@@ -122,8 +113,7 @@ __device__ __forceinline__ unsigned long long warp_max(unsigned long long k) {
   return k;
 }
 
-__global__ void __launch_bounds__(kThreads, 1) lm_head_kernel(const __grid_constant__ CUtensorMap map, LmHeadArgs a,
-                                                            int ahead) {
+__global__ void __launch_bounds__(kThreads, 1) lm_head_kernel(const __grid_constant__ CUtensorMap map, LmHeadArgs a) {
   extern __shared__ float4 smem4[];
   __shared__ float red[2][kWarps][kTileRows];
   __shared__ float nred[kWarps];
@@ -149,11 +139,7 @@ __global__ void __launch_bounds__(kThreads, 1) lm_head_kernel(const __grid_const
   // Weights never depend on the step: the first stages load while the previous kernel finishes.
   constexpr int kIssuer = kWarps - 1;  // the warp that issues the copies (warp 0 adds up the rows)
   if (warp == kIssuer)
-  {
     for (int s = 0; s < kStages - 1 && s < mine; ++s) issue_tile(&map, W, tile_of(s), base + s * L.stage, L, &full[s], lane);
-    if (lane == 0)
-      for (int s = kStages - 1; s < kStages - 1 + ahead && s < mine; ++s) prefetch_tile(W, tile_of(s));
-  }
   pdl_wait();
   pdl_launch_dependents();
 
@@ -223,7 +209,6 @@ __global__ void __launch_bounds__(kThreads, 1) lm_head_kernel(const __grid_const
     if (warp == kIssuer) {
       const int nx = it + kStages - 1;
       if (nx < mine) issue_tile(&map, W, tile_of(nx), base + (nx % kStages) * L.stage, L, &full[nx % kStages], lane);
-      if (lane == 0 && ahead > 0 && nx + ahead < mine) prefetch_tile(W, tile_of(nx + ahead));
     }
     if (warp == 0 && it > 0) finish_tile(tile_of(it - 1), red[(it - 1) & 1]);
     const uint8_t* st = base + (it % kStages) * L.stage;
@@ -360,12 +345,7 @@ void lm_head_argmax(const LmHeadArgs& a, cudaStream_t stream) {
     }
     granted = smem;
   }
-  // TANSY_HEAD_AHEAD=N: tiles pulled into L2 ahead of the shared-memory stages (default 4).
-  static const int ahead = [] {
-    const char* v = std::getenv("TANSY_HEAD_AHEAD");
-    return v ? std::atoi(v) : 4;
-  }();
-  pdl_launch(lm_head_kernel, dim3(grid), dim3(kThreads), smem, stream, codes_map(W), a, ahead);
+  pdl_launch(lm_head_kernel, dim3(grid), dim3(kThreads), smem, stream, codes_map(W), a);
 }
 
 }  // namespace tansy::cuda
