@@ -22,6 +22,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -209,7 +210,9 @@ def device_info(device: str) -> dict:
         try:
             with open("/proc/driver/nvidia/version") as f:
                 line = f.readline()
-            info["driver"] = line.split("Kernel Module")[1].split()[0]
+            # "NVRM version: NVIDIA UNIX [Open ]Kernel Module for x86_64  580.159.04  ..."
+            m = re.search(r"Kernel Module.*?\s(\d+\.\d+(?:\.\d+)?)\s", line)
+            info["driver"] = m.group(1) if m else "unknown"
         except Exception:  # noqa: BLE001
             info["driver"] = "unknown"
     return info
