@@ -501,7 +501,7 @@ __global__ void __launch_bounds__(kThreads, 3) matvec_kernel(DevLinear W, const 
 // weight read of a decode product overlaps the kernel before it, and no registers are spent
 // holding loads in flight. The copies are bulk copies (warp 0's lanes, 4 KiB pieces, one
 // mbarrier) or, with TANSY_MATVEC_BULK=0, per-thread 16-byte cp.async (measured: bulk copies
-// 0.4-1.2 µs faster per product on the H200). After the wait only x is staged and the dot
+// 0.2-1.2 µs faster per product on the H200). After the wait only x is staged and the dot
 // products read shared memory. MODE 0 plain, MODE 1 SwiGLU row pairs, MODE 2 routed experts
 // (their copy starts after the wait: the rows depend on the routing); the Fusion epilogues as in
 // matvec_kernel.
