@@ -222,14 +222,10 @@ class CudaModel final : public Model, public StageProfiler {
     if (mode && std::string(mode) == "gemv") tc_prefill_ = false;
     else if (mode && std::string(mode) != "tc") fail("TANSY_CUDA_PREFILL must be 'tc' or 'gemv', not '{}'", mode);
     // TANSY_ATTN_FUSED=0: decode attention as qk_norm_rope + split + merge (to compare).
-    const char* fused = std::getenv("TANSY_ATTN_FUSED");
-    if (fused && std::string(fused) == "0") attn_fused_ = false;
-    else if (fused && std::string(fused) != "1") fail("TANSY_ATTN_FUSED must be 0 or 1, not '{}'", fused);
+    attn_fused_ = env_flag("TANSY_ATTN_FUSED", true);
     // TANSY_HEAD_FUSED=0: decode's final norm, lm_head, argmax and position as separate kernels
     // (to compare). The fused head reads 4-bit lm_heads only; other formats use the separate ones.
-    const char* head = std::getenv("TANSY_HEAD_FUSED");
-    if (head && std::string(head) == "0") head_fused_ = false;
-    else if (head && std::string(head) != "1") fail("TANSY_HEAD_FUSED must be 0 or 1, not '{}'", head);
+    head_fused_ = env_flag("TANSY_HEAD_FUSED", true);
     validate_config();
     greedy_limit_ = cfg_.vocab_size;
     {
@@ -237,8 +233,7 @@ class CudaModel final : public Model, public StageProfiler {
       ModelWeights w = load_weights(cfg_, store);
       upload(w);
     }
-    if (lm_head_.view.fmt != WFormat::kAffine4 || cfg_.hidden_size > kFusedNormMaxDim || cfg_.hidden_size % 256 != 0)
-      head_fused_ = false;
+    if (!lm_head_argmax_supports(lm_head_.view)) head_fused_ = false;
     allocate_scratch();
     warm_up();
   }

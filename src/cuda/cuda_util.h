@@ -11,6 +11,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <utility>
 
 #include "core/error.h"
@@ -28,6 +30,16 @@ using bf16 = __nv_bfloat16;
 
 // After a launch: configuration errors surface here, asynchronous faults at the next sync.
 #define CUDA_LAUNCH_CHECK() CUDA_CHECK(cudaGetLastError())
+
+// An on/off switch from the environment (comparisons and tuning): unset gives `dflt`, "1" on,
+// "0" off, anything else is an error naming the variable.
+inline bool env_flag(const char* name, bool dflt) {
+  const char* v = std::getenv(name);
+  if (!v) return dflt;
+  if (std::strcmp(v, "1") == 0) return true;
+  if (std::strcmp(v, "0") == 0) return false;
+  fail("{} must be 0 or 1, not '{}'", name, v);
+}
 
 // Owning, untyped-size device allocation (cudaMalloc, never managed memory).
 template <typename T>

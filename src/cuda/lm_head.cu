@@ -323,28 +323,22 @@ static CUtensorMap codes_map(const DevLinear& W) {
 
 int lm_head_scratch() { return sm_count(); }
 
+bool lm_head_argmax_supports(const DevLinear& W) {
+  return W.fmt == WFormat::kAffine4 && W.in % (2 * kSlab) == 0 && W.in <= kFusedNormMaxDim;
+}
+
 void lm_head_argmax(const LmHeadArgs& a, cudaStream_t stream) {
   const DevLinear& W = a.W;
-  TANSY_CHECK(W.fmt == WFormat::kAffine4, "lm_head_argmax: weight format {} unsupported (4-bit only)",
-              wformat_name(W.fmt));
   W.check("lm_head_argmax");
-  TANSY_CHECK(W.in <= kFusedNormMaxDim && W.in % 256 == 0,
-              "lm_head_argmax: in = {} must be a multiple of 256 and at most {}", W.in, kFusedNormMaxDim);
+  TANSY_CHECK(lm_head_argmax_supports(W), "lm_head_argmax: a {} weight with in = {} unsupported (4-bit, in a multiple of {} up to {})",
+              wformat_name(W.fmt), W.in, 2 * kSlab, kFusedNormMaxDim);
   TANSY_CHECK(aligned16(W.scales) && aligned16(W.biases), "lm_head_argmax: scales and biases must be 16-byte aligned");
   TANSY_CHECK(a.x.h && a.x.ss && a.x.w, "lm_head_argmax: the norm input (h, ss, w) is missing");
   TANSY_CHECK(a.logits && a.token && a.scratch && a.counter, "lm_head_argmax: logits, token, scratch and counter are required");
   TANSY_CHECK(a.limit >= 1 && a.limit <= W.out, "lm_head_argmax: limit {} outside 1..{}", a.limit, W.out);
   const int grid = std::min<int>(ceil_div(W.out, kTileRows), lm_head_scratch());
   const size_t smem = smem_bytes(W.in);
-  static size_t granted = 0;
-  if (smem > granted) {
-    const cudaError_t e = cudaFuncSetAttribute(lm_head_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    if (e != cudaSuccess) {
-      cudaGetLastError();
-      fail("lm_head_argmax: {} bytes of shared memory unavailable ({})", smem, cudaGetErrorString(e));
-    }
-    granted = smem;
-  }
+  allow_smem<lm_head_kernel>(smem, "lm_head_argmax");
   pdl_launch(lm_head_kernel, dim3(grid), dim3(kThreads), smem, stream, codes_map(W), a);
 }
 

@@ -20,6 +20,9 @@ struct LmHeadArgs {
   unsigned* counter = nullptr;            // one u32, zero before the launch (left zero)
 };
 
+// Whether lm_head_argmax reads this weight: 4-bit, in a multiple of 256 and at most 2048.
+bool lm_head_argmax_supports(const DevLinear& W);
+
 // Scratch entries (one per block) lm_head_argmax needs.
 int lm_head_scratch();
 

@@ -680,22 +680,6 @@ __global__ void __launch_bounds__(kThreads, 2) matvec_smem_kernel(DevLinear W, c
   if (fz.epi == Epi::kRoute) route_epilogue(fz.route, static_cast<const float*>(Y), warp);
 }
 
-// Raises the kernel's dynamic shared-memory limit when a launch needs more than granted so far
-// (the backend's warm-up makes every decode shape's call before any graph capture) and fails
-// loudly when the device cannot give it.
-template <auto Kern>
-void allow_smem(size_t smem, const char* what) {
-  static size_t granted = 0;  // the 48 KiB default counts static shared memory too: always opt in
-  if (smem <= granted) return;
-  const cudaError_t e = cudaFuncSetAttribute(Kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-  if (e != cudaSuccess) {
-    cudaGetLastError();  // not sticky: clear it so the next launch check is not blamed
-    fail("{}: {} bytes of staged input exceed the shared memory a block can have ({})", what, smem,
-         cudaGetErrorString(e));
-  }
-  granted = smem;
-}
-
 template <int BITS>
 size_t stage_bytes(int in, int rows) {
   return size_t(rows) * (in / Chunk<BITS>::kCols) * Chunk<BITS>::kStride * sizeof(float);
@@ -722,12 +706,7 @@ bool smem_staging_on() {
 // TANSY_MATVEC_BULK=0 stages the shared-memory kernels' weights with per-thread cp.async copies
 // instead of bulk copies (for comparisons); read once.
 bool bulk_copies_on() {
-  static const bool on = [] {
-    const char* v = std::getenv("TANSY_MATVEC_BULK");
-    if (!v || std::strcmp(v, "1") == 0) return true;
-    if (std::strcmp(v, "0") == 0) return false;
-    fail("TANSY_MATVEC_BULK must be 0 or 1, not '{}'", v);
-  }();
+  static const bool on = env_flag("TANSY_MATVEC_BULK", true);
   return on;
 }
 

@@ -30,13 +30,24 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 }
 
 inline bool pdl_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("TANSY_CUDA_PDL");
-    if (!v || std::strcmp(v, "1") == 0) return true;
-    if (std::strcmp(v, "0") == 0) return false;
-    fail("TANSY_CUDA_PDL must be 0 or 1, not '{}'", v);
-  }();
+  static const bool on = env_flag("TANSY_CUDA_PDL", true);
   return on;
+}
+
+// Raises the kernel's dynamic shared-memory limit when a launch needs more than granted so far
+// (the backend's warm-up makes every decode shape's call before any graph capture) and fails
+// loudly when the device cannot give it.
+template <auto Kern>
+void allow_smem(size_t smem, const char* what) {
+  static size_t granted = 0;  // the 48 KiB default counts static shared memory too: always opt in
+  if (smem <= granted) return;
+  const cudaError_t e = cudaFuncSetAttribute(Kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // not sticky: clear it so the next launch check is not blamed
+    fail("{}: {} bytes of shared memory exceed what a block can have ({})", what, smem,
+         cudaGetErrorString(e));
+  }
+  granted = smem;
 }
 
 template <typename... Params, typename... Args>

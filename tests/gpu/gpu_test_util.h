@@ -77,6 +77,23 @@ std::vector<T> from_device(const T* p, size_t n) {
   return h;
 }
 
+inline double l2norm(const std::vector<float>& v) {
+  double s = 0;
+  for (float x : v) s += double(x) * x;
+  return std::sqrt(s);
+}
+
+// ||out - ref||; infinite when out has a NaN/inf or the sizes differ.
+inline double diff_norm(const std::vector<float>& out, const std::vector<float>& ref) {
+  if (out.size() != ref.size()) return INFINITY;
+  double s = 0;
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (!std::isfinite(out[i])) return INFINITY;
+    s += double(out[i] - ref[i]) * (out[i] - ref[i]);
+  }
+  return std::sqrt(s);
+}
+
 // ||out - ref|| / ||ref||; infinite when out has a NaN/inf or the sizes differ.
 inline double rel_err(const std::vector<float>& out, const std::vector<float>& ref) {
   if (out.size() != ref.size()) return INFINITY;

@@ -87,20 +87,6 @@ const char* fmt_name(WFormat f) { return wformat_name(f); }
 
 // ---- matvec ----
 
-double norm2(const std::vector<float>& v) {
-  double s = 0;
-  for (float x : v) s += double(x) * x;
-  return std::sqrt(s);
-}
-double diff_norm(const std::vector<float>& a, const std::vector<float>& b) {
-  if (a.size() != b.size()) return INFINITY;
-  double s = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (!std::isfinite(a[i])) return INFINITY;
-    s += double(a[i] - b[i]) * (a[i] - b[i]);
-  }
-  return std::sqrt(s);
-}
 // sqrt(Σ_t Σ_r Σ_i (W[r, i]·X[t, i])²): the size of the products' terms.
 double terms_rss(const Linear& W, const std::vector<float>& X, int n) {
   std::vector<float> row(W.in);
@@ -158,9 +144,9 @@ TEST(DecodeKernels, Matvec) {
     // outputs are of the terms' size, against the terms' root-sum-square where they cancel (one
     // output of 64 terms can come out near zero and make any relative error large).
     const double rss = terms_rss(W.host, x, c.n);
-    const double den = std::max(norm2(ref), rss);
+    const double den = std::max(l2norm(ref), rss);
     std::printf("  %-48s err %.3e of max(||ref|| %.3g, terms' rss %.3g) (tol %.0e)\n", label.c_str(),
-                diff_norm(got, ref) / den, norm2(ref), rss, kTolF32);
+                diff_norm(got, ref) / den, l2norm(ref), rss, kTolF32);
     EXPECT_LE(diff_norm(got, ref) / den, kTolF32) << label;
     DeviceBuffer<bf16> y16(size_t(c.n) * c.out);
     poison(y16);
@@ -954,6 +940,30 @@ TEST(FusedDecode, GdnInProjAndStep) {
   }
 }
 
+// Buffers of one lm_head_argmax call and the arguments pointing at them (pos is left null).
+struct HeadCall {
+  DeviceBuffer<float> logits;
+  DeviceBuffer<unsigned long long> scratch{size_t(cuda::lm_head_scratch())};
+  DeviceBuffer<unsigned> counter{1};
+  DeviceBuffer<int> tok{1};
+  cuda::LmHeadArgs a;
+  HeadCall(const cuda::DevLinear& W, const cuda::NormIn& x) : logits(W.out) {
+    CUDA_CHECK(cudaMemset(counter.get(), 0, 4));
+    a.W = W;
+    a.x = x;
+    a.logits = logits.get();
+    a.limit = W.out;
+    a.token = tok.get();
+    a.scratch = scratch.get();
+    a.counter = counter.get();
+  }
+  int run(int limit) {
+    a.limit = limit;
+    cuda::lm_head_argmax(a, 0);
+    return from_device(tok.get(), 1)[0];
+  }
+};
+
 // The fused decode head: final norm + lm_head + argmax + position in one launch, at the real
 // shape, at partial tiles (rows not a multiple of 32, a single partial tile) and at the demo
 // model's hidden size 256 (one tensor-copy slab per row, fewer groups than warps).
@@ -963,28 +973,17 @@ TEST(FusedDecode, LmHeadArgmax) {
     TestMatrix W = make_matrix(WFormat::kAffine4, out, in);
     const NormCase c = make_norm_case(in);
     NormDev d(c);
-    DeviceBuffer<float> logits(out);
-    DeviceBuffer<unsigned long long> scratch(cuda::lm_head_scratch());
-    DeviceBuffer<unsigned> counter(1);
-    CUDA_CHECK(cudaMemset(counter.get(), 0, 4));
-    DeviceBuffer<int> tok(1), pos = to_device(std::vector<int>{7});
+    HeadCall h(W.dev, d.in);
+    DeviceBuffer<int> pos = to_device(std::vector<int>{7});
+    h.a.pos = pos.get();
     int calls = 0;
     for (int limit : {out, std::max(1, out / 3)}) {
-      poison(logits);
-      cuda::LmHeadArgs a;
-      a.W = W.dev;
-      a.x = d.in;
-      a.logits = logits.get();
-      a.limit = limit;
-      a.token = tok.get();
-      a.pos = pos.get();
-      a.scratch = scratch.get();
-      a.counter = counter.get();
-      cuda::lm_head_argmax(a, 0);
+      poison(h.logits);
+      const int id = h.run(limit);
       ++calls;
       const std::string label = "lm_head_argmax [" + std::to_string(out) + "x" + std::to_string(in) + "] limit " +
                                 std::to_string(limit);
-      const auto got = from_device(logits.get(), out);
+      const auto got = from_device(h.logits.get(), out);
       const auto xn = from_device_bf16(d.xn.get(), in);
       EXPECT_REL(xn, c.x, 5e-3, "  xn_out");
       std::vector<float> ref(out), ref_own(out);
@@ -995,13 +994,12 @@ TEST(FusedDecode, LmHeadArgmax) {
       // on the kernel's own x: f32 accumulation order only (tensor-core adds, per quant group)
       EXPECT_REL(got, ref_own, 1e-4, "  same on the kernel's x");
       const std::vector<float> head(got.begin(), got.begin() + limit), head_ref(ref_own.begin(), ref_own.begin() + limit);
-      const int id = from_device(tok.get(), 1)[0];
       EXPECT_EQ(id, tansy::argmax(head)) << label << ": the argmax of the kernel's own logits";
       ASSERT_TRUE(id >= 0 && id < limit) << label;
       const float best = *std::max_element(head_ref.begin(), head_ref.end());
       EXPECT_GE(ref_own[id], best - 1e-4f * (std::fabs(best) + 1.f)) << label << ": the CPU's best logit is " << best;
       EXPECT_EQ(from_device(pos.get(), 1)[0], 7 + calls) << label << ": position advanced once per call";
-      EXPECT_EQ(from_device(counter.get(), 1)[0], 0u) << label << ": counter left zero";
+      EXPECT_EQ(from_device(h.counter.get(), 1)[0], 0u) << label << ": counter left zero";
       std::printf("  %s -> id %d\n", label.c_str(), id);
     }
   }
@@ -1017,32 +1015,12 @@ TEST(FusedDecode, LmHeadArgmax) {
     CUDA_CHECK(cudaMemcpy(W.ds.get(), W.s.data(), W.s.size() * 2, cudaMemcpyHostToDevice));
     CUDA_CHECK(cudaMemcpy(W.db.get(), W.b.data(), W.b.size() * 2, cudaMemcpyHostToDevice));
     NormDev d(c);
-    DeviceBuffer<float> logits(40);
-    DeviceBuffer<unsigned long long> scratch(cuda::lm_head_scratch());
-    DeviceBuffer<unsigned> counter(1);
-    CUDA_CHECK(cudaMemset(counter.get(), 0, 4));
-    DeviceBuffer<int> tok(1);
-    for (auto [limit, want] : {std::pair{40, 5}, std::pair{6, 5}, std::pair{5, 0}}) {
-      cuda::LmHeadArgs a;
-      a.W = W.dev;
-      a.x = d.in;
-      a.logits = logits.get();
-      a.limit = limit;
-      a.token = tok.get();
-      a.scratch = scratch.get();
-      a.counter = counter.get();
-      cuda::lm_head_argmax(a, 0);
-      EXPECT_EQ(from_device(tok.get(), 1)[0], want) << "limit " << limit;
-    }
+    HeadCall h(W.dev, d.in);
+    for (auto [limit, want] : {std::pair{40, 5}, std::pair{6, 5}, std::pair{5, 0}})
+      EXPECT_EQ(h.run(limit), want) << "limit " << limit;
     // refused: other formats, in beyond the register-held x or not a multiple of the 128-byte slab, a
     // limit outside 1..out
-    cuda::LmHeadArgs a;
-    a.W = W.dev;
-    a.x = d.in;
-    a.logits = logits.get();
-    a.token = tok.get();
-    a.scratch = scratch.get();
-    a.counter = counter.get();
+    cuda::LmHeadArgs& a = h.a;
     for (int bad : {0, 41}) {
       a.limit = bad;
       EXPECT_THROW(cuda::lm_head_argmax(a, 0), Error) << "limit " << bad;

@@ -56,12 +56,6 @@ std::string branch_stream(const std::string& name) {
   return "";
 }
 
-double norm(const std::vector<float>& v) {
-  double s = 0;
-  for (float x : v) s += double(x) * x;
-  return std::sqrt(s);
-}
-
 // TANSY_SOURCE_DIR in the environment overrides the build's path (the tests may run from a copy).
 fs::path goldens_dir() {
   const char* env = std::getenv("TANSY_SOURCE_DIR");
@@ -255,7 +249,7 @@ void compare_traces(Model& gpu, Model& cpu, std::span<const int32_t> ids, const 
     const std::string hidden = branch_stream(n);
     if (!hidden.empty()) {
       ASSERT_TRUE(tc.count(hidden)) << "CPU trace lacks " << hidden;
-      e = own * norm(tc[n]) / std::max(norm(tc[n]), norm(tc[hidden]));
+      e = own * l2norm(tc[n]) / std::max(l2norm(tc[n]), l2norm(tc[hidden]));
       EXPECT_LE(own, kBranchOwnTol) << label << " " << n << " (own norm)";
     }
     if (e > worst) {
