@@ -1,4 +1,4 @@
-// tansy generate --model DIR --ids FILE --max-tokens N [--backend auto|cpu|cuda]
+// tansy generate --model DIR --ids FILE --max-tokens N [--backend auto|cpu|cuda] [--cuda-precision auto|bf16|f32]
 // Greedy continuation; prints the new ids on one line, separated by spaces.
 #include <cstdio>
 
@@ -12,9 +12,10 @@ namespace tansy::cli {
 namespace {
 
 int run_generate(const std::vector<std::string>& args) {
-  Flags f(args, {"model", "ids", "max-tokens", "backend"}, {"stop-at-eos"});
+  Flags f(args, {"model", "ids", "max-tokens", "backend", "cuda-precision"}, {"stop-at-eos"});
   ModelOptions opt;
   opt.backend = backend_from_flags(f);
+  opt.cuda_precision = cuda_precision_from_flags(f, opt.backend, f.get("model"));
   const int n = int(f.get_int("max-tokens", -1, 1, 1 << 20));
   if (n < 0) fail("missing required option --max-tokens");
   auto ids = read_ids_file(f.get("ids"));

@@ -1,4 +1,4 @@
-// tansy logits --model DIR --ids FILE --out FILE [--backend auto|cpu|cuda]
+// tansy logits --model DIR --ids FILE --out FILE [--backend auto|cpu|cuda] [--cuda-precision auto|bf16|f32]
 // Teacher-forced logits from an empty state: float32 [n_tokens, vocab_size], row-major, little-endian.
 #include <cstdio>
 #include <fstream>
@@ -13,9 +13,10 @@ namespace tansy::cli {
 namespace {
 
 int run_logits(const std::vector<std::string>& args) {
-  Flags f(args, {"model", "ids", "out", "backend"});
+  Flags f(args, {"model", "ids", "out", "backend", "cuda-precision"});
   ModelOptions opt;
   opt.backend = backend_from_flags(f);
+  opt.cuda_precision = cuda_precision_from_flags(f, opt.backend, f.get("model"));
   auto ids = read_ids_file(f.get("ids"));
   const std::string out_path = f.get("out");
   auto model = open_model(f.get("model"), opt);

@@ -14,7 +14,8 @@ namespace tansy::cli {
 namespace fs = std::filesystem;
 
 const std::vector<std::string>& engine_flags() {
-  static const std::vector<std::string> f = {"model", "backend", "threads", "max-seq", "prefix-cache", "prefill-chunk"};
+  static const std::vector<std::string> f = {"model",        "backend",      "cuda-precision", "threads",
+                                             "max-seq",      "prefix-cache", "prefill-chunk"};
   return f;
 }
 
@@ -48,6 +49,18 @@ std::string backend_from_flags(const Flags& flags) {
   return c.backend;
 }
 
+std::string cuda_precision_from_flags(const Flags& flags, const std::string& backend, const fs::path& dir) {
+  const std::string requested = flags.get("cuda-precision", "auto");
+  if (requested != "auto" && requested != "bf16" && requested != "f32")
+    fail("--cuda-precision must be auto, bf16 or f32, got '{}'", requested);
+  if (backend != "cuda") return requested;  // the CPU backend is f32 throughout
+  const PrecisionChoice c =
+      choose_cuda_precision(requested, requested == "auto" ? checkpoint_bytes(dir.string()) : 0);
+  if (requested == "auto")
+    std::fprintf(stderr, "tansy: cuda precision auto -> %s (%s)\n", c.precision.c_str(), c.reason.c_str());
+  return c.precision;
+}
+
 LoadedEngine load_engine(const Flags& flags) {
   LoadedEngine le;
   le.dir = resolve_model_dir(flags);
@@ -55,10 +68,12 @@ LoadedEngine load_engine(const Flags& flags) {
   if (!check.identical) fail("{}", check.description);
   ModelOptions mo;
   mo.backend = backend_from_flags(flags);
+  mo.cuda_precision = cuda_precision_from_flags(flags, mo.backend, le.dir);
   mo.threads = int(flags.get_int("threads", 0, 0, 1024));
   le.defaults = load_generation_defaults(le.dir);
   Tokenizer tok = Tokenizer::load(le.dir);
-  std::fprintf(stderr, "tansy: loading %s on %s\n", le.dir.string().c_str(), mo.backend.c_str());
+  std::fprintf(stderr, "tansy: loading %s on %s%s\n", le.dir.string().c_str(), mo.backend.c_str(),
+               mo.backend == "cuda" ? (" (" + mo.cuda_precision + " plan)").c_str() : "");
   auto model = open_model(le.dir, mo);
   EngineOptions eo;
   const int max_pos = model->config().max_position;

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <filesystem>
+
 #include "core/error.h"
 #ifdef TANSY_HAVE_CUDA_BACKEND
 #include "cuda/device_query.h"
@@ -48,6 +50,24 @@ BackendChoice choose_backend(const std::string& requested, const DeviceProbe& p)
   if (p.devices <= 0) return {"cpu", no_device_text(p)};
   if (p.major != 9) return {"cpu", fmt::format("device 0 ({}) is not Hopper", device_text(p))};
   return {"cuda", device_text(p)};
+}
+
+PrecisionChoice choose_cuda_precision(const std::string& requested, unsigned long long bytes) {
+  if (requested == "bf16" || requested == "f32") return {requested, "requested"};
+  if (requested != "auto") fail("--cuda-precision must be auto, bf16 or f32, got '{}'", requested);
+  const double mb = double(bytes) / (1 << 20);
+  if (bytes <= kF32AutoBytes) return {"f32", fmt::format("checkpoint of {:.1f} MiB <= 1 GiB", mb)};
+  return {"bf16", fmt::format("checkpoint of {:.1f} MiB > 1 GiB", mb)};
+}
+
+unsigned long long checkpoint_bytes(const std::string& dir) {
+  namespace fs = std::filesystem;
+  unsigned long long total = 0;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec))
+    if (e.is_regular_file() && e.path().extension() == ".safetensors") total += e.file_size();
+  if (ec) fail("{}: cannot list the checkpoint directory: {}", dir, ec.message());
+  return total;
 }
 
 }  // namespace tansy

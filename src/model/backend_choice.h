@@ -28,4 +28,19 @@ struct BackendChoice {
 // device or on a device that is not Hopper throws Error saying which; anything else throws too.
 BackendChoice choose_backend(const std::string& requested, const DeviceProbe& probe);
 
+// --cuda-precision auto|bf16|f32: which plan the CUDA backend runs (ModelOptions::cuda_precision).
+// bf16 is the fast plan (bf16 activations, f32 residual stream and state); f32 runs the CPU
+// reference's arithmetic on the device (every activation f32: the CPU backend's logits to float
+// rounding and its greedy answers, near-ties included), with simple kernels. auto picks f32 for a
+// checkpoint of at most kF32AutoBytes (its safetensors files together: a small model, whose decode
+// is bound by launches either way) and bf16 otherwise. Anything else throws Error.
+inline constexpr unsigned long long kF32AutoBytes = 1ull << 30;
+struct PrecisionChoice {
+  std::string precision;  // "bf16" or "f32"
+  std::string reason;
+};
+PrecisionChoice choose_cuda_precision(const std::string& requested, unsigned long long checkpoint_bytes);
+// Bytes of DIR's *.safetensors files (what auto looks at).
+unsigned long long checkpoint_bytes(const std::string& dir);
+
 }  // namespace tansy

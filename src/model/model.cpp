@@ -4,6 +4,7 @@
 
 #include "core/error.h"
 #include "cpu/backend.h"
+#include "model/backend_choice.h"
 #ifdef TANSY_HAVE_CUDA_BACKEND
 #include "cuda/backend.h"
 #endif
@@ -41,8 +42,10 @@ int32_t Model::greedy_step(SequenceState& state, std::span<const int32_t> ids, i
 std::unique_ptr<Model> open_model(const std::filesystem::path& dir, const ModelOptions& opt) {
   if (opt.backend == "cpu") return make_cpu_model(dir, opt);
   if (opt.backend == "cuda") {
+    const PrecisionChoice pc = choose_cuda_precision(
+        opt.cuda_precision, opt.cuda_precision == "auto" ? checkpoint_bytes(dir.string()) : 0);
 #ifdef TANSY_HAVE_CUDA_BACKEND
-    return make_cuda_model(dir);
+    return pc.precision == "f32" ? make_cuda_f32_model(dir) : make_cuda_model(dir);
 #else
     fail("this build of tansy has no CUDA backend (built without nvcc)");
 #endif

@@ -82,6 +82,9 @@ class Model {
 struct ModelOptions {
   std::string backend = "cpu";  // "cpu" or "cuda"
   int threads = 0;              // CPU backend: 0 = all cores
+  // CUDA backend: "bf16" (the fast plan), "f32" (the CPU reference's arithmetic on the device) or
+  // "auto" (f32 for checkpoints of at most 1 GiB); see model/backend_choice.h.
+  std::string cuda_precision = "bf16";
 };
 
 // Loads DIR (config.json + safetensors) onto the chosen backend. Throws Error.

@@ -1,11 +1,12 @@
-// --backend auto|cpu|cuda (model/backend_choice.h): the decision for every kind of machine, and
-// what this build's real probe reports.
+// --backend auto|cpu|cuda and --cuda-precision auto|bf16|f32 (model/backend_choice.h): the decision
+// for every kind of machine, and what this build's real probe reports.
 #include <gtest/gtest.h>
 
 #include <string>
 
 #include "core/error.h"
 #include "model/backend_choice.h"
+#include "test_util.h"
 
 namespace {
 
@@ -80,4 +81,26 @@ TEST(BackendChoice, ThisBuildsProbe) {
   EXPECT_EQ(choose_backend("auto", p).backend, "cpu");
   EXPECT_THROW(choose_backend("cuda", p), tansy::Error);
 #endif
+}
+
+// --cuda-precision auto|bf16|f32 (model/backend_choice.h).
+TEST(CudaPrecision, AutoPicksF32ForSmallCheckpointsOnly) {
+  using tansy::choose_cuda_precision;
+  EXPECT_EQ(choose_cuda_precision("auto", 11u << 20).precision, "f32");
+  EXPECT_EQ(choose_cuda_precision("auto", tansy::kF32AutoBytes).precision, "f32");
+  EXPECT_EQ(choose_cuda_precision("auto", tansy::kF32AutoBytes + 1).precision, "bf16");
+  EXPECT_EQ(choose_cuda_precision("auto", 19ull << 30).precision, "bf16");
+  EXPECT_NE(choose_cuda_precision("auto", 11u << 20).reason.find("11.0 MiB"), std::string::npos);
+  EXPECT_EQ(choose_cuda_precision("bf16", 1).precision, "bf16");
+  EXPECT_EQ(choose_cuda_precision("f32", 19ull << 30).precision, "f32");
+  EXPECT_THROW(choose_cuda_precision("fp16", 1), tansy::Error);
+  EXPECT_THROW(choose_cuda_precision("", 1), tansy::Error);
+}
+
+TEST(CudaPrecision, CheckpointBytesCountsSafetensorsFiles) {
+  const std::string demo = (tansy::test::source_dir() / "models" / "tansy-demo").string();
+  const auto bytes = tansy::checkpoint_bytes(demo);
+  EXPECT_GT(bytes, 1u << 20);
+  EXPECT_LT(bytes, tansy::kF32AutoBytes);
+  EXPECT_THROW(tansy::checkpoint_bytes("/nonexistent/dir"), tansy::Error);
 }

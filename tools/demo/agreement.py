@@ -77,11 +77,11 @@ def make_sample(args):
     print(f"agreement: wrote {args.sample}: {len(windows)} windows x {args.seq} tokens of .demo_data/val.bin")
 
 
-def tansy_logits(tansy, model_dir, backend, ids, vocab, tmp):
+def tansy_logits(tansy, model_dir, backend, ids, vocab, tmp, cuda_precision="auto"):
     ids_path, out_path = os.path.join(tmp, "ids.i32"), os.path.join(tmp, "logits.f32")
     ids.astype("<i4").tofile(ids_path)
     p = subprocess.run([tansy, "logits", "--model", model_dir, "--ids", ids_path, "--out", out_path,
-                        "--backend", backend], capture_output=True, text=True)
+                        "--backend", backend, "--cuda-precision", cuda_precision], capture_output=True, text=True)
     if p.returncode != 0:
         fail(f"tansy logits failed: {p.stderr.strip()}")
     lg = np.fromfile(out_path, dtype="<f4")
@@ -116,7 +116,7 @@ def measure(args):
     disagreements = []
     with tempfile.TemporaryDirectory() as tmp:
         for w, ids in enumerate(windows):
-            t = tansy_logits(args.tansy, args.model, args.tansy_backend, ids, vocab, tmp)
+            t = tansy_logits(args.tansy, args.model, args.tansy_backend, ids, vocab, tmp, args.cuda_precision)
             if not np.isfinite(t).all():
                 fail(f"tansy logits of window {w} are not all finite")
             t_arg = t.argmax(-1)
@@ -140,6 +140,7 @@ def measure(args):
     n_pred = total - len(windows)
     result = {
         "tansy_backend": args.tansy_backend,
+        "tansy_cuda_precision": args.cuda_precision if args.tansy_backend == "cuda" else None,
         "reference": ("transformers float32 logits computed now on " + args.hf_device) if live
         else "transformers float32 argmax saved in " + os.path.relpath(args.sample, ROOT),
         "windows": int(len(windows)), "window_tokens": int(windows.shape[1]), "positions": total,
@@ -156,7 +157,8 @@ def measure(args):
         result["max_abs_dlogit"] = float(f"{max_diff:.3e}")
         result["max_abs_logit"] = round(max_logit, 4)
         result["transformers_loss"] = round(nll_hf / n_pred, 5)
-    line = (f"agreement: tansy {args.tansy_backend} vs transformers: {result['agreement_percent']}% top-1 "
+    line = (f"agreement: tansy {args.tansy_backend}"
+            f"{' ' + args.cuda_precision if args.tansy_backend == 'cuda' else ''} vs transformers: {result['agreement_percent']}% top-1 "
             f"({agree}/{total} positions, {len(windows)} windows)")
     if live:
         line += f", max|dlogit|/max|logit| {result['max_abs_dlogit_over_max_abs_logit']:.2e}"
@@ -175,6 +177,8 @@ def main():
     ap.add_argument("--sample", default=DEFAULT_SAMPLE, help="held-out windows (.npz) to read or --make-sample")
     ap.add_argument("--tansy", default=os.environ.get("TANSY_BIN", os.path.join(ROOT, "build", "tansy")))
     ap.add_argument("--tansy-backend", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--cuda-precision", default="auto", choices=["auto", "bf16", "f32"],
+                    help="the CUDA backend's plan (tansy --cuda-precision; auto is f32 for this small model)")
     ap.add_argument("--hf-device", default=None, help="transformers device (default: cuda if available, else cpu)")
     ap.add_argument("--saved-reference", action="store_true",
                     help="compare with the argmax saved in the sample instead of running transformers (no torch)")

@@ -1,0 +1,407 @@
+// The CUDA backend's f32 plan: the CPU reference forward pass (src/cpu/forward.cpp) step for step
+// on the device, with the f32 operations of f32_ops.cu. Every activation, the KV cache and the GDN
+// state are f32 and the weights are dequantized exactly, so its logits equal the CPU backend's to
+// float rounding (about 1e-6 of the logit) and its greedy answers are the CPU's, near-ties included
+// — which the bf16 plan (backend.cu) cannot promise. Its kernels are simple and its decode is a
+// sequence of small launches (no graph): meant for small models (the bundled demo), selected by
+// ModelOptions::cuda_precision. Any head_dim and head counts work (no sm_90a-specific shapes).
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "core/safetensors.h"
+#include "cuda/backend.h"
+#include "cuda/cuda_util.h"
+#include "cuda/f32_ops.cuh"
+#include "model/weights.h"
+
+namespace tansy {
+namespace cuda {
+namespace {
+
+constexpr int kChunk = 1024;     // tokens per pass through the layers (bounds the scratch buffers)
+constexpr int kLogitRows = 64;   // lm_head rows per pass when all positions are wanted
+
+// A Linear copied to the device; `view` has the device pointers.
+struct DevLinear32 {
+  DeviceBuffer<uint32_t> q;
+  DeviceBuffer<uint16_t> scales, biases, w16;
+  DeviceBuffer<float> w32;
+  Linear view;
+};
+
+std::unique_ptr<DevLinear32> upload(const Linear& L) {
+  auto d = std::make_unique<DevLinear32>();
+  d->view = L;
+  d->view.q = nullptr;
+  d->view.scales = d->view.biases = d->view.bf16 = nullptr;
+  d->view.f32 = nullptr;
+  const size_t rows = size_t(L.out);
+  switch (L.fmt) {
+    case WFormat::kAffine4:
+    case WFormat::kAffine8: {
+      const size_t words = size_t(L.in) * L.bits() / 32, groups = size_t(L.in / L.group);
+      d->q.resize(rows * words);
+      d->q.upload(L.q, rows * words);
+      d->scales.resize(rows * groups);
+      d->scales.upload(L.scales, rows * groups);
+      d->biases.resize(rows * groups);
+      d->biases.upload(L.biases, rows * groups);
+      d->view.q = d->q.get();
+      d->view.scales = d->scales.get();
+      d->view.biases = d->biases.get();
+      break;
+    }
+    case WFormat::kBF16:
+      d->w16.resize(rows * L.in);
+      d->w16.upload(L.bf16, rows * L.in);
+      d->view.bf16 = d->w16.get();
+      break;
+    case WFormat::kF32:
+      d->w32.resize(rows * L.in);
+      d->w32.upload(L.f32, rows * L.in);
+      d->view.f32 = d->w32.get();
+      break;
+  }
+  return d;
+}
+
+DeviceBuffer<float> upload_vec(const std::vector<float>& v) {
+  DeviceBuffer<float> b(v.size());
+  b.upload(v.data(), v.size());
+  return b;
+}
+
+struct F32State final : SequenceState {
+  int n = 0;
+  int max_tokens = 0;
+  int capacity = 0;  // positions the attention caches hold (grown on demand up to max_tokens)
+  struct Layer {
+    DeviceBuffer<float> K, V;   // [capacity, kv_dim] post-norm post-RoPE keys, raw values
+    DeviceBuffer<float> conv;   // [kernel-1, conv_dim]
+    DeviceBuffer<float> S;      // [n_v_heads, dk, dv]
+  };
+  std::vector<Layer> layers;
+  int n_tokens() const override { return n; }
+};
+
+void copy_d2d(DeviceBuffer<float>& dst, const DeviceBuffer<float>& src, size_t n) {
+  if (n) CUDA_CHECK(cudaMemcpy(dst.get(), src.get(), n * sizeof(float), cudaMemcpyDeviceToDevice));
+}
+
+class F32Model final : public Model {
+ public:
+  explicit F32Model(const std::filesystem::path& dir) : cfg_(load_config(dir)) {
+    TensorStore store = TensorStore::open(dir);
+    const ModelWeights w = load_weights(cfg_, store);
+    embed_ = upload(w.embed);
+    lm_head_ = upload(w.lm_head);
+    final_norm_ = upload_vec(w.final_norm);
+    for (const LayerWeights& lw : w.layers) {
+      Layer L;
+      L.kind = lw.kind;
+      L.in_norm = upload_vec(lw.in_norm);
+      L.post_norm = upload_vec(lw.post_norm);
+      if (lw.kind == LayerKind::kLinear) {
+        L.in_qkv = upload(lw.gdn.in_qkv);
+        L.in_z = upload(lw.gdn.in_z);
+        L.in_a = upload(lw.gdn.in_a);
+        L.in_b = upload(lw.gdn.in_b);
+        L.out = upload(lw.gdn.out);
+        L.conv = upload_vec(lw.gdn.conv);
+        L.A_log = upload_vec(lw.gdn.A_log);
+        L.dt_bias = upload_vec(lw.gdn.dt_bias);
+        L.gdn_norm = upload_vec(lw.gdn.norm);
+      } else {
+        L.q = upload(lw.attn.q);
+        L.k = upload(lw.attn.k);
+        L.v = upload(lw.attn.v);
+        L.o = upload(lw.attn.o);
+        L.q_norm = upload_vec(lw.attn.q_norm);
+        L.k_norm = upload_vec(lw.attn.k_norm);
+      }
+      const MoeWeights& m = lw.moe;
+      L.router = upload(m.router);
+      L.sh_gate = upload(m.sh_gate);
+      L.sh_up = upload(m.sh_up);
+      L.sh_down = upload(m.sh_down);
+      L.sh_router = upload(m.sh_router);
+      upload_experts(m.gate, L.gate, L.gate_views, "gate");
+      upload_experts(m.up, L.up, L.up_views, "up");
+      upload_experts(m.down, L.down, L.down_views, "down");
+      layers_.push_back(std::move(L));
+    }
+    CUDA_CHECK(cudaDeviceSynchronize());
+  }
+
+  const ModelConfig& config() const override { return cfg_; }
+  std::string backend_name() const override { return "cuda"; }
+
+  std::unique_ptr<SequenceState> new_state(int max_tokens) override {
+    if (max_tokens <= 0) fail("new_state: max_tokens must be positive");
+    auto s = std::make_unique<F32State>();
+    s->max_tokens = max_tokens;
+    s->layers.resize(cfg_.num_layers);
+    for (int i = 0; i < cfg_.num_layers; ++i) {
+      if (cfg_.layers[i] != LayerKind::kLinear) continue;
+      auto& L = s->layers[i];
+      L.conv.resize(size_t(cfg_.conv_kernel - 1) * cfg_.lin_conv_dim());
+      L.S.resize(size_t(cfg_.lin_num_v_heads) * cfg_.lin_k_head_dim * cfg_.lin_v_head_dim);
+    }
+    clear(*s);
+    return s;
+  }
+
+  bool reset_state(SequenceState& state) override {
+    clear(dynamic_cast<F32State&>(state));
+    return true;
+  }
+
+  std::unique_ptr<SequenceState> clone_state(const SequenceState& state) override {
+    const auto& src = dynamic_cast<const F32State&>(state);
+    auto s = std::make_unique<F32State>();
+    s->n = src.n;
+    s->max_tokens = src.max_tokens;
+    s->capacity = src.capacity;
+    s->layers.resize(src.layers.size());
+    const size_t kvd = size_t(cfg_.kv_dim());
+    for (size_t i = 0; i < src.layers.size(); ++i) {
+      const auto& a = src.layers[i];
+      auto& b = s->layers[i];
+      if (a.K.size()) {
+        b.K.resize(a.K.size());
+        b.V.resize(a.V.size());
+        copy_d2d(b.K, a.K, size_t(src.n) * kvd);
+        copy_d2d(b.V, a.V, size_t(src.n) * kvd);
+      }
+      b.conv.resize(a.conv.size());
+      copy_d2d(b.conv, a.conv, a.conv.size());
+      b.S.resize(a.S.size());
+      copy_d2d(b.S, a.S, a.S.size());
+    }
+    return s;
+  }
+
+  void forward(SequenceState& state, std::span<const int32_t> ids, std::span<float> logits,
+               bool all_positions) override {
+    auto& st = dynamic_cast<F32State&>(state);
+    const int n = int(ids.size());
+    if (n == 0) fail("forward: no tokens");
+    if (st.n + n > st.max_tokens) fail("forward: {} + {} tokens exceed the state's capacity {}", st.n, n, st.max_tokens);
+    const size_t V = size_t(cfg_.vocab_size), need = all_positions ? V * n : V;
+    if (logits.size() < need) fail("forward: logits buffer holds {} floats, needs {}", logits.size(), need);
+    for (int32_t id : ids)
+      if (id < 0 || id >= cfg_.vocab_size) fail("token id {} is outside the vocabulary (0..{})", id, cfg_.vocab_size - 1);
+    if (route_override_) fail("f32 plan: route overrides are for the CPU reference only");
+    reserve(st, st.n + n);
+    for (int c0 = 0; c0 < n; c0 += kChunk) {
+      const int m = std::min(kChunk, n - c0);
+      const bool last = c0 + m == n;
+      float* out = all_positions ? logits.data() + size_t(c0) * V : (last ? logits.data() : nullptr);
+      chunk(st, ids.subspan(c0, m), out, all_positions);
+    }
+  }
+
+ private:
+  struct Layer {
+    LayerKind kind = LayerKind::kLinear;
+    DeviceBuffer<float> in_norm, post_norm;
+    std::unique_ptr<DevLinear32> in_qkv, in_z, in_a, in_b, out;  // GDN
+    DeviceBuffer<float> conv, A_log, dt_bias, gdn_norm;
+    std::unique_ptr<DevLinear32> q, k, v, o;  // attention
+    DeviceBuffer<float> q_norm, k_norm;
+    std::unique_ptr<DevLinear32> router, sh_gate, sh_up, sh_down, sh_router;
+    std::vector<std::unique_ptr<DevLinear32>> gate, up, down;
+    DeviceBuffer<Linear> gate_views, up_views, down_views;  // device arrays of the experts' views
+  };
+
+  // The routed experts of one projection, each its own device copy, plus a device array of their views.
+  static void upload_experts(const std::vector<Linear>& src, std::vector<std::unique_ptr<DevLinear32>>& dst,
+                             DeviceBuffer<Linear>& views, const char* what) {
+    std::vector<Linear> v;
+    for (size_t e = 0; e < src.size(); ++e) {
+      const Linear& a = src[e];
+      const Linear& b = src[0];
+      if (a.fmt != b.fmt || a.out != b.out || a.in != b.in || a.group != b.group)
+        fail("f32 plan: routed expert {}'s {} differs in format or shape from expert 0's", e, what);
+      dst.push_back(upload(a));
+      v.push_back(dst.back()->view);
+    }
+    views.resize(v.size());
+    views.upload(v.data(), v.size());
+  }
+
+  void clear(F32State& s) {
+    s.n = 0;
+    for (auto& L : s.layers) {
+      if (L.conv.size()) CUDA_CHECK(cudaMemset(L.conv.get(), 0, L.conv.bytes()));
+      if (L.S.size()) CUDA_CHECK(cudaMemset(L.S.get(), 0, L.S.bytes()));
+    }
+  }
+
+  // Grows the attention caches (doubling, up to max_tokens) to hold `need` positions.
+  void reserve(F32State& s, int need) {
+    if (need <= s.capacity) return;
+    const int cap = std::min(s.max_tokens, std::max({need, 2 * s.capacity, 256}));
+    const size_t kvd = size_t(cfg_.kv_dim());
+    for (int i = 0; i < cfg_.num_layers; ++i) {
+      if (cfg_.layers[i] == LayerKind::kLinear) continue;
+      auto& L = s.layers[i];
+      DeviceBuffer<float> K(size_t(cap) * kvd), V(size_t(cap) * kvd);
+      copy_d2d(K, L.K, size_t(s.n) * kvd);
+      copy_d2d(V, L.V, size_t(s.n) * kvd);
+      L.K = std::move(K);
+      L.V = std::move(V);
+    }
+    s.capacity = cap;
+  }
+
+  template <typename T>
+  static T* scratch(DeviceBuffer<T>& b, size_t n) {
+    if (b.size() < n) b.resize(n);
+    return b.get();
+  }
+
+  void report(int layer, const char* what, const float* x, int n) {
+    if (!trace_) return;
+    const int H = cfg_.hidden_size;
+    std::vector<float> h(H);
+    CUDA_CHECK(cudaMemcpy(h.data(), x + size_t(n - 1) * H, sizeof(float) * H, cudaMemcpyDeviceToHost));
+    trace_("layer." + std::to_string(layer) + "." + what, h);
+  }
+
+  // Tokens ids (at most kChunk) after st.n; writes logits (all positions, or the last) to the host.
+  void chunk(F32State& st, std::span<const int32_t> ids, float* logits, bool all_positions) {
+    const int n = int(ids.size()), H = cfg_.hidden_size;
+    int32_t* d_ids = scratch(ids_, n);
+    CUDA_CHECK(cudaMemcpy(d_ids, ids.data(), sizeof(int32_t) * n, cudaMemcpyHostToDevice));
+    float* h = scratch(h_, size_t(n) * H);
+    float* xn = scratch(xn_, size_t(n) * H);
+    float* mix = scratch(mix_, size_t(n) * H);
+    f32::embed(embed_->view, d_ids, n, h);
+    for (int i = 0; i < cfg_.num_layers; ++i) {
+      Layer& L = layers_[i];
+      f32::rmsnorm(h, L.in_norm.get(), n, H, cfg_.rms_eps, xn);
+      if (L.kind == LayerKind::kLinear) gdn(L, st.layers[i], xn, n, mix);
+      else attn(L, st.layers[i], st.n, xn, n, mix);
+      report(i, "mixer_out", mix, n);
+      f32::add(h, mix, size_t(n) * H);
+      f32::rmsnorm(h, L.post_norm.get(), n, H, cfg_.rms_eps, xn);
+      moe(i, L, xn, n, mix);
+      report(i, "moe_out", mix, n);
+      f32::add(h, mix, size_t(n) * H);
+      report(i, "hidden", h, n);
+    }
+    st.n += n;
+    if (!logits) return;
+    const int first = all_positions ? 0 : n - 1;
+    const size_t V = size_t(cfg_.vocab_size);
+    for (int r0 = first; r0 < n; r0 += kLogitRows) {
+      const int rows = std::min(kLogitRows, n - r0);
+      f32::rmsnorm(h + size_t(r0) * H, final_norm_.get(), rows, H, cfg_.rms_eps, xn);
+      if (trace_ && r0 + rows == n) {
+        std::vector<float> fn(H);
+        CUDA_CHECK(cudaMemcpy(fn.data(), xn + size_t(rows - 1) * H, sizeof(float) * H, cudaMemcpyDeviceToHost));
+        trace_("final_norm", fn);
+      }
+      float* d_logits = scratch(logits_, size_t(rows) * V);
+      f32::matmul(lm_head_->view, xn, rows, d_logits);
+      CUDA_CHECK(cudaMemcpy(logits + size_t(r0 - first) * V, d_logits, sizeof(float) * rows * V,
+                            cudaMemcpyDeviceToHost));
+    }
+  }
+
+  // Gated DeltaNet (MODEL.md §5), as CpuModel::gdn.
+  void gdn(Layer& L, F32State::Layer& S, const float* xn, int n, float* out) {
+    const int C = cfg_.lin_conv_dim(), VD = cfg_.lin_value_dim(), NV = cfg_.lin_num_v_heads;
+    float* qkv = scratch(qkv_, size_t(n) * C);
+    float* y = scratch(conv_y_, size_t(n) * C);
+    float* z = scratch(z_, size_t(n) * VD);
+    float* a = scratch(a_, size_t(n) * NV);
+    float* b = scratch(b_, size_t(n) * NV);
+    float* normed = scratch(normed_, size_t(n) * VD);
+    f32::matmul(L.in_qkv->view, xn, n, qkv);
+    f32::matmul(L.in_z->view, xn, n, z);
+    f32::matmul(L.in_a->view, xn, n, a);
+    f32::matmul(L.in_b->view, xn, n, b);
+    f32::conv1d(qkv, n, S.conv.get(), L.conv.get(), C, cfg_.conv_kernel, y);
+    f32::GdnCoreArgs g{y, z, a, b, L.A_log.get(), L.dt_bias.get(), L.gdn_norm.get(), S.S.get(), normed,
+                       n, cfg_.lin_num_k_heads, NV, cfg_.lin_k_head_dim, cfg_.lin_v_head_dim, cfg_.rms_eps};
+    f32::gdn_core(g);
+    f32::matmul(L.out->view, normed, n, out);
+  }
+
+  // Gated attention (MODEL.md §4), as CpuModel::attn; pos0 = tokens already cached.
+  void attn(Layer& L, F32State::Layer& S, int pos0, const float* xn, int n, float* out) {
+    const int QD = cfg_.q_dim(), KVD = cfg_.kv_dim();
+    float* qg = scratch(qg_, size_t(n) * 2 * QD);
+    float* k = scratch(k_, size_t(n) * KVD);
+    float* v = scratch(v_, size_t(n) * KVD);
+    float* q = scratch(q_, size_t(n) * QD);
+    float* o = scratch(o_, size_t(n) * QD);
+    f32::matmul(L.q->view, xn, n, qg);
+    f32::matmul(L.k->view, xn, n, k);
+    f32::matmul(L.v->view, xn, n, v);
+    f32::AttnPrepArgs p{qg, k, v, L.q_norm.get(), L.k_norm.get(), q, S.K.get(), S.V.get(), n, pos0,
+                        cfg_.num_heads, cfg_.num_kv_heads, cfg_.head_dim, cfg_.rotary_dim, cfg_.rms_eps,
+                        cfg_.rope_theta};
+    f32::attention_prep(p);
+    f32::attention(q, qg, S.K.get(), S.V.get(), n, pos0, cfg_.num_heads, cfg_.num_kv_heads, cfg_.head_dim, o);
+    f32::matmul(L.o->view, o, n, out);
+  }
+
+  // Sparse MoE with the gated shared expert (MODEL.md §6), as CpuModel::moe.
+  void moe(int layer, Layer& L, const float* xn, int n, float* out) {
+    const int H = cfg_.hidden_size, E = cfg_.num_experts, K = cfg_.experts_per_tok;
+    const int I = cfg_.moe_intermediate, SI = cfg_.shared_intermediate;
+    float* rl = scratch(router_logits_, size_t(n) * E);
+    int32_t* idx = scratch(idx_, size_t(n) * K);
+    float* wts = scratch(wts_, size_t(n) * K);
+    float* G = scratch(G_, size_t(n) * K * I);
+    float* U = scratch(U_, size_t(n) * K * I);
+    float* D = scratch(D_, size_t(n) * K * H);
+    float* sg = scratch(sg_, size_t(n) * SI);
+    float* su = scratch(su_, size_t(n) * SI);
+    float* sd = scratch(sd_, size_t(n) * H);
+    float* gate = scratch(gate_, size_t(n));
+    f32::matmul(L.router->view, xn, n, rl);
+    f32::route_topk(rl, n, E, E, K, idx, wts);
+    if (route_trace_) {
+      std::vector<int32_t> h(size_t(n) * K);
+      CUDA_CHECK(cudaMemcpy(h.data(), idx, sizeof(int32_t) * h.size(), cudaMemcpyDeviceToHost));
+      route_trace_(layer, h);
+    }
+    const Linear& g0 = L.gate[0]->view;
+    f32::matmul_indexed(L.gate_views.get(), E, g0, idx, xn, K, n * K, G);
+    f32::matmul_indexed(L.up_views.get(), E, L.up[0]->view, idx, xn, K, n * K, U);
+    f32::swiglu(G, U, size_t(n) * K * I, G);
+    f32::matmul_indexed(L.down_views.get(), E, L.down[0]->view, idx, G, 1, n * K, D);
+    f32::matmul(L.sh_gate->view, xn, n, sg);
+    f32::matmul(L.sh_up->view, xn, n, su);
+    f32::swiglu(sg, su, size_t(n) * SI, sg);
+    f32::matmul(L.sh_down->view, sg, n, sd);
+    f32::matmul(L.sh_router->view, xn, n, gate);
+    f32::moe_combine(D, wts, n, K, sd, gate, H, out);
+  }
+
+  ModelConfig cfg_;
+  std::unique_ptr<DevLinear32> embed_, lm_head_;
+  DeviceBuffer<float> final_norm_;
+  std::vector<Layer> layers_;
+  // Scratch, grown to the largest call.
+  DeviceBuffer<int32_t> ids_, idx_;
+  DeviceBuffer<float> h_, xn_, mix_, qkv_, conv_y_, z_, a_, b_, normed_, qg_, k_, v_, q_, o_;
+  DeviceBuffer<float> router_logits_, wts_, G_, U_, D_, sg_, su_, sd_, gate_, logits_;
+};
+
+}  // namespace
+}  // namespace cuda
+
+std::unique_ptr<Model> make_cuda_f32_model(const std::filesystem::path& dir) {
+  return std::make_unique<cuda::F32Model>(dir);
+}
+
+}  // namespace tansy
