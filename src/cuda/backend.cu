@@ -244,6 +244,7 @@ class CudaModel final : public Model, public StageProfiler {
 
   const ModelConfig& config() const override { return cfg_; }
   std::string backend_name() const override { return "cuda"; }
+  std::string backend_plan() const override { return "cuda-bf16"; }
 
   std::unique_ptr<SequenceState> new_state(int max_tokens) override { return make_state(max_tokens, true); }
 

@@ -1,10 +1,14 @@
 // The CUDA backend's f32 plan: the CPU reference forward pass (src/cpu/forward.cpp) step for step
 // on the device, with the f32 operations of f32_ops.cu. Every activation, the KV cache and the GDN
 // state are f32 and the weights are dequantized exactly, so its logits equal the CPU backend's to
-// float rounding (about 1e-6 of the logit) and its greedy answers are the CPU's, near-ties included
-// — which the bf16 plan (backend.cu) cannot promise. Its kernels are simple and its decode is a
-// sequence of small launches (no graph): meant for small models (the bundled demo), selected by
-// ModelOptions::cuda_precision. Any head_dim and head counts work (no sm_90a-specific shapes).
+// float rounding (about 1e-6 of the largest logit; the sums run in other orders, and the device's
+// expf differs from glibc's by an ulp or two) and its greedy answers are the CPU's except at ties
+// closer than that — where the bf16 plan (backend.cu) moves logits by ~1e-2 and so leaves the
+// CPU's answer at near-ties of 0.002 logits. Its kernels are simple and its decode is a sequence of
+// small launches (no graph): meant for small models (the bundled demo), selected by
+// ModelOptions::cuda_precision. Shapes are checked at load (f32::check_*): any head_dim or head
+// counts within one block's shared memory, input sizes multiples of 8. A prompt longer than
+// kChunk tokens goes through the layers in passes of kChunk, and the trace hooks report per pass.
 #include <algorithm>
 #include <cstring>
 #include <memory>
@@ -97,6 +101,7 @@ class F32Model final : public Model {
   explicit F32Model(const std::filesystem::path& dir) : cfg_(load_config(dir)) {
     TensorStore store = TensorStore::open(dir);
     const ModelWeights w = load_weights(cfg_, store);
+    validate(w);
     embed_ = upload(w.embed);
     lm_head_ = upload(w.lm_head);
     final_norm_ = upload_vec(w.final_norm);
@@ -139,6 +144,7 @@ class F32Model final : public Model {
 
   const ModelConfig& config() const override { return cfg_; }
   std::string backend_name() const override { return "cuda"; }
+  std::string backend_plan() const override { return "cuda-f32"; }
 
   std::unique_ptr<SequenceState> new_state(int max_tokens) override {
     if (max_tokens <= 0) fail("new_state: max_tokens must be positive");
@@ -196,6 +202,7 @@ class F32Model final : public Model {
     for (int32_t id : ids)
       if (id < 0 || id >= cfg_.vocab_size) fail("token id {} is outside the vocabulary (0..{})", id, cfg_.vocab_size - 1);
     if (route_override_) fail("f32 plan: route overrides are for the CPU reference only");
+    ensure_scratch(std::min(n, kChunk), all_positions);  // allocations before the state changes
     reserve(st, st.n + n);
     for (int c0 = 0; c0 < n; c0 += kChunk) {
       const int m = std::min(kChunk, n - c0);
@@ -259,10 +266,77 @@ class F32Model final : public Model {
     s.capacity = cap;
   }
 
-  template <typename T>
-  static T* scratch(DeviceBuffer<T>& b, size_t n) {
-    if (b.size() < n) b.resize(n);
-    return b.get();
+  // Every shape the kernels must support, so an unsupported checkpoint fails here naming the part.
+  void validate(const ModelWeights& w) const {
+    f32::check_linear(w.embed, "embed_tokens");
+    f32::check_linear(w.lm_head, "lm_head");
+    for (int i = 0; i < cfg_.num_layers; ++i) {
+      const LayerWeights& lw = w.layers[i];
+      const std::string at = "layer " + std::to_string(i) + " ";
+      const std::vector<std::pair<const Linear*, const char*>> parts =
+          lw.kind == LayerKind::kLinear
+              ? std::vector<std::pair<const Linear*, const char*>>{{&lw.gdn.in_qkv, "in_proj_qkv"},
+                                                                   {&lw.gdn.in_z, "in_proj_z"},
+                                                                   {&lw.gdn.in_a, "in_proj_a"},
+                                                                   {&lw.gdn.in_b, "in_proj_b"},
+                                                                   {&lw.gdn.out, "out_proj"}}
+              : std::vector<std::pair<const Linear*, const char*>>{
+                    {&lw.attn.q, "q_proj"}, {&lw.attn.k, "k_proj"}, {&lw.attn.v, "v_proj"}, {&lw.attn.o, "o_proj"}};
+      for (auto [L, name] : parts) f32::check_linear(*L, at + name);
+      for (auto [L, name] : {std::pair{&lw.moe.router, "router"}, std::pair{&lw.moe.sh_gate, "shared gate_proj"},
+                             std::pair{&lw.moe.sh_up, "shared up_proj"}, std::pair{&lw.moe.sh_down, "shared down_proj"},
+                             std::pair{&lw.moe.sh_router, "shared expert gate"}})
+        f32::check_linear(*L, at + name);
+      for (size_t e = 0; e < lw.moe.gate.size(); ++e) {
+        f32::check_linear(lw.moe.gate[e], at + "expert " + std::to_string(e) + " gate_proj");
+        f32::check_linear(lw.moe.up[e], at + "expert " + std::to_string(e) + " up_proj");
+        f32::check_linear(lw.moe.down[e], at + "expert " + std::to_string(e) + " down_proj");
+      }
+    }
+    if (cfg_.num_linear_layers() > 0) {
+      f32::check_gdn(cfg_.lin_num_k_heads, cfg_.lin_num_v_heads, cfg_.lin_k_head_dim, cfg_.lin_v_head_dim);
+      if (cfg_.conv_kernel < 1) fail("f32 plan: conv kernel {}", cfg_.conv_kernel);
+    }
+    if (cfg_.num_full_layers() > 0)
+      f32::check_attention(cfg_.num_heads, cfg_.num_kv_heads, cfg_.head_dim, cfg_.rotary_dim);
+    f32::check_route(cfg_.num_experts, cfg_.experts_per_tok);
+  }
+
+  // Scratch for passes of up to m tokens (grown, never shrunk), allocated before a forward pass
+  // touches the state, so that running out of memory cannot leave a state half-updated.
+  void ensure_scratch(int m, bool all_positions) {
+    const size_t n = size_t(m), H = size_t(cfg_.hidden_size), C = size_t(cfg_.lin_conv_dim());
+    const size_t VD = size_t(cfg_.lin_value_dim()), NV = size_t(cfg_.lin_num_v_heads);
+    const size_t QD = size_t(cfg_.q_dim()), KVD = size_t(cfg_.kv_dim()), E = size_t(cfg_.num_experts);
+    const size_t K = size_t(cfg_.experts_per_tok), I = size_t(cfg_.moe_intermediate);
+    const size_t SI = size_t(cfg_.shared_intermediate);
+    const size_t logit_rows = all_positions ? std::min<size_t>(n, kLogitRows) : 1;
+    auto grow = [](auto& b, size_t count) {
+      if (b.size() < count) b.resize(count);
+    };
+    grow(ids_, n);
+    for (auto* b : {&h_, &xn_, &mix_, &sd_}) grow(*b, n * H);
+    grow(qkv_, n * C);
+    grow(conv_y_, n * C);
+    grow(z_, n * VD);
+    grow(normed_, n * VD);
+    grow(a_, n * NV);
+    grow(b_, n * NV);
+    grow(qg_, n * 2 * QD);
+    grow(k_, n * KVD);
+    grow(v_, n * KVD);
+    grow(q_, n * QD);
+    grow(o_, n * QD);
+    grow(router_logits_, n * E);
+    grow(idx_, n * K);
+    grow(wts_, n * K);
+    grow(G_, n * K * I);
+    grow(U_, n * K * I);
+    grow(D_, n * K * H);
+    grow(sg_, n * SI);
+    grow(su_, n * SI);
+    grow(gate_, n);
+    grow(logits_, logit_rows * size_t(cfg_.vocab_size));
   }
 
   void report(int layer, const char* what, const float* x, int n) {
@@ -276,11 +350,11 @@ class F32Model final : public Model {
   // Tokens ids (at most kChunk) after st.n; writes logits (all positions, or the last) to the host.
   void chunk(F32State& st, std::span<const int32_t> ids, float* logits, bool all_positions) {
     const int n = int(ids.size()), H = cfg_.hidden_size;
-    int32_t* d_ids = scratch(ids_, n);
+    int32_t* d_ids = ids_.get();
     CUDA_CHECK(cudaMemcpy(d_ids, ids.data(), sizeof(int32_t) * n, cudaMemcpyHostToDevice));
-    float* h = scratch(h_, size_t(n) * H);
-    float* xn = scratch(xn_, size_t(n) * H);
-    float* mix = scratch(mix_, size_t(n) * H);
+    float* h = h_.get();
+    float* xn = xn_.get();
+    float* mix = mix_.get();
     f32::embed(embed_->view, d_ids, n, h);
     for (int i = 0; i < cfg_.num_layers; ++i) {
       Layer& L = layers_[i];
@@ -307,7 +381,7 @@ class F32Model final : public Model {
         CUDA_CHECK(cudaMemcpy(fn.data(), xn + size_t(rows - 1) * H, sizeof(float) * H, cudaMemcpyDeviceToHost));
         trace_("final_norm", fn);
       }
-      float* d_logits = scratch(logits_, size_t(rows) * V);
+      float* d_logits = logits_.get();
       f32::matmul(lm_head_->view, xn, rows, d_logits);
       CUDA_CHECK(cudaMemcpy(logits + size_t(r0 - first) * V, d_logits, sizeof(float) * rows * V,
                             cudaMemcpyDeviceToHost));
@@ -317,12 +391,12 @@ class F32Model final : public Model {
   // Gated DeltaNet (MODEL.md §5), as CpuModel::gdn.
   void gdn(Layer& L, F32State::Layer& S, const float* xn, int n, float* out) {
     const int C = cfg_.lin_conv_dim(), VD = cfg_.lin_value_dim(), NV = cfg_.lin_num_v_heads;
-    float* qkv = scratch(qkv_, size_t(n) * C);
-    float* y = scratch(conv_y_, size_t(n) * C);
-    float* z = scratch(z_, size_t(n) * VD);
-    float* a = scratch(a_, size_t(n) * NV);
-    float* b = scratch(b_, size_t(n) * NV);
-    float* normed = scratch(normed_, size_t(n) * VD);
+    float* qkv = qkv_.get();
+    float* y = conv_y_.get();
+    float* z = z_.get();
+    float* a = a_.get();
+    float* b = b_.get();
+    float* normed = normed_.get();
     f32::matmul(L.in_qkv->view, xn, n, qkv);
     f32::matmul(L.in_z->view, xn, n, z);
     f32::matmul(L.in_a->view, xn, n, a);
@@ -337,11 +411,11 @@ class F32Model final : public Model {
   // Gated attention (MODEL.md §4), as CpuModel::attn; pos0 = tokens already cached.
   void attn(Layer& L, F32State::Layer& S, int pos0, const float* xn, int n, float* out) {
     const int QD = cfg_.q_dim(), KVD = cfg_.kv_dim();
-    float* qg = scratch(qg_, size_t(n) * 2 * QD);
-    float* k = scratch(k_, size_t(n) * KVD);
-    float* v = scratch(v_, size_t(n) * KVD);
-    float* q = scratch(q_, size_t(n) * QD);
-    float* o = scratch(o_, size_t(n) * QD);
+    float* qg = qg_.get();
+    float* k = k_.get();
+    float* v = v_.get();
+    float* q = q_.get();
+    float* o = o_.get();
     f32::matmul(L.q->view, xn, n, qg);
     f32::matmul(L.k->view, xn, n, k);
     f32::matmul(L.v->view, xn, n, v);
@@ -357,16 +431,16 @@ class F32Model final : public Model {
   void moe(int layer, Layer& L, const float* xn, int n, float* out) {
     const int H = cfg_.hidden_size, E = cfg_.num_experts, K = cfg_.experts_per_tok;
     const int I = cfg_.moe_intermediate, SI = cfg_.shared_intermediate;
-    float* rl = scratch(router_logits_, size_t(n) * E);
-    int32_t* idx = scratch(idx_, size_t(n) * K);
-    float* wts = scratch(wts_, size_t(n) * K);
-    float* G = scratch(G_, size_t(n) * K * I);
-    float* U = scratch(U_, size_t(n) * K * I);
-    float* D = scratch(D_, size_t(n) * K * H);
-    float* sg = scratch(sg_, size_t(n) * SI);
-    float* su = scratch(su_, size_t(n) * SI);
-    float* sd = scratch(sd_, size_t(n) * H);
-    float* gate = scratch(gate_, size_t(n));
+    float* rl = router_logits_.get();
+    int32_t* idx = idx_.get();
+    float* wts = wts_.get();
+    float* G = G_.get();
+    float* U = U_.get();
+    float* D = D_.get();
+    float* sg = sg_.get();
+    float* su = su_.get();
+    float* sd = sd_.get();
+    float* gate = gate_.get();
     f32::matmul(L.router->view, xn, n, rl);
     f32::route_topk(rl, n, E, E, K, idx, wts);
     if (route_trace_) {
@@ -384,7 +458,7 @@ class F32Model final : public Model {
     f32::swiglu(sg, su, size_t(n) * SI, sg);
     f32::matmul(L.sh_down->view, sg, n, sd);
     f32::matmul(L.sh_router->view, xn, n, gate);
-    f32::moe_combine(D, wts, n, K, sd, gate, H, out);
+    f32::moe_combine(D, idx, wts, n, K, sd, gate, H, out);
   }
 
   ModelConfig cfg_;

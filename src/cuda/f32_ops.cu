@@ -4,6 +4,7 @@
 #include "cuda/f32_ops.cuh"
 
 #include <cmath>
+#include <string>
 
 #include "core/error.h"
 
@@ -77,14 +78,19 @@ __device__ float block_max(float v, float* red) {
 }
 
 constexpr int kWarps = 8;  // matmul: output rows per block
+constexpr int kAttnThreads = 256;  // attention: keys per chunk, and output dims per pass
+constexpr int kMaxExperts = 1024, kMaxTopK = 64;  // route_kernel's per-thread arrays
+// Dynamic shared memory a launch may ask for without an opt-in, less what the kernels declare
+// statically (their reduction scratch, under 1 KiB).
+constexpr size_t kMaxDynamicSmem = 47 * 1024;
 
 // Warp per (output row o, tile of T token rows). Indexed (Ws != nullptr): T == 1 and the row's
 // matrix is Ws[idx[r]].
 template <int T>
 __global__ void matmul_kernel(Linear W, const Linear* Ws, const int32_t* idx, const float* X, int x_div, int rows,
                               float* Y) {
-  const int o = blockIdx.x * kWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int r0 = blockIdx.y * T;
+  const int o = blockIdx.y * kWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int r0 = blockIdx.x * T;
   if (o >= W.out) return;
   const Linear L = Ws ? Ws[idx[r0]] : W;
   const int in = L.in;
@@ -109,11 +115,6 @@ __global__ void matmul_kernel(Linear W, const Linear* Ws, const int32_t* idx, co
   }
 }
 
-void check_shape(const Linear& W, const char* what) {
-  if (W.in % 8 != 0) fail("f32 {}: input size {} is not a multiple of 8", what, W.in);
-  if ((W.fmt == WFormat::kAffine4 || W.fmt == WFormat::kAffine8) && (W.group % 8 != 0 || W.in % W.group != 0))
-    fail("f32 {}: quant group {} does not divide the input size {} in multiples of 8", what, W.group, W.in);
-}
 
 __global__ void embed_kernel(Linear E, const int32_t* ids, float* out) {
   const int t = blockIdx.x, id = ids[t];
@@ -258,7 +259,6 @@ __global__ void attention_prep_kernel(AttnPrepArgs a) {
   }
 }
 
-constexpr int kAttnThreads = 256;  // keys per chunk, and output dims per pass
 
 // Block per (token, query head): chunks of kAttnThreads keys, online softmax (the running
 // maximum rescales the partial sums), output dims spread over the threads.
@@ -308,7 +308,6 @@ __global__ void attention_kernel(const float* qall, const float* qg, const float
   for (int i = tid; i < hd; i += blockDim.x) o[i] = float(acc[i] / l) * sigmoidf(gate[i]);
 }
 
-constexpr int kMaxExperts = 1024;
 
 // Thread per token; as cpu::route_topk (softmax with a double sum, then the k largest, ties to the
 // lower index, renormalised in selection order).
@@ -322,8 +321,8 @@ __global__ void route_kernel(const float* logits, int n, int stride, int E, int 
   for (int e = 0; e < E; ++e) sum += expf(l[e] - mx);
   uint32_t taken[kMaxExperts / 32] = {};
   float tot = 0;
-  float pk[64];
-  int ik[64];
+  float pk[kMaxTopK];
+  int ik[kMaxTopK];
   for (int i = 0; i < k; ++i) {
     int best = -1;
     float bp = 0;
@@ -351,13 +350,22 @@ __global__ void swiglu_kernel(const float* g, const float* u, size_t n, float* y
     y[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
-__global__ void moe_combine_kernel(const float* D, const float* weight, int n, int k, const float* sd,
-                                   const float* sgate, int H, float* out) {
+// The routed terms are added in ascending expert index, the CPU forward pass's order.
+__global__ void moe_combine_kernel(const float* D, const int32_t* idx, const float* weight, int n, int k,
+                                   const float* sd, const float* sgate, int H, float* out) {
   const size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x;
   if (i >= size_t(n) * H) return;
   const int t = int(i / H), c = int(i % H);
+  const int32_t* e = idx + size_t(t) * k;
   float acc = 0;
-  for (int j = 0; j < k; ++j) acc += weight[size_t(t) * k + j] * D[(size_t(t) * k + j) * H + c];
+  int prev = -1;
+  for (int step = 0; step < k; ++step) {
+    int j = -1;  // the slot with the smallest expert index above prev
+    for (int s = 0; s < k; ++s)
+      if (e[s] > prev && (j < 0 || e[s] < e[j])) j = s;
+    acc += weight[size_t(t) * k + j] * D[(size_t(t) * k + j) * H + c];
+    prev = e[j];
+  }
   out[i] = acc + sigmoidf(sgate[t]) * sd[i];
 }
 
@@ -365,12 +373,38 @@ int grid_for(size_t n, int threads) { return int(std::min<size_t>((n + threads -
 
 }  // namespace
 
+void check_linear(const Linear& W, const std::string& what) {
+  if (W.in <= 0 || W.in % 8 != 0) fail("f32 plan: {} has input size {}, not a multiple of 8", what, W.in);
+  if ((W.fmt == WFormat::kAffine4 || W.fmt == WFormat::kAffine8) && (W.group % 8 != 0 || W.in % W.group != 0))
+    fail("f32 plan: {}'s quant group {} does not divide its input size {} in multiples of 8", what, W.group, W.in);
+  if (W.out <= 0 || (W.out + kWarps - 1) / kWarps > 65535)
+    fail("f32 plan: {} has {} output rows (at most {})", what, W.out, 65535 * kWarps);
+}
+
+void check_gdn(int n_k, int n_v, int dk, int dv) {
+  if (n_k <= 0 || n_v % n_k != 0) fail("f32 plan: {} GDN value heads over {} key heads", n_v, n_k);
+  if (sizeof(float) * size_t(2 * dk + 2 * dv) > kMaxDynamicSmem)
+    fail("f32 plan: GDN head dims {} / {} exceed the shared memory of one block", dk, dv);
+}
+
+void check_attention(int n_heads, int n_kv, int hd, int rotary_dim) {
+  if (n_kv <= 0 || n_heads % n_kv != 0) fail("f32 plan: {} attention heads over {} key-value heads", n_heads, n_kv);
+  if (rotary_dim < 0 || rotary_dim > hd || rotary_dim % 2 != 0)
+    fail("f32 plan: rotary dims {} of head_dim {}", rotary_dim, hd);
+  if (sizeof(float) * size_t(2 * hd + kAttnThreads) > kMaxDynamicSmem)
+    fail("f32 plan: head_dim {} exceeds the shared memory of one block", hd);
+}
+
+void check_route(int n_experts, int k) {
+  if (n_experts < 1 || n_experts > kMaxExperts || k < 1 || k > kMaxTopK || k > n_experts)
+    fail("f32 plan: {} experts, top {} (at most {} experts, top {})", n_experts, k, kMaxExperts, kMaxTopK);
+}
+
 void matmul(const Linear& W, const float* X, int n, float* Y) {
   if (n <= 0) return;
-  check_shape(W, "matmul");
+  check_linear(W, "matmul");
   constexpr int T = 8;
-  const dim3 grid((W.out + kWarps - 1) / kWarps, (n + T - 1) / T);
-  TANSY_CHECK(grid.y <= 65535, "f32 matmul: {} rows is too many for one call", n);
+  const dim3 grid((n + T - 1) / T, (W.out + kWarps - 1) / kWarps);
   matmul_kernel<T><<<grid, kWarps * 32>>>(W, nullptr, nullptr, X, 1, n, Y);
   CUDA_LAUNCH_CHECK();
 }
@@ -378,17 +412,16 @@ void matmul(const Linear& W, const float* X, int n, float* Y) {
 void matmul_indexed(const Linear* Ws, int n_w, const Linear& shape, const int32_t* idx, const float* X, int x_div,
                     int rows, float* Y) {
   if (rows <= 0) return;
-  check_shape(shape, "matmul_indexed");
+  check_linear(shape, "matmul_indexed");
   TANSY_CHECK(n_w > 0 && x_div > 0, "f32 matmul_indexed: {} matrices, x_div {}", n_w, x_div);
-  const dim3 grid((shape.out + kWarps - 1) / kWarps, rows);
-  TANSY_CHECK(grid.y <= 65535, "f32 matmul_indexed: {} rows is too many for one call", rows);
+  const dim3 grid(rows, (shape.out + kWarps - 1) / kWarps);
   matmul_kernel<1><<<grid, kWarps * 32>>>(shape, Ws, idx, X, x_div, rows, Y);
   CUDA_LAUNCH_CHECK();
 }
 
 void embed(const Linear& E, const int32_t* ids, int n, float* out) {
   if (n <= 0) return;
-  check_shape(E, "embed");
+  check_linear(E, "embed");
   embed_kernel<<<n, 128>>>(E, ids, out);
   CUDA_LAUNCH_CHECK();
 }
@@ -414,18 +447,14 @@ void conv1d(const float* x, int n, float* window, const float* w, int C, int ker
 
 void gdn_core(const GdnCoreArgs& a) {
   if (a.n <= 0) return;
-  TANSY_CHECK(a.n_k > 0 && a.n_v % a.n_k == 0, "f32 gdn: {} value heads over {} key heads", a.n_v, a.n_k);
-  const size_t smem = sizeof(float) * size_t(2 * a.dk + 2 * a.dv);
-  TANSY_CHECK(smem <= 48 * 1024, "f32 gdn: head dims {} / {} too large", a.dk, a.dv);
-  gdn_core_kernel<<<a.n_v, 128, smem>>>(a);
+  check_gdn(a.n_k, a.n_v, a.dk, a.dv);
+  gdn_core_kernel<<<a.n_v, 128, sizeof(float) * size_t(2 * a.dk + 2 * a.dv)>>>(a);
   CUDA_LAUNCH_CHECK();
 }
 
 void attention_prep(const AttnPrepArgs& a) {
   if (a.n <= 0) return;
-  TANSY_CHECK(a.n_heads % a.n_kv == 0 && a.rotary_dim <= a.hd && a.rotary_dim % 2 == 0,
-              "f32 attention: {} heads over {} kv heads, rotary {} of {}", a.n_heads, a.n_kv, a.rotary_dim, a.hd);
-  TANSY_CHECK(a.hd * sizeof(float) <= 48 * 1024, "f32 attention: head_dim {} too large", a.hd);
+  check_attention(a.n_heads, a.n_kv, a.hd, a.rotary_dim);
   attention_prep_kernel<<<dim3(a.n, a.n_heads + a.n_kv), 128, sizeof(float) * a.hd>>>(a);
   CUDA_LAUNCH_CHECK();
 }
@@ -433,16 +462,16 @@ void attention_prep(const AttnPrepArgs& a) {
 void attention(const float* q, const float* qg, const float* K, const float* V, int n, int pos0, int n_heads, int n_kv,
                int hd, float* out) {
   if (n <= 0) return;
+  check_attention(n_heads, n_kv, hd, 0);
   const size_t smem = sizeof(float) * size_t(2 * hd + kAttnThreads);
-  TANSY_CHECK(smem <= 48 * 1024, "f32 attention: head_dim {} too large", hd);
   attention_kernel<<<dim3(n, n_heads), kAttnThreads, smem>>>(q, qg, K, V, pos0, n_heads, n_kv, hd, out);
   CUDA_LAUNCH_CHECK();
 }
 
 void route_topk(const float* logits, int n, int stride, int n_experts, int k, int32_t* idx, float* weight) {
   if (n <= 0) return;
-  TANSY_CHECK(n_experts <= kMaxExperts && k >= 1 && k <= 64 && k <= n_experts && stride >= n_experts,
-              "f32 route: {} experts, top {}", n_experts, k);
+  check_route(n_experts, k);
+  TANSY_CHECK(stride >= n_experts, "f32 route: row stride {} < {} experts", stride, n_experts);
   route_kernel<<<(n + 63) / 64, 64>>>(logits, n, stride, n_experts, k, idx, weight);
   CUDA_LAUNCH_CHECK();
 }
@@ -453,11 +482,11 @@ void swiglu(const float* g, const float* u, size_t n, float* y) {
   CUDA_LAUNCH_CHECK();
 }
 
-void moe_combine(const float* D, const float* weight, int n, int k, const float* sd, const float* sgate, int H,
-                 float* out) {
+void moe_combine(const float* D, const int32_t* idx, const float* weight, int n, int k, const float* sd,
+                 const float* sgate, int H, float* out) {
   if (n <= 0) return;
   const size_t total = size_t(n) * H;
-  moe_combine_kernel<<<unsigned((total + 255) / 256), 256>>>(D, weight, n, k, sd, sgate, H, out);
+  moe_combine_kernel<<<unsigned((total + 255) / 256), 256>>>(D, idx, weight, n, k, sd, sgate, H, out);
   CUDA_LAUNCH_CHECK();
 }
 

@@ -8,11 +8,20 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "cuda/cuda_util.h"
 #include "model/weights.h"
 
 namespace tansy::cuda::f32 {
+
+// What the kernels support, checked by each launcher and, by the f32 model, for every matrix and
+// shape at load (so an unsupported checkpoint fails there, naming the part, and never halfway
+// through a forward pass). Each throws Error.
+void check_linear(const Linear& W, const std::string& what);  // in % 8 == 0 (and group), out rows
+void check_gdn(int n_k, int n_v, int dk, int dv);
+void check_attention(int n_heads, int n_kv, int hd, int rotary_dim);
+void check_route(int n_experts, int k);
 
 // A Linear whose q / scales / biases / bf16 / f32 pointers are device pointers. `in` must be a
 // multiple of 8 (and of the quant group for affine formats).
@@ -77,8 +86,9 @@ void route_topk(const float* logits, int n, int stride, int n_experts, int k, in
 // cpu::swiglu.
 void swiglu(const float* g, const float* u, size_t n, float* y);
 // out[t, c] = sum_j weight[t, j] * D[t*k + j, c] + sigmoid(sgate[t]) * sd[t, c]: the MoE output of
-// the CPU forward pass (routed experts weighted, plus the gated shared expert).
-void moe_combine(const float* D, const float* weight, int n, int k, const float* sd, const float* sgate, int H,
-                 float* out);
+// the CPU forward pass (routed experts weighted, summed in ascending expert index idx[t, j] as the
+// CPU does, plus the gated shared expert).
+void moe_combine(const float* D, const int32_t* idx, const float* weight, int n, int k, const float* sd,
+                 const float* sgate, int H, float* out);
 
 }  // namespace tansy::cuda::f32

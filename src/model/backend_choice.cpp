@@ -64,9 +64,13 @@ unsigned long long checkpoint_bytes(const std::string& dir) {
   namespace fs = std::filesystem;
   unsigned long long total = 0;
   std::error_code ec;
-  for (const auto& e : fs::directory_iterator(dir, ec))
-    if (e.is_regular_file() && e.path().extension() == ".safetensors") total += e.file_size();
-  if (ec) fail("{}: cannot list the checkpoint directory: {}", dir, ec.message());
+  fs::directory_iterator it(dir, ec), end;
+  for (; !ec && it != end; it.increment(ec)) {
+    if (it->path().extension() != ".safetensors" || !it->is_regular_file(ec)) continue;
+    const auto size = it->file_size(ec);
+    if (!ec) total += size;
+  }
+  if (ec) fail("{}: cannot read the checkpoint directory: {}", dir, ec.message());
   return total;
 }
 

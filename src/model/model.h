@@ -25,6 +25,8 @@ class Model {
   virtual ~Model() = default;
   virtual const ModelConfig& config() const = 0;
   virtual std::string backend_name() const = 0;
+  // The backend and, where it has several, its plan: "cpu", "cuda-bf16", "cuda-f32".
+  virtual std::string backend_plan() const { return backend_name(); }
 
   // Fresh state able to hold up to max_tokens tokens.
   virtual std::unique_ptr<SequenceState> new_state(int max_tokens) = 0;

@@ -391,7 +391,7 @@ struct Server::Impl {
                 {"system_fingerprint", fingerprint()}};
   }
 
-  std::string fingerprint() const { return "tansy-" + engine.model().backend_name(); }
+  std::string fingerprint() const { return "tansy-" + engine.model().backend_plan(); }
 
   // ---- streaming -------------------------------------------------------------------------
 
@@ -671,7 +671,7 @@ void Server::run() {
   }
   log_line(fmt::format("tansy serve: listening on http://{}:{} (model '{}', {} backend, context {} tokens, prefix cache "
                        "{} entries, queue {})",
-                       s.opt.host, port, s.opt.model_id, s.engine.model().backend_name(), s.engine.options().max_seq,
+                       s.opt.host, port, s.opt.model_id, s.engine.model().backend_plan(), s.engine.options().max_seq,
                        s.engine.options().prefix_cache_entries, s.opt.max_queue));
   log_line("tansy serve: sampling defaults: " + s.opt.defaults_source);
   if (!s.http.listen_after_bind()) fail("the HTTP server stopped with an error");

@@ -2,10 +2,12 @@
 #pragma once
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <random>
+#include <span>
 #include <vector>
 
 #include "core/bf16.h"
@@ -114,6 +116,14 @@ inline double max_abs_diff(const std::vector<float>& a, const std::vector<float>
     m = std::max(m, double(std::fabs(a[i] - b[i])));
   }
   return m;
+}
+
+// The largest value of `row` other than row[top] (the runner-up of its argmax `top`).
+inline float runner_up(std::span<const float> row, int top) {
+  float second = -INFINITY;
+  for (int i = 0; i < int(row.size()); ++i)
+    if (i != top) second = std::max(second, row[i]);
+  return second;
 }
 
 #define EXPECT_REL(out, ref, tol, label)                                                   \

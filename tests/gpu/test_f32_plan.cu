@@ -200,8 +200,16 @@ TEST(F32Ops, EmbedAndNorms) {
   cuda::f32::add(dg.get(), du.get(), 1000);
   EXPECT_REL(run_to_host(dg), sum, 1e-7, "add");
 
+  // Each token's k distinct experts in a random order (the sum runs in ascending expert index).
   const int K = 3, HH = 40;
   const auto D = randn(size_t(n) * K * HH), wt = randn(size_t(n) * K), sd = randn(size_t(n) * HH), gate = randn(n);
+  std::vector<int32_t> eidx(size_t(n) * K);
+  for (int t = 0; t < n; ++t) {
+    std::vector<int32_t> perm(16);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng());
+    std::copy_n(perm.begin(), K, &eidx[size_t(t) * K]);
+  }
   std::vector<float> mo(size_t(n) * HH);
   for (int t = 0; t < n; ++t)
     for (int c = 0; c < HH; ++c) {
@@ -210,9 +218,10 @@ TEST(F32Ops, EmbedAndNorms) {
       mo[size_t(t) * HH + c] = float(a + 1.0 / (1.0 + std::exp(-double(gate[t]))) * sd[size_t(t) * HH + c]);
     }
   auto dD = to_device(D), dwt = to_device(wt), dsd = to_device(sd), dgate = to_device(gate);
+  auto deidx = to_device(eidx);
   cuda::DeviceBuffer<float> dmo(mo.size());
   poison(dmo);
-  cuda::f32::moe_combine(dD.get(), dwt.get(), n, K, dsd.get(), dgate.get(), HH, dmo.get());
+  cuda::f32::moe_combine(dD.get(), deidx.get(), dwt.get(), n, K, dsd.get(), dgate.get(), HH, dmo.get());
   EXPECT_REL(run_to_host(dmo), mo, 1e-6, "moe_combine");
 }
 
@@ -373,9 +382,7 @@ RowCheck check_rows(const std::vector<float>& got, const std::vector<float>& ref
     }
     c.worst = std::max(c.worst, d / std::max(mx, 1e-30));
     const int top = argmax(f);
-    float second = -INFINITY;
-    for (int i = 0; i < V; ++i)
-      if (i != top) second = std::max(second, f[i]);
+    const float second = runner_up(f, top);
     const bool same = argmax(g) == top;
     c.argmax_agree += same;
     if (f[top] - second > 1e-4 * mx) {
@@ -518,6 +525,23 @@ TEST(F32Plan, LongPromptAcrossChunks) {
   EXPECT_EQ(last, std::vector<float>(all.end() - V, all.end())) << "last-position logits differ from the all-positions pass";
   EXPECT_EQ(sa->n_tokens(), n);
   EXPECT_EQ(sl->n_tokens(), n);
+}
+
+// Shapes the kernels cannot run are refused by the checks the model runs at load.
+TEST(F32Ops, UnsupportedShapesRefused) {
+  TestLinear odd(WFormat::kBF16, 4, 64);
+  Linear bad = odd.host;
+  bad.in = 60;
+  EXPECT_THROW(cuda::f32::check_linear(bad, "test"), Error);
+  EXPECT_NO_THROW(cuda::f32::check_linear(odd.host, "test"));
+  EXPECT_THROW(cuda::f32::check_gdn(2, 3, 128, 128), Error);      // value heads not a multiple of key heads
+  EXPECT_THROW(cuda::f32::check_gdn(1, 1, 4096, 4096), Error);    // beyond one block's shared memory
+  EXPECT_THROW(cuda::f32::check_attention(4, 3, 256, 64), Error);
+  EXPECT_THROW(cuda::f32::check_attention(4, 2, 256, 63), Error);
+  EXPECT_THROW(cuda::f32::check_attention(4, 2, 8192, 64), Error);
+  EXPECT_THROW(cuda::f32::check_route(2000, 8), Error);
+  EXPECT_THROW(cuda::f32::check_route(16, 65), Error);
+  EXPECT_NO_THROW(cuda::f32::check_route(256, 8));
 }
 
 // The bundled demo model: every recorded question's greedy answer (transformers, float32,

@@ -88,9 +88,7 @@ LogitCheck compare_logits(const std::vector<float>& got, const std::vector<float
   for (int p = 0; p < c.positions; ++p) {
     std::span<const float> r(&ref[size_t(p) * V], V), g(&got[size_t(p) * V], V);
     const int top = argmax(r);
-    float second = -INFINITY;
-    for (int i = 0; i < V; ++i)
-      if (i != top) second = std::max(second, r[i]);
+    const float second = runner_up(r, top);
     const bool same = argmax(g) == top;
     c.agree += same;
     if (r[top] - second > kMarginFrac * maxref) {
