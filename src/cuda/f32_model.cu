@@ -10,7 +10,6 @@
 // counts within one block's shared memory, input sizes multiples of 8. A prompt longer than
 // kChunk tokens goes through the layers in passes of kChunk, and the trace hooks report per pass.
 #include <algorithm>
-#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -37,45 +36,39 @@ struct DevLinear32 {
   Linear view;
 };
 
+template <typename T>
+void copy_in(DeviceBuffer<T>& b, const T* host, size_t n) {
+  b.resize(n);
+  b.upload(host, n);
+}
+
 std::unique_ptr<DevLinear32> upload(const Linear& L) {
   auto d = std::make_unique<DevLinear32>();
   d->view = L;
-  d->view.q = nullptr;
-  d->view.scales = d->view.biases = d->view.bf16 = nullptr;
-  d->view.f32 = nullptr;
   const size_t rows = size_t(L.out);
   switch (L.fmt) {
     case WFormat::kAffine4:
     case WFormat::kAffine8: {
       const size_t words = size_t(L.in) * L.bits() / 32, groups = size_t(L.in / L.group);
-      d->q.resize(rows * words);
-      d->q.upload(L.q, rows * words);
-      d->scales.resize(rows * groups);
-      d->scales.upload(L.scales, rows * groups);
-      d->biases.resize(rows * groups);
-      d->biases.upload(L.biases, rows * groups);
-      d->view.q = d->q.get();
-      d->view.scales = d->scales.get();
-      d->view.biases = d->biases.get();
+      copy_in(d->q, L.q, rows * words);
+      copy_in(d->scales, L.scales, rows * groups);
+      copy_in(d->biases, L.biases, rows * groups);
       break;
     }
-    case WFormat::kBF16:
-      d->w16.resize(rows * L.in);
-      d->w16.upload(L.bf16, rows * L.in);
-      d->view.bf16 = d->w16.get();
-      break;
-    case WFormat::kF32:
-      d->w32.resize(rows * L.in);
-      d->w32.upload(L.f32, rows * L.in);
-      d->view.f32 = d->w32.get();
-      break;
+    case WFormat::kBF16: copy_in(d->w16, L.bf16, rows * L.in); break;
+    case WFormat::kF32: copy_in(d->w32, L.f32, rows * L.in); break;
   }
+  d->view.q = d->q.get();  // null where the format has no such part
+  d->view.scales = d->scales.get();
+  d->view.biases = d->biases.get();
+  d->view.bf16 = d->w16.get();
+  d->view.f32 = d->w32.get();
   return d;
 }
 
 DeviceBuffer<float> upload_vec(const std::vector<float>& v) {
-  DeviceBuffer<float> b(v.size());
-  b.upload(v.data(), v.size());
+  DeviceBuffer<float> b;
+  copy_in(b, v.data(), v.size());
   return b;
 }
 
@@ -273,24 +266,29 @@ class F32Model final : public Model {
     for (int i = 0; i < cfg_.num_layers; ++i) {
       const LayerWeights& lw = w.layers[i];
       const std::string at = "layer " + std::to_string(i) + " ";
-      const std::vector<std::pair<const Linear*, const char*>> parts =
-          lw.kind == LayerKind::kLinear
-              ? std::vector<std::pair<const Linear*, const char*>>{{&lw.gdn.in_qkv, "in_proj_qkv"},
-                                                                   {&lw.gdn.in_z, "in_proj_z"},
-                                                                   {&lw.gdn.in_a, "in_proj_a"},
-                                                                   {&lw.gdn.in_b, "in_proj_b"},
-                                                                   {&lw.gdn.out, "out_proj"}}
-              : std::vector<std::pair<const Linear*, const char*>>{
-                    {&lw.attn.q, "q_proj"}, {&lw.attn.k, "k_proj"}, {&lw.attn.v, "v_proj"}, {&lw.attn.o, "o_proj"}};
-      for (auto [L, name] : parts) f32::check_linear(*L, at + name);
-      for (auto [L, name] : {std::pair{&lw.moe.router, "router"}, std::pair{&lw.moe.sh_gate, "shared gate_proj"},
-                             std::pair{&lw.moe.sh_up, "shared up_proj"}, std::pair{&lw.moe.sh_down, "shared down_proj"},
-                             std::pair{&lw.moe.sh_router, "shared expert gate"}})
-        f32::check_linear(*L, at + name);
+      auto check = [&](const Linear& L, const std::string& name) { f32::check_linear(L, at + name); };
+      if (lw.kind == LayerKind::kLinear) {
+        check(lw.gdn.in_qkv, "in_proj_qkv");
+        check(lw.gdn.in_z, "in_proj_z");
+        check(lw.gdn.in_a, "in_proj_a");
+        check(lw.gdn.in_b, "in_proj_b");
+        check(lw.gdn.out, "out_proj");
+      } else {
+        check(lw.attn.q, "q_proj");
+        check(lw.attn.k, "k_proj");
+        check(lw.attn.v, "v_proj");
+        check(lw.attn.o, "o_proj");
+      }
+      check(lw.moe.router, "router");
+      check(lw.moe.sh_gate, "shared gate_proj");
+      check(lw.moe.sh_up, "shared up_proj");
+      check(lw.moe.sh_down, "shared down_proj");
+      check(lw.moe.sh_router, "shared expert gate");
       for (size_t e = 0; e < lw.moe.gate.size(); ++e) {
-        f32::check_linear(lw.moe.gate[e], at + "expert " + std::to_string(e) + " gate_proj");
-        f32::check_linear(lw.moe.up[e], at + "expert " + std::to_string(e) + " up_proj");
-        f32::check_linear(lw.moe.down[e], at + "expert " + std::to_string(e) + " down_proj");
+        const std::string ex = "expert " + std::to_string(e) + " ";
+        check(lw.moe.gate[e], ex + "gate_proj");
+        check(lw.moe.up[e], ex + "up_proj");
+        check(lw.moe.down[e], ex + "down_proj");
       }
     }
     if (cfg_.num_linear_layers() > 0) {
@@ -339,23 +337,23 @@ class F32Model final : public Model {
     grow(logits_, logit_rows * size_t(cfg_.vocab_size));
   }
 
+  // Trace hook: row `row` of x [*, hidden] from the device.
+  void trace_row(const std::string& name, const float* x, int row) {
+    std::vector<float> h(cfg_.hidden_size);
+    CUDA_CHECK(cudaMemcpy(h.data(), x + size_t(row) * h.size(), sizeof(float) * h.size(), cudaMemcpyDeviceToHost));
+    trace_(name, h);
+  }
+
   void report(int layer, const char* what, const float* x, int n) {
-    if (!trace_) return;
-    const int H = cfg_.hidden_size;
-    std::vector<float> h(H);
-    CUDA_CHECK(cudaMemcpy(h.data(), x + size_t(n - 1) * H, sizeof(float) * H, cudaMemcpyDeviceToHost));
-    trace_("layer." + std::to_string(layer) + "." + what, h);
+    if (trace_) trace_row("layer." + std::to_string(layer) + "." + what, x, n - 1);
   }
 
   // Tokens ids (at most kChunk) after st.n; writes logits (all positions, or the last) to the host.
   void chunk(F32State& st, std::span<const int32_t> ids, float* logits, bool all_positions) {
     const int n = int(ids.size()), H = cfg_.hidden_size;
-    int32_t* d_ids = ids_.get();
-    CUDA_CHECK(cudaMemcpy(d_ids, ids.data(), sizeof(int32_t) * n, cudaMemcpyHostToDevice));
-    float* h = h_.get();
-    float* xn = xn_.get();
-    float* mix = mix_.get();
-    f32::embed(embed_->view, d_ids, n, h);
+    float *h = h_.get(), *xn = xn_.get(), *mix = mix_.get();
+    CUDA_CHECK(cudaMemcpy(ids_.get(), ids.data(), sizeof(int32_t) * n, cudaMemcpyHostToDevice));
+    f32::embed(embed_->view, ids_.get(), n, h);
     for (int i = 0; i < cfg_.num_layers; ++i) {
       Layer& L = layers_[i];
       f32::rmsnorm(h, L.in_norm.get(), n, H, cfg_.rms_eps, xn);
@@ -376,89 +374,63 @@ class F32Model final : public Model {
     for (int r0 = first; r0 < n; r0 += kLogitRows) {
       const int rows = std::min(kLogitRows, n - r0);
       f32::rmsnorm(h + size_t(r0) * H, final_norm_.get(), rows, H, cfg_.rms_eps, xn);
-      if (trace_ && r0 + rows == n) {
-        std::vector<float> fn(H);
-        CUDA_CHECK(cudaMemcpy(fn.data(), xn + size_t(rows - 1) * H, sizeof(float) * H, cudaMemcpyDeviceToHost));
-        trace_("final_norm", fn);
-      }
-      float* d_logits = logits_.get();
-      f32::matmul(lm_head_->view, xn, rows, d_logits);
-      CUDA_CHECK(cudaMemcpy(logits + size_t(r0 - first) * V, d_logits, sizeof(float) * rows * V,
+      if (trace_ && r0 + rows == n) trace_row("final_norm", xn, rows - 1);
+      f32::matmul(lm_head_->view, xn, rows, logits_.get());
+      CUDA_CHECK(cudaMemcpy(logits + size_t(r0 - first) * V, logits_.get(), sizeof(float) * rows * V,
                             cudaMemcpyDeviceToHost));
     }
   }
 
   // Gated DeltaNet (MODEL.md §5), as CpuModel::gdn.
   void gdn(Layer& L, F32State::Layer& S, const float* xn, int n, float* out) {
-    const int C = cfg_.lin_conv_dim(), VD = cfg_.lin_value_dim(), NV = cfg_.lin_num_v_heads;
-    float* qkv = qkv_.get();
-    float* y = conv_y_.get();
-    float* z = z_.get();
-    float* a = a_.get();
-    float* b = b_.get();
-    float* normed = normed_.get();
-    f32::matmul(L.in_qkv->view, xn, n, qkv);
-    f32::matmul(L.in_z->view, xn, n, z);
-    f32::matmul(L.in_a->view, xn, n, a);
-    f32::matmul(L.in_b->view, xn, n, b);
-    f32::conv1d(qkv, n, S.conv.get(), L.conv.get(), C, cfg_.conv_kernel, y);
-    f32::GdnCoreArgs g{y, z, a, b, L.A_log.get(), L.dt_bias.get(), L.gdn_norm.get(), S.S.get(), normed,
-                       n, cfg_.lin_num_k_heads, NV, cfg_.lin_k_head_dim, cfg_.lin_v_head_dim, cfg_.rms_eps};
-    f32::gdn_core(g);
-    f32::matmul(L.out->view, normed, n, out);
+    const int C = cfg_.lin_conv_dim(), NV = cfg_.lin_num_v_heads;
+    f32::matmul(L.in_qkv->view, xn, n, qkv_.get());
+    f32::matmul(L.in_z->view, xn, n, z_.get());
+    f32::matmul(L.in_a->view, xn, n, a_.get());
+    f32::matmul(L.in_b->view, xn, n, b_.get());
+    f32::conv1d(qkv_.get(), n, S.conv.get(), L.conv.get(), C, cfg_.conv_kernel, conv_y_.get());
+    f32::gdn_core({conv_y_.get(), z_.get(), a_.get(), b_.get(), L.A_log.get(), L.dt_bias.get(), L.gdn_norm.get(),
+                   S.S.get(), normed_.get(), n, cfg_.lin_num_k_heads, NV, cfg_.lin_k_head_dim, cfg_.lin_v_head_dim,
+                   cfg_.rms_eps});
+    f32::matmul(L.out->view, normed_.get(), n, out);
   }
 
   // Gated attention (MODEL.md §4), as CpuModel::attn; pos0 = tokens already cached.
   void attn(Layer& L, F32State::Layer& S, int pos0, const float* xn, int n, float* out) {
-    const int QD = cfg_.q_dim(), KVD = cfg_.kv_dim();
-    float* qg = qg_.get();
-    float* k = k_.get();
-    float* v = v_.get();
-    float* q = q_.get();
-    float* o = o_.get();
-    f32::matmul(L.q->view, xn, n, qg);
-    f32::matmul(L.k->view, xn, n, k);
-    f32::matmul(L.v->view, xn, n, v);
-    f32::AttnPrepArgs p{qg, k, v, L.q_norm.get(), L.k_norm.get(), q, S.K.get(), S.V.get(), n, pos0,
-                        cfg_.num_heads, cfg_.num_kv_heads, cfg_.head_dim, cfg_.rotary_dim, cfg_.rms_eps,
-                        cfg_.rope_theta};
-    f32::attention_prep(p);
-    f32::attention(q, qg, S.K.get(), S.V.get(), n, pos0, cfg_.num_heads, cfg_.num_kv_heads, cfg_.head_dim, o);
-    f32::matmul(L.o->view, o, n, out);
+    f32::matmul(L.q->view, xn, n, qg_.get());
+    f32::matmul(L.k->view, xn, n, k_.get());
+    f32::matmul(L.v->view, xn, n, v_.get());
+    f32::attention_prep({qg_.get(), k_.get(), v_.get(), L.q_norm.get(), L.k_norm.get(), q_.get(), S.K.get(), S.V.get(),
+                         n, pos0, cfg_.num_heads, cfg_.num_kv_heads, cfg_.head_dim, cfg_.rotary_dim, cfg_.rms_eps,
+                         cfg_.rope_theta});
+    f32::attention(q_.get(), qg_.get(), S.K.get(), S.V.get(), n, pos0, cfg_.num_heads, cfg_.num_kv_heads,
+                   cfg_.head_dim, o_.get());
+    f32::matmul(L.o->view, o_.get(), n, out);
   }
 
   // Sparse MoE with the gated shared expert (MODEL.md §6), as CpuModel::moe.
   void moe(int layer, Layer& L, const float* xn, int n, float* out) {
     const int H = cfg_.hidden_size, E = cfg_.num_experts, K = cfg_.experts_per_tok;
     const int I = cfg_.moe_intermediate, SI = cfg_.shared_intermediate;
-    float* rl = router_logits_.get();
     int32_t* idx = idx_.get();
-    float* wts = wts_.get();
-    float* G = G_.get();
-    float* U = U_.get();
-    float* D = D_.get();
-    float* sg = sg_.get();
-    float* su = su_.get();
-    float* sd = sd_.get();
-    float* gate = gate_.get();
-    f32::matmul(L.router->view, xn, n, rl);
-    f32::route_topk(rl, n, E, E, K, idx, wts);
+    float *G = G_.get(), *sg = sg_.get();
+    f32::matmul(L.router->view, xn, n, router_logits_.get());
+    f32::route_topk(router_logits_.get(), n, E, E, K, idx, wts_.get());
     if (route_trace_) {
       std::vector<int32_t> h(size_t(n) * K);
       CUDA_CHECK(cudaMemcpy(h.data(), idx, sizeof(int32_t) * h.size(), cudaMemcpyDeviceToHost));
       route_trace_(layer, h);
     }
-    const Linear& g0 = L.gate[0]->view;
-    f32::matmul_indexed(L.gate_views.get(), E, g0, idx, xn, K, n * K, G);
-    f32::matmul_indexed(L.up_views.get(), E, L.up[0]->view, idx, xn, K, n * K, U);
-    f32::swiglu(G, U, size_t(n) * K * I, G);
-    f32::matmul_indexed(L.down_views.get(), E, L.down[0]->view, idx, G, 1, n * K, D);
+    f32::matmul_indexed(L.gate_views.get(), E, L.gate[0]->view, idx, xn, K, n * K, G);
+    f32::matmul_indexed(L.up_views.get(), E, L.up[0]->view, idx, xn, K, n * K, U_.get());
+    f32::swiglu(G, U_.get(), size_t(n) * K * I, G);
+    f32::matmul_indexed(L.down_views.get(), E, L.down[0]->view, idx, G, 1, n * K, D_.get());
     f32::matmul(L.sh_gate->view, xn, n, sg);
-    f32::matmul(L.sh_up->view, xn, n, su);
-    f32::swiglu(sg, su, size_t(n) * SI, sg);
-    f32::matmul(L.sh_down->view, sg, n, sd);
-    f32::matmul(L.sh_router->view, xn, n, gate);
-    f32::moe_combine(D, idx, wts, n, K, sd, gate, H, out);
+    f32::matmul(L.sh_up->view, xn, n, su_.get());
+    f32::swiglu(sg, su_.get(), size_t(n) * SI, sg);
+    f32::matmul(L.sh_down->view, sg, n, sd_.get());
+    f32::matmul(L.sh_router->view, xn, n, gate_.get());
+    f32::moe_combine(D_.get(), idx, wts_.get(), n, K, sd_.get(), gate_.get(), H, out);
   }
 
   ModelConfig cfg_;

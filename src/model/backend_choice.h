@@ -31,7 +31,7 @@ BackendChoice choose_backend(const std::string& requested, const DeviceProbe& pr
 // --cuda-precision auto|bf16|f32: which plan the CUDA backend runs (ModelOptions::cuda_precision).
 // bf16 is the fast plan (bf16 activations, f32 residual stream and state); f32 runs the CPU
 // reference's arithmetic on the device (every activation f32: the CPU backend's logits to float
-// rounding and its greedy answers, near-ties included), with simple kernels. auto picks f32 for a
+// rounding, ~1e-6, so its greedy answers short of closer ties), with simple kernels. auto picks f32 for a
 // checkpoint of at most kF32AutoBytes (its safetensors files together: a small model, whose decode
 // is bound by launches either way) and bf16 otherwise. Anything else throws Error.
 inline constexpr unsigned long long kF32AutoBytes = 1ull << 30;

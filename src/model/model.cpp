@@ -42,7 +42,7 @@ int32_t Model::greedy_step(SequenceState& state, std::span<const int32_t> ids, i
 std::unique_ptr<Model> open_model(const std::filesystem::path& dir, const ModelOptions& opt) {
   if (opt.backend == "cpu") return make_cpu_model(dir, opt);
   if (opt.backend == "cuda") {
-    const PrecisionChoice pc = choose_cuda_precision(
+    [[maybe_unused]] const PrecisionChoice pc = choose_cuda_precision(
         opt.cuda_precision, opt.cuda_precision == "auto" ? checkpoint_bytes(dir.string()) : 0);
 #ifdef TANSY_HAVE_CUDA_BACKEND
     return pc.precision == "f32" ? make_cuda_f32_model(dir) : make_cuda_model(dir);
