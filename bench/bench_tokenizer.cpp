@@ -30,7 +30,7 @@ static std::string english_text() {
 static const tansy::Tokenizer& tokenizer() {
   static tansy::Tokenizer tok = tansy::Tokenizer::load(
       std::getenv("TANSY_TOKENIZER_DIR") ? fs::path(std::getenv("TANSY_TOKENIZER_DIR"))
-                                         : fs::path(TANSY_SOURCE_DIR) / ".." / "shared" / "fixtures" / "qwen3-tokenizer");
+                                         : fs::path(TANSY_SOURCE_DIR) / "tests" / "fixtures" / "qwen3-tokenizer");
   return tok;
 }
 

@@ -1,7 +1,7 @@
 // The CPU reference backend's operations, plain f32, one family per file (quant.cpp, norm.cpp,
 // attention.cpp, gdn.cpp, moe.cpp). These are the oracle every CUDA kernel is tested against:
 // the CUDA launchers in src/cuda/ take the same arguments with device pointers.
-// Formulas: ../shared/MODEL.md (section numbers in each comment).
+// Formulas: docs/MODEL.md (section numbers in each comment).
 #pragma once
 #include <cstdint>
 #include <span>

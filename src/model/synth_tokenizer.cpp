@@ -17,7 +17,7 @@
 namespace tansy {
 namespace {
 
-// The Qwen3.5/3.6 pre-tokenizer split (../shared/fixtures/qwen3.6/pretokenizer_regex.txt).
+// The Qwen3.5/3.6 pre-tokenizer split (tests/fixtures/qwen3.6/pretokenizer_regex.txt).
 constexpr const char* kSplitRegex =
     R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
 
@@ -71,7 +71,7 @@ SynthTokenizerLayout synth_tokenizer_layout(const ModelConfig& cfg) {
     l.added = {{"<|endoftext|>", 248044, true}, {"<|im_start|>", 248045, true}, {"<|im_end|>", 248046, true}};
     for (int32_t id = 248047; id < 248068; ++id)
       l.added.push_back({"<|tansy_synth_reserved_" + std::to_string(id) + "|>", id, true});
-    // Qwen3's tokenizer (../shared/fixtures/qwen3-tokenizer) flags <think> and </think> as
+    // Qwen3's tokenizer (tests/fixtures/qwen3-tokenizer) flags <think> and </think> as
     // added tokens that are not special; kept so here.
     l.added.push_back({"<think>", 248068, false});
     l.added.push_back({"</think>", 248069, false});

@@ -18,7 +18,7 @@
 namespace tansy::text {
 namespace {
 
-// Byte-for-byte copy of ../shared/fixtures/qwen3.6/chat_template.jinja (sha256 e84f32a2...4259);
+// Byte-for-byte copy of tests/fixtures/qwen3.6/chat_template.jinja (sha256 e84f32a2...4259);
 // a unit test compares it with the fixture file.
 constexpr std::string_view kQwen36Template = R"QWEN({%- set image_count = namespace(value=0) %}
 {%- set video_count = namespace(value=0) %}

@@ -1,5 +1,5 @@
 // The Qwen3.6 chat template, rendered by hand-written C++ that follows the Jinja source
-// (../shared/fixtures/qwen3.6/chat_template.jinja) statement by statement, so that the prompt is
+// (tests/fixtures/qwen3.6/chat_template.jinja) statement by statement, so that the prompt is
 // byte-identical to what transformers' jinja2 environment produces, errors included.
 //
 // JSON values must be nlohmann::ordered_json: the template's `tojson` keeps the caller's key

@@ -2,7 +2,7 @@
 
 The model comes from tools/make_tiny_model.py: random weights, plus two scripted bigram
 continuations (see that file) so that reasoning, tool calls and stop strings can be tested end to
-end. The tokenizer and chat template come from ../shared/fixtures (TANSY_FIXTURES overrides).
+end. The tokenizer and chat template come from tests/fixtures (TANSY_FIXTURES overrides).
 The binary is build/tansy (TANSY_BIN overrides).
 """
 import os
@@ -13,7 +13,7 @@ import time
 import requests
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FIXTURES = os.environ.get("TANSY_FIXTURES", os.path.join(REPO, "..", "shared", "fixtures"))
+FIXTURES = os.environ.get("TANSY_FIXTURES", os.path.join(REPO, "tests", "fixtures"))
 TANSY = os.environ.get("TANSY_BIN", os.path.join(REPO, "build", "tansy"))
 MODEL_ID = "tiny"
 MAX_SEQ = 1024

@@ -14,7 +14,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODEL = os.environ.get("TANSY_DEMO_MODEL", os.path.join(ROOT, "models", "tansy-demo"))
-FIXTURES = os.environ.get("TANSY_FIXTURES", "/work/shared/fixtures")
+FIXTURES = os.environ.get("TANSY_FIXTURES", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fixtures"))
 TOKENIZER_DIRS = [d for d in (MODEL, os.path.join(ROOT, ".demo_data", "tokenizer"))
                   if os.path.exists(os.path.join(d, "tokenizer.json"))]
 ADDED = [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True), ("<tool_call>", False),

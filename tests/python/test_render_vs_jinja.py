@@ -1,5 +1,5 @@
 """`tansy render` against Python jinja2 rendering the Qwen3.6 chat template in the environment
-transformers uses (see ../shared/fixtures/README.md): the fixtures plus generated conversations,
+transformers uses (see tests/fixtures/README.md): the fixtures plus generated conversations,
 byte for byte, errors included.
 
 The reference does what the server does before rendering: it reads the switches from the top
@@ -19,7 +19,7 @@ import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 REPO = Path(__file__).resolve().parents[2]
-FIXTURES = REPO.parent / "shared" / "fixtures" / "qwen3.6"
+FIXTURES = REPO / "tests" / "fixtures" / "qwen3.6"
 TANSY = Path(os.environ.get("TANSY_BIN", REPO / "build" / "tansy"))
 GENERATED = 1500
 

