@@ -22,15 +22,17 @@ static std::string read_file(const fs::path& p) {
 static std::string english_text() {
   if (const char* p = std::getenv("TANSY_BENCH_TEXT")) return read_file(p);
   std::string text;
-  for (const char* name : {"Apache-2.0", "Artistic", "BSD", "CC0-1.0", "GFDL-1.3", "GPL-2", "GPL-3", "LGPL-2.1", "MPL-2.0"})
+  for (const char* name :
+       {"Apache-2.0", "Artistic", "BSD", "CC0-1.0", "GFDL-1.3", "GPL-2", "GPL-3", "LGPL-2.1", "MPL-2.0"})
     text += read_file(fs::path("/usr/share/common-licenses") / name);
   return text;
 }
 
 static const tansy::Tokenizer& tokenizer() {
-  static tansy::Tokenizer tok = tansy::Tokenizer::load(
-      std::getenv("TANSY_TOKENIZER_DIR") ? fs::path(std::getenv("TANSY_TOKENIZER_DIR"))
-                                         : fs::path(TANSY_SOURCE_DIR) / "tests" / "fixtures" / "qwen3-tokenizer");
+  static tansy::Tokenizer tok =
+      tansy::Tokenizer::load(std::getenv("TANSY_TOKENIZER_DIR")
+                                 ? fs::path(std::getenv("TANSY_TOKENIZER_DIR"))
+                                 : fs::path(TANSY_SOURCE_DIR) / "tests" / "fixtures" / "qwen3-tokenizer");
   return tok;
 }
 

@@ -41,7 +41,9 @@ constexpr int kDecodeSteps = 64;
 constexpr const char* kResultTag = "TANSY_BENCH_RESULT ";
 const std::vector<int> kDefaultContexts = {256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072};
 
-double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 
 std::string hex64(uint64_t v) { return fmt::format("{:016x}", v); }
 
@@ -161,7 +163,8 @@ json child_ceilings() {
 json stages_json(const std::vector<tansy::cuda::StageTime>& v) {
   json a = json::array();
   for (auto& s : v)
-    a.push_back({{"name", s.name}, {"ms", s.ms}, {"bytes", s.bytes}, {"flops", s.flops}, {"launches", s.launches}});
+    a.push_back(
+        {{"name", s.name}, {"ms", s.ms}, {"bytes", s.bytes}, {"flops", s.flops}, {"launches", s.launches}});
   return a;
 }
 #endif
@@ -296,8 +299,9 @@ json weights_note(const std::string& dir) {
   if (j.is_object() && j.contains("seed"))
     return json{{"synthetic", true},
                 {"seed", j["seed"]},
-                {"note", "synthetic checkpoint (tansy synth): real tensor names, shapes and MLX 4-bit layout, random "
-                         "values; random router weights spread tokens roughly uniformly over experts"}};
+                {"note",
+                 "synthetic checkpoint (tansy synth): real tensor names, shapes and MLX 4-bit layout, random "
+                 "values; random router weights spread tokens roughly uniformly over experts"}};
   return json{{"synthetic", false}};
 }
 
@@ -309,10 +313,14 @@ void print_stage_table(const char* title, const json& stages, double read_gbps, 
   std::printf("  %-28s %10s %7s %12s %10s %10s\n", "stage", "ms", "share", "bytes/flops", "of BW", "of GEMM");
   for (auto& s : stages) {
     double ms = s["ms"].get<double>(), bytes = s["bytes"].get<double>(), flops = s["flops"].get<double>();
-    std::string bw = bytes > 0 && read_gbps > 0 ? fmt::format("{:.2f}", bytes / (ms * 1e-3) / (read_gbps * 1e9)) : "-";
-    std::string fl =
-        flops > 0 && gemm_tflops > 0 ? fmt::format("{:.2f}", flops / (ms * 1e-3) / (gemm_tflops * 1e12)) : "-";
-    std::string amount = bytes > 0 ? fmt::format("{:.1f} MB", bytes / 1e6) : flops > 0 ? fmt::format("{:.1f} GF", flops / 1e9) : "-";
+    std::string bw =
+        bytes > 0 && read_gbps > 0 ? fmt::format("{:.2f}", bytes / (ms * 1e-3) / (read_gbps * 1e9)) : "-";
+    std::string fl = flops > 0 && gemm_tflops > 0
+                         ? fmt::format("{:.2f}", flops / (ms * 1e-3) / (gemm_tflops * 1e12))
+                         : "-";
+    std::string amount = bytes > 0   ? fmt::format("{:.1f} MB", bytes / 1e6)
+                         : flops > 0 ? fmt::format("{:.1f} GF", flops / 1e9)
+                                     : "-";
     std::printf("  %-28s %10.4f %6.1f%% %12s %10s %10s\n", s["name"].get<std::string>().c_str(), ms,
                 total > 0 ? 100 * ms / total : 0.0, amount.c_str(), bw.c_str(), fl.c_str());
   }
@@ -352,30 +360,36 @@ int run_bench(const std::vector<std::string>& args) {
   const std::string json_path = f.get("json", "");
   const bool want_ceilings = backend == "cuda" && !f.has("no-ceilings");
 #ifndef TANSY_HAVE_CUDA
-  if (backend == "cuda") tansy::fail("this build has no CUDA backend (rebuild with nvcc, or pass --backend cpu)");
+  if (backend == "cuda")
+    tansy::fail("this build has no CUDA backend (rebuild with nvcc, or pass --backend cpu)");
 #endif
-  if (rounds < 2) std::fprintf(stderr, "tansy bench: warning: --rounds %d: the contract asks for the median of >= 2\n", rounds);
+  if (rounds < 2)
+    std::fprintf(stderr, "tansy bench: warning: --rounds %d: the contract asks for the median of >= 2\n",
+                 rounds);
 
   const tansy::CostModel cost = tansy::cost_model(cfg);
-  json report = {{"contract", "BENCHMARK.md: batch 1, greedy, synthetic prompt ids, fresh process per context, "
-                              "1 warm-up, 1 measured prefill + 64 measured decode steps, median over rounds"},
-                 {"engine", "tansy"},
-                 {"commit", commit_id(f)},
-                 {"date", utc_now()},
-                 {"backend", backend},
-                 {"model", cfg.name},
-                 {"model_dir", dir},
-                 {"weights", weights_note(dir)},
-                 {"rounds", rounds},
-                 {"decode_steps", kDecodeSteps},
-                 {"digest_of", "64-bit FNV-1a over the little-endian int32 ids produced by the 64 decode steps"},
-                 {"cost_model",
-                  {{"weight_bytes_per_token", cost.weight_bytes_per_token},
-                   {"kv_bytes_per_context_token", cost.kv_bytes_per_context_token},
-                   {"gdn_state_bytes", cost.gdn_state_bytes},
-                   {"active_params", cost.active_params},
-                   {"decode_bytes", "weights + KV bytes x (context + 32) + 2 x GDN state (read and written)"},
-                   {"prefill_flops", "context x (2 x active params + attn_layers x 4 x heads x head_dim x context / 2)"}}}};
+  json report = {
+      {"contract",
+       "BENCHMARK.md: batch 1, greedy, synthetic prompt ids, fresh process per context, "
+       "1 warm-up, 1 measured prefill + 64 measured decode steps, median over rounds"},
+      {"engine", "tansy"},
+      {"commit", commit_id(f)},
+      {"date", utc_now()},
+      {"backend", backend},
+      {"model", cfg.name},
+      {"model_dir", dir},
+      {"weights", weights_note(dir)},
+      {"rounds", rounds},
+      {"decode_steps", kDecodeSteps},
+      {"digest_of", "64-bit FNV-1a over the little-endian int32 ids produced by the 64 decode steps"},
+      {"cost_model",
+       {{"weight_bytes_per_token", cost.weight_bytes_per_token},
+        {"kv_bytes_per_context_token", cost.kv_bytes_per_context_token},
+        {"gdn_state_bytes", cost.gdn_state_bytes},
+        {"active_params", cost.active_params},
+        {"decode_bytes", "weights + KV bytes x (context + 32) + 2 x GDN state (read and written)"},
+        {"prefill_flops",
+         "context x (2 x active params + attn_layers x 4 x heads x head_dim x context / 2)"}}}};
 
   double read_gbps = 0, gemm_tflops = 0;
   if (want_ceilings) {
@@ -393,16 +407,20 @@ int run_bench(const std::vector<std::string>& args) {
   for (int r = 0; r < rounds; ++r) {
     for (size_t i = 0; i < contexts.size(); ++i) {
       const int ctx = contexts[i];
-      auto o = run_child({"bench", "--child", "--model", dir, "--context", std::to_string(ctx), "--backend", backend},
-                         timeout);
+      auto o = run_child(
+          {"bench", "--child", "--model", dir, "--context", std::to_string(ctx), "--backend", backend},
+          timeout);
       if (o.result) {
         const json& j = *o.result;
-        std::fprintf(stderr, "tansy bench: round %d/%d context %d: prefill %.1f tok/s, decode %.2f tok/s, digest %s (load %.1f s)\n",
+        std::fprintf(stderr,
+                     "tansy bench: round %d/%d context %d: prefill %.1f tok/s, decode %.2f tok/s, digest %s "
+                     "(load %.1f s)\n",
                      r + 1, rounds, ctx, j["prefill_tps"].get<double>(), j["decode_tps"].get<double>(),
                      j["digest"].get<std::string>().c_str(), j["load_s"].get<double>());
         runs[i].push_back(j);
       } else {
-        std::fprintf(stderr, "tansy bench: round %d/%d context %d: FAILED: %s\n", r + 1, rounds, ctx, o.error.c_str());
+        std::fprintf(stderr, "tansy bench: round %d/%d context %d: FAILED: %s\n", r + 1, rounds, ctx,
+                     o.error.c_str());
         errors[i].push_back(fmt::format("round {}: {}", r + 1, o.error));
       }
     }
@@ -443,7 +461,8 @@ int run_bench(const std::vector<std::string>& args) {
       row["decode_bytes_per_token"] = dbytes;
       row["prefill_flops"] = pflops;
       if (read_gbps > 0) row["bandwidth_floor_fraction"] = dbytes * median(dec) / (read_gbps * 1e9);
-      if (gemm_tflops > 0) row["compute_floor_fraction"] = pflops / (ctx / median(pre)) / (gemm_tflops * 1e12);
+      if (gemm_tflops > 0)
+        row["compute_floor_fraction"] = pflops / (ctx / median(pre)) / (gemm_tflops * 1e12);
     }
     results.push_back(row);
   }
@@ -451,8 +470,9 @@ int run_bench(const std::vector<std::string>& args) {
 
   if (f.has("stages")) {
     const int sctx = int(f.get_int("stages-context", 4096, 1, 1L << 22));
-    auto o = run_child({"bench", "--child-stages", "--model", dir, "--context", std::to_string(sctx), "--backend", backend},
-                       timeout);
+    auto o = run_child(
+        {"bench", "--child-stages", "--model", dir, "--context", std::to_string(sctx), "--backend", backend},
+        timeout);
     report["stages"] = o.result ? *o.result : json{{"error", o.error}};
   }
 
@@ -460,25 +480,32 @@ int run_bench(const std::vector<std::string>& args) {
   std::printf("tansy bench  commit %s  backend %s  model %s\n", report["commit"].get<std::string>().c_str(),
               backend.c_str(), cfg.name.c_str());
   if (report.contains("gpu"))
-    std::printf("gpu %s  driver %s  CUDA %s (driver %s)  copy %.0f GB/s  read %.0f GB/s  bf16 GEMM %.0f TFLOP/s\n",
-                report["gpu"].get<std::string>().c_str(), report["driver"].get<std::string>().c_str(),
-                report["cuda_runtime"].get<std::string>().c_str(), report["cuda_driver"].get<std::string>().c_str(),
-                report["ceilings"]["copy_gbps"].get<double>(), read_gbps, gemm_tflops);
+    std::printf(
+        "gpu %s  driver %s  CUDA %s (driver %s)  copy %.0f GB/s  read %.0f GB/s  bf16 GEMM %.0f TFLOP/s\n",
+        report["gpu"].get<std::string>().c_str(), report["driver"].get<std::string>().c_str(),
+        report["cuda_runtime"].get<std::string>().c_str(), report["cuda_driver"].get<std::string>().c_str(),
+        report["ceilings"]["copy_gbps"].get<double>(), read_gbps, gemm_tflops);
   std::printf("median of %d round(s), %d decode steps; weights: %s\n", rounds, kDecodeSteps,
-              report["weights"]["synthetic"].get<bool>() ? "synthetic (random router: near-uniform expert load)"
-                                                         : "checkpoint");
-  std::printf("%9s %13s %12s %18s %9s %9s  %s\n", "context", "prefill tok/s", "decode tok/s", "digest", "BW floor",
-              "FLOP flr", "status");
+              report["weights"]["synthetic"].get<bool>()
+                  ? "synthetic (random router: near-uniform expert load)"
+                  : "checkpoint");
+  std::printf("%9s %13s %12s %18s %9s %9s  %s\n", "context", "prefill tok/s", "decode tok/s", "digest",
+              "BW floor", "FLOP flr", "status");
   for (auto& row : results) {
     if (!row.contains("prefill_tps")) {
       std::printf("%9d %13s %12s %18s %9s %9s  FAILED\n", row["context"].get<int>(), "-", "-", "-", "-", "-");
       continue;
     }
-    auto frac = [&](const char* k) { return row.contains(k) ? fmt::format("{:.3f}", row[k].get<double>()) : std::string("-"); };
-    std::string status = row.contains("error") ? "SOME ROUNDS FAILED" : row["digests_agree"].get<bool>() ? "ok" : "DIGEST MISMATCH";
-    std::printf("%9d %13.1f %12.2f %18s %9s %9s  %s\n", row["context"].get<int>(), row["prefill_tps"].get<double>(),
-                row["decode_tps"].get<double>(), row["digest"].get<std::string>().c_str(),
-                frac("bandwidth_floor_fraction").c_str(), frac("compute_floor_fraction").c_str(), status.c_str());
+    auto frac = [&](const char* k) {
+      return row.contains(k) ? fmt::format("{:.3f}", row[k].get<double>()) : std::string("-");
+    };
+    std::string status = row.contains("error")              ? "SOME ROUNDS FAILED"
+                         : row["digests_agree"].get<bool>() ? "ok"
+                                                            : "DIGEST MISMATCH";
+    std::printf("%9d %13.1f %12.2f %18s %9s %9s  %s\n", row["context"].get<int>(),
+                row["prefill_tps"].get<double>(), row["decode_tps"].get<double>(),
+                row["digest"].get<std::string>().c_str(), frac("bandwidth_floor_fraction").c_str(),
+                frac("compute_floor_fraction").c_str(), status.c_str());
   }
   if (report.contains("stages")) {
     const json& s = report["stages"];
@@ -486,8 +513,8 @@ int run_bench(const std::vector<std::string>& args) {
       std::printf("\nper-stage breakdown: %s\n", s["error"].get<std::string>().c_str());
     } else {
       print_stage_table("decode step stages", s["decode"], read_gbps, gemm_tflops);
-      print_stage_table(fmt::format("prefill stages ({} tokens)", s["context"].get<int>()).c_str(), s["prefill"],
-                        read_gbps, gemm_tflops);
+      print_stage_table(fmt::format("prefill stages ({} tokens)", s["context"].get<int>()).c_str(),
+                        s["prefill"], read_gbps, gemm_tflops);
     }
   }
   if (!json_path.empty()) {

@@ -97,7 +97,8 @@ int run(const std::vector<std::string>& args) {
         break;
       }
 
-    const bool starts_in_reasoning = prompt.size() >= 8 && prompt.compare(prompt.size() - 8, 8, "<think>\n") == 0;
+    const bool starts_in_reasoning =
+        prompt.size() >= 8 && prompt.compare(prompt.size() - 8, 8, "<think>\n") == 0;
     tansy::server::ChatOutput out(starts_in_reasoning, nullptr, "chat-0");
     bool in_reasoning = false;
     auto show = [&](const std::vector<Json>& deltas) {
@@ -119,11 +120,13 @@ int run(const std::vector<std::string>& args) {
     show(out.finish());
     double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::printf("%s\n", plain);
-    std::fprintf(stderr, "%s[%d prompt tokens, %d cached; %d generated in %.2f s; %s]%s\n", dim, res.prompt_tokens,
-                 res.cached_tokens, res.completion_tokens, secs,
-                 res.finish == tansy::Finish::kCancelled ? "interrupted" : tansy::finish_name(res.finish), plain);
+    std::fprintf(stderr, "%s[%d prompt tokens, %d cached; %d generated in %.2f s; %s]%s\n", dim,
+                 res.prompt_tokens, res.cached_tokens, res.completion_tokens, secs,
+                 res.finish == tansy::Finish::kCancelled ? "interrupted" : tansy::finish_name(res.finish),
+                 plain);
     Json msg = out.message();
-    messages.push_back({{"role", "assistant"}, {"content", msg["content"].is_null() ? "" : msg["content"]},
+    messages.push_back({{"role", "assistant"},
+                        {"content", msg["content"].is_null() ? "" : msg["content"]},
                         {"reasoning_content", msg["reasoning_content"]}});
   }
   std::puts("");

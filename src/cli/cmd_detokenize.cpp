@@ -23,7 +23,8 @@ int run(const std::vector<std::string>& args) {
       std::vector<int32_t> ids;
       try {
         for (auto& v : nlohmann::json::parse(line)) {
-          if (!v.is_number_integer() || !tok.is_valid(v.get<int64_t>() > INT32_MAX ? -1 : int32_t(v.get<int64_t>())))
+          if (!v.is_number_integer() ||
+              !tok.is_valid(v.get<int64_t>() > INT32_MAX ? -1 : int32_t(v.get<int64_t>())))
             tansy::fail("line {}: {} is not a token id of this tokenizer", n, v.dump());
           ids.push_back(int32_t(v.get<int64_t>()));
         }
@@ -38,17 +39,24 @@ int run(const std::vector<std::string>& args) {
   std::string in((std::istreambuf_iterator<char>(std::cin)), std::istreambuf_iterator<char>());
   if (std::cin.bad()) tansy::fail("cannot read stdin");
   std::vector<int32_t> ids;
-  auto is_space = [](char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f'; };
+  auto is_space = [](char c) {
+    return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f';
+  };
   for (size_t i = 0; i < in.size();) {
-    if (is_space(in[i])) { ++i; continue; }
+    if (is_space(in[i])) {
+      ++i;
+      continue;
+    }
     size_t j = i;
     while (j < in.size() && !is_space(in[j])) ++j;
     std::string word = in.substr(i, j - i);
     char* end = nullptr;
     errno = 0;
     long long v = std::strtoll(word.c_str(), &end, 10);
-    if (*end != '\0' || errno != 0 || word[0] == '+' || word[0] == '-' || !tok.is_valid(v > INT32_MAX ? -1 : int32_t(v)))
-      tansy::fail("'{}' is not a token id of this tokenizer (0..{})", word.size() > 40 ? word.substr(0, 40) + "..." : word, tok.vocab_size() - 1);
+    if (*end != '\0' || errno != 0 || word[0] == '+' || word[0] == '-' ||
+        !tok.is_valid(v > INT32_MAX ? -1 : int32_t(v)))
+      tansy::fail("'{}' is not a token id of this tokenizer (0..{})",
+                  word.size() > 40 ? word.substr(0, 40) + "..." : word, tok.vocab_size() - 1);
     ids.push_back(int32_t(v));
     i = j;
   }

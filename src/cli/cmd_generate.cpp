@@ -1,5 +1,5 @@
-// tansy generate --model DIR --ids FILE --max-tokens N [--backend auto|cpu|cuda] [--cuda-precision auto|bf16|f32]
-// Greedy continuation; prints the new ids on one line, separated by spaces.
+// tansy generate --model DIR --ids FILE --max-tokens N [--backend auto|cpu|cuda] [--cuda-precision
+// auto|bf16|f32] Greedy continuation; prints the new ids on one line, separated by spaces.
 #include <cstdio>
 
 #include "cli/command.h"

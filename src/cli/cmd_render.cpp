@@ -14,7 +14,6 @@ namespace {
 
 using tansy::text::Json;
 
-
 int run_jsonl() {
   std::string line;
   while (std::getline(std::cin, line)) {

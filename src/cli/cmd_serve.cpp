@@ -13,7 +13,8 @@ namespace {
 
 int run(const std::vector<std::string>& args) {
   std::vector<std::string> values = tansy::cli::engine_flags();
-  values.insert(values.end(), {"host", "port", "api-key", "served-model-name", "max-queue", "timeout", "max-body-mb"});
+  values.insert(values.end(),
+                {"host", "port", "api-key", "served-model-name", "max-queue", "timeout", "max-body-mb"});
   tansy::cli::Flags flags(args, values);
   tansy::server::ServerOptions so;
   so.host = flags.get("host", "127.0.0.1");
@@ -48,6 +49,7 @@ int run(const std::vector<std::string>& args) {
   return 0;
 }
 
-tansy::cli::Register reg("serve", "OpenAI-compatible HTTP server (chat completions, completions, metrics)", run);
+tansy::cli::Register reg("serve", "OpenAI-compatible HTTP server (chat completions, completions, metrics)",
+                         run);
 
 }  // namespace

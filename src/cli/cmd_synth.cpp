@@ -4,7 +4,6 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
-
 #include <nlohmann/json.hpp>
 
 #include "cli/command.h"
@@ -41,18 +40,20 @@ int run_synth(const std::vector<std::string>& args) {
   auto t0 = std::chrono::steady_clock::now();
   tansy::SynthResult r = tansy::write_synthetic_checkpoint(config, out, opt);
   double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  std::printf("synth: wrote %d tensors, %.3f GB in %d shard(s) to %s in %.1f s (%.2f GB/s), seed %llu\n", r.tensors,
-              double(r.data_bytes) / 1e9, r.shards, out.c_str(), s, double(r.data_bytes) / 1e9 / s,
+  std::printf("synth: wrote %d tensors, %.3f GB in %d shard(s) to %s in %.1f s (%.2f GB/s), seed %llu\n",
+              r.tensors, double(r.data_bytes) / 1e9, r.shards, out.c_str(), s, double(r.data_bytes) / 1e9 / s,
               static_cast<unsigned long long>(opt.seed));
   if (opt.tokenizer)
-    std::printf("synth: wrote a synthetic byte-level BPE tokenizer (%d ids) and the chat template in %.2f s\n",
-                r.tokenizer_ids, r.tokenizer_s);
+    std::printf(
+        "synth: wrote a synthetic byte-level BPE tokenizer (%d ids) and the chat template in %.2f s\n",
+        r.tokenizer_ids, r.tokenizer_s);
   return 0;
 }
 
-tansy::cli::Register reg("synth",
-                         "write a synthetic checkpoint: --out DIR [--seed S] [--config real|FILE] [--threads N] "
-                         "[--shard-gb 5] [--no-tokenizer]",
-                         run_synth);
+tansy::cli::Register reg(
+    "synth",
+    "write a synthetic checkpoint: --out DIR [--seed S] [--config real|FILE] [--threads N] "
+    "[--shard-gb 5] [--no-tokenizer]",
+    run_synth);
 
 }  // namespace

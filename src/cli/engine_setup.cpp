@@ -14,8 +14,8 @@ namespace tansy::cli {
 namespace fs = std::filesystem;
 
 const std::vector<std::string>& engine_flags() {
-  static const std::vector<std::string> f = {"model",        "backend",      "cuda-precision", "threads",
-                                             "max-seq",      "prefix-cache", "prefill-chunk"};
+  static const std::vector<std::string> f = {"model",   "backend",      "cuda-precision", "threads",
+                                             "max-seq", "prefix-cache", "prefill-chunk"};
   return f;
 }
 
@@ -30,12 +30,13 @@ fs::path resolve_model_dir(const Flags& flags) {
   std::error_code ec;
   fs::path exe = fs::read_symlink("/proc/self/exe", ec);
   // The executable lives in <repo>/build*/; look upwards from it.
-  for (fs::path d = ec ? fs::path() : exe.parent_path(); !d.empty() && d != d.root_path(); d = d.parent_path())
+  for (fs::path d = ec ? fs::path() : exe.parent_path(); !d.empty() && d != d.root_path();
+       d = d.parent_path())
     tried.push_back(d / rel);
   for (auto& p : tried)
     if (fs::is_directory(p)) return p;
-  fail("no --model given and the default model {} was not found (looked in {} and above the executable)", rel.string(),
-       fs::current_path().string());
+  fail("no --model given and the default model {} was not found (looked in {} and above the executable)",
+       rel.string(), fs::current_path().string());
 }
 
 std::string backend_from_flags(const Flags& flags) {
@@ -45,7 +46,8 @@ std::string backend_from_flags(const Flags& flags) {
   // cpu needs no probe (and must work where the CUDA runtime would misbehave).
   const DeviceProbe probe = requested == "cpu" ? DeviceProbe{} : probe_devices();
   const BackendChoice c = choose_backend(requested, probe);
-  if (requested == "auto") std::fprintf(stderr, "tansy: backend auto -> %s (%s)\n", c.backend.c_str(), c.reason.c_str());
+  if (requested == "auto")
+    std::fprintf(stderr, "tansy: backend auto -> %s (%s)\n", c.backend.c_str(), c.reason.c_str());
   return c.backend;
 }
 

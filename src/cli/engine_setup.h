@@ -26,7 +26,8 @@ std::string backend_from_flags(const Flags& flags);
 // --cuda-precision auto|bf16|f32 (default auto) for a model in `dir` on `backend`: the CUDA plan
 // (model/backend_choice.h); auto's choice and reason go to stderr when the backend is cuda.
 // Throws Error for another value.
-std::string cuda_precision_from_flags(const Flags& flags, const std::string& backend, const std::filesystem::path& dir);
+std::string cuda_precision_from_flags(const Flags& flags, const std::string& backend,
+                                      const std::filesystem::path& dir);
 
 struct LoadedEngine {
   std::filesystem::path dir;

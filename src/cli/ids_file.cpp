@@ -13,7 +13,8 @@ std::vector<int32_t> read_ids_file(const std::filesystem::path& path) {
   if (!in) fail("cannot read ids file {}", path.string());
   std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   if (bytes.empty()) fail("ids file {} is empty: the prompt needs at least one token", path.string());
-  if (bytes.size() % 4 != 0) fail("ids file {} has {} bytes, not a whole number of int32 ids", path.string(), bytes.size());
+  if (bytes.size() % 4 != 0)
+    fail("ids file {} has {} bytes, not a whole number of int32 ids", path.string(), bytes.size());
   std::vector<int32_t> ids(bytes.size() / 4);
   for (size_t i = 0; i < ids.size(); ++i) {
     const auto* b = reinterpret_cast<const unsigned char*>(&bytes[4 * i]);

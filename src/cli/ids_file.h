@@ -7,4 +7,4 @@
 namespace tansy::cli {
 std::vector<int32_t> read_ids_file(const std::filesystem::path& path);
 void check_ids(const std::vector<int32_t>& ids, int vocab_size);
-}
+}  // namespace tansy::cli

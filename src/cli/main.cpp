@@ -1,6 +1,6 @@
 // tansy: one model, one GPU family. Dispatches to the registered subcommands.
-#include <cstdio>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <exception>
 
@@ -61,7 +61,8 @@ long Flags::get_int(const std::string& name, long fallback, long lo, long hi) co
   char* end = nullptr;
   errno = 0;
   long v = std::strtol(it->second.c_str(), &end, 10);
-  if (it->second.empty() || *end != '\0' || errno != 0) fail("--{} expects an integer, got '{}'", name, it->second);
+  if (it->second.empty() || *end != '\0' || errno != 0)
+    fail("--{} expects an integer, got '{}'", name, it->second);
   if (v < lo || v > hi) fail("--{} must be in [{}, {}], got {}", name, lo, hi, v);
   return v;
 }
@@ -79,7 +80,8 @@ double Flags::get_double(const std::string& name, double fallback) const {
 
 static void usage() {
   std::fprintf(stderr, "usage: tansy <command> [options]\n\ncommands:\n");
-  for (auto& [name, cmd] : tansy::cli::registry()) std::fprintf(stderr, "  %-12s %s\n", name.c_str(), cmd.summary.c_str());
+  for (auto& [name, cmd] : tansy::cli::registry())
+    std::fprintf(stderr, "  %-12s %s\n", name.c_str(), cmd.summary.c_str());
 }
 
 int main(int argc, char** argv) {

@@ -29,7 +29,10 @@ inline float f16_to_f32(uint16_t h) {
       u = sign;
     } else {  // subnormal
       exp = 127 - 15 + 1;
-      while (!(man & 0x400)) { man <<= 1; --exp; }
+      while (!(man & 0x400)) {
+        man <<= 1;
+        --exp;
+      }
       u = sign | (exp << 23) | ((man & 0x3ff) << 13);
     }
   } else if (exp == 31) {

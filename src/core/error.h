@@ -16,8 +16,8 @@ template <typename... Args>
   throw Error(fmt::format(f, std::forward<Args>(args)...));
 }
 
-#define TANSY_CHECK(cond, ...)           \
-  do {                                   \
+#define TANSY_CHECK(cond, ...)               \
+  do {                                       \
     if (!(cond)) ::tansy::fail(__VA_ARGS__); \
   } while (0)
 

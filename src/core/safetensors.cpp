@@ -8,8 +8,8 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <nlohmann/json.hpp>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <set>
 
 #include "core/error.h"
@@ -23,9 +23,10 @@ struct DTypeInfo {
   size_t size;
 };
 constexpr DTypeInfo kDTypes[] = {
-    {DType::BOOL, "BOOL", 1}, {DType::U8, "U8", 1},   {DType::I8, "I8", 1},     {DType::U16, "U16", 2},
-    {DType::I16, "I16", 2},   {DType::F16, "F16", 2}, {DType::BF16, "BF16", 2}, {DType::U32, "U32", 4},
-    {DType::I32, "I32", 4},   {DType::F32, "F32", 4}, {DType::U64, "U64", 8},   {DType::I64, "I64", 8},
+    {DType::BOOL, "BOOL", 1}, {DType::U8, "U8", 1},           {DType::I8, "I8", 1},
+    {DType::U16, "U16", 2},   {DType::I16, "I16", 2},         {DType::F16, "F16", 2},
+    {DType::BF16, "BF16", 2}, {DType::U32, "U32", 4},         {DType::I32, "I32", 4},
+    {DType::F32, "F32", 4},   {DType::U64, "U64", 8},         {DType::I64, "I64", 8},
     {DType::F64, "F64", 8},   {DType::F8_E4M3, "F8_E4M3", 1}, {DType::F8_E5M2, "F8_E5M2", 1},
 };
 // A header larger than this is not a checkpoint header (real ones are a few MB at most).
@@ -87,10 +88,12 @@ MappedFile::~MappedFile() {
 }
 
 std::vector<TensorView> parse_safetensors(const uint8_t* data, size_t size, const std::string& label) {
-  if (size < 8) fail("{}: truncated: {} bytes, a safetensors file has at least an 8-byte header length", label, size);
+  if (size < 8)
+    fail("{}: truncated: {} bytes, a safetensors file has at least an 8-byte header length", label, size);
   uint64_t hlen = 0;
   for (int i = 7; i >= 0; --i) hlen = (hlen << 8) | data[i];
-  if (hlen > kMaxHeaderBytes) fail("{}: header length {} is implausible (limit {})", label, hlen, kMaxHeaderBytes);
+  if (hlen > kMaxHeaderBytes)
+    fail("{}: header length {} is implausible (limit {})", label, hlen, kMaxHeaderBytes);
   if (hlen > size - 8) fail("{}: truncated: header length {} exceeds the file ({} bytes)", label, hlen, size);
   const char* hbeg = reinterpret_cast<const char*>(data + 8);
   nlohmann::json header;
@@ -115,10 +118,14 @@ std::vector<TensorView> parse_safetensors(const uint8_t* data, size_t size, cons
     if (name.empty()) fail("{}: empty tensor name", label);
     if (!entry.is_object()) fail("{}: tensor '{}': entry must be an object", label, name);
     for (auto& [k, v] : entry.items())
-      if (k != "dtype" && k != "shape" && k != "data_offsets") fail("{}: tensor '{}': unknown field '{}'", label, name, k);
-    if (!entry.contains("dtype") || !entry["dtype"].is_string()) fail("{}: tensor '{}': missing dtype", label, name);
-    if (!entry.contains("shape") || !entry["shape"].is_array()) fail("{}: tensor '{}': missing shape", label, name);
-    if (!entry.contains("data_offsets") || !entry["data_offsets"].is_array() || entry["data_offsets"].size() != 2)
+      if (k != "dtype" && k != "shape" && k != "data_offsets")
+        fail("{}: tensor '{}': unknown field '{}'", label, name, k);
+    if (!entry.contains("dtype") || !entry["dtype"].is_string())
+      fail("{}: tensor '{}': missing dtype", label, name);
+    if (!entry.contains("shape") || !entry["shape"].is_array())
+      fail("{}: tensor '{}': missing shape", label, name);
+    if (!entry.contains("data_offsets") || !entry["data_offsets"].is_array() ||
+        entry["data_offsets"].size() != 2)
       fail("{}: tensor '{}': data_offsets must be [begin, end]", label, name);
     TensorView t;
     t.name = name;
@@ -128,11 +135,13 @@ std::vector<TensorView> parse_safetensors(const uint8_t* data, size_t size, cons
     } catch (const Error& e) {
       fail("{}: tensor '{}': {}", label, name, e.what());
     }
-    if (entry["shape"].size() > kMaxDims) fail("{}: tensor '{}': {} dimensions is too many", label, name, entry["shape"].size());
+    if (entry["shape"].size() > kMaxDims)
+      fail("{}: tensor '{}': {} dimensions is too many", label, name, entry["shape"].size());
     // numel * size must not overflow: every step is bounded by the region size.
     unsigned __int128 bytes = dtype_size(t.dtype);
     for (auto& d : entry["shape"]) {
-      if (!d.is_number_unsigned()) fail("{}: tensor '{}': shape entries must be non-negative integers", label, name);
+      if (!d.is_number_unsigned())
+        fail("{}: tensor '{}': shape entries must be non-negative integers", label, name);
       uint64_t v = d.get<uint64_t>();
       if (v > (uint64_t(1) << 48)) fail("{}: tensor '{}': dimension {} is implausible", label, name, v);
       t.shape.push_back(int64_t(v));
@@ -145,12 +154,12 @@ std::vector<TensorView> parse_safetensors(const uint8_t* data, size_t size, cons
     uint64_t b = off[0].get<uint64_t>(), e = off[1].get<uint64_t>();
     if (b > e) fail("{}: tensor '{}': data_offsets [{}, {}] are reversed", label, name, b, e);
     if (e > region_size)
-      fail("{}: tensor '{}': data_offsets [{}, {}] run past the data region ({} bytes; file truncated?)", label, name, b, e,
-           region_size);
+      fail("{}: tensor '{}': data_offsets [{}, {}] run past the data region ({} bytes; file truncated?)",
+           label, name, b, e, region_size);
     if (bytes != e - b) {
       std::string need = bytes >> 64 ? std::string("more than 2^64") : std::to_string(uint64_t(bytes));
-      fail("{}: tensor '{}': shape {} x {} needs {} bytes but data_offsets span {}", label, name, t.shape_str(),
-           dtype_name(t.dtype), need, e - b);
+      fail("{}: tensor '{}': shape {} x {} needs {} bytes but data_offsets span {}", label, name,
+           t.shape_str(), dtype_name(t.dtype), need, e - b);
     }
     t.data = region + b;
     t.nbytes = size_t(e - b);
@@ -194,9 +203,10 @@ TensorStore TensorStore::open(const std::filesystem::path& dir) {
     for (auto& [name, file] : j["weight_map"].items()) {
       if (!file.is_string()) fail("{}: weight_map['{}'] must be a file name", index.string(), name);
       std::string f = file.get<std::string>();
-      if (f.empty() || f.find('/') != std::string::npos || f.find('\\') != std::string::npos || f == "." || f == "..")
-        fail("{}: weight_map['{}'] names '{}', which is not a plain file name in the model directory", index.string(),
-             name, f);
+      if (f.empty() || f.find('/') != std::string::npos || f.find('\\') != std::string::npos || f == "." ||
+          f == "..")
+        fail("{}: weight_map['{}'] names '{}', which is not a plain file name in the model directory",
+             index.string(), name, f);
       by_file[f].push_back(name);
     }
     if (by_file.empty()) fail("{}: weight_map is empty", index.string());

@@ -15,7 +15,23 @@
 
 namespace tansy {
 
-enum class DType : uint8_t { BOOL, U8, I8, U16, I16, F16, BF16, U32, I32, F32, U64, I64, F64, F8_E4M3, F8_E5M2 };
+enum class DType : uint8_t {
+  BOOL,
+  U8,
+  I8,
+  U16,
+  I16,
+  F16,
+  BF16,
+  U32,
+  I32,
+  F32,
+  U64,
+  I64,
+  F64,
+  F8_E4M3,
+  F8_E5M2
+};
 
 size_t dtype_size(DType t);
 const char* dtype_name(DType t);
@@ -33,7 +49,9 @@ struct TensorView {
   int64_t numel() const;
   std::string shape_str() const;  // "[8192, 256]"
   template <typename T>
-  const T* as() const { return reinterpret_cast<const T*>(data); }
+  const T* as() const {
+    return reinterpret_cast<const T*>(data);
+  }
 };
 
 // Read-only memory map of a whole file.

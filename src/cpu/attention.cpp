@@ -18,7 +18,8 @@ void rope(float* x, int rotary_dim, int pos, double theta) {
   }
 }
 
-void attention(const float* q, const float* K, const float* V, int n_ctx, int n_heads, int n_kv, int hd, float* out) {
+void attention(const float* q, const float* K, const float* V, int n_ctx, int n_heads, int n_kv, int hd,
+               float* out) {
   const int group = n_heads / n_kv;
   const float scale = 1.0f / std::sqrt(float(hd));
   std::vector<float> p(n_ctx);

@@ -21,9 +21,9 @@ struct CpuState final : SequenceState {
   int max_tokens = 0;
   // Per layer; only the members of the layer's kind are used.
   struct Layer {
-    std::vector<float> K, V;       // [n, kv_dim] post-norm post-RoPE keys, raw values
-    std::vector<float> conv;       // [kernel-1, conv_dim] previous conv inputs, oldest first
-    std::vector<float> S;          // [n_v_heads, dk, dv] recurrent state
+    std::vector<float> K, V;  // [n, kv_dim] post-norm post-RoPE keys, raw values
+    std::vector<float> conv;  // [kernel-1, conv_dim] previous conv inputs, oldest first
+    std::vector<float> S;     // [n_v_heads, dk, dv] recurrent state
   };
   std::vector<Layer> layers;
   int n_tokens() const override { return n; }
@@ -68,15 +68,18 @@ class CpuModel final : public Model {
     return true;
   }
 
-  void forward(SequenceState& state, std::span<const int32_t> ids, std::span<float> logits, bool all_positions) override {
+  void forward(SequenceState& state, std::span<const int32_t> ids, std::span<float> logits,
+               bool all_positions) override {
     auto& st = dynamic_cast<CpuState&>(state);
     const int n = int(ids.size());
     if (n == 0) fail("forward: no tokens");
-    if (st.n + n > st.max_tokens) fail("forward: {} + {} tokens exceed the state's capacity {}", st.n, n, st.max_tokens);
+    if (st.n + n > st.max_tokens)
+      fail("forward: {} + {} tokens exceed the state's capacity {}", st.n, n, st.max_tokens);
     const size_t V = size_t(cfg_.vocab_size), need = all_positions ? V * n : V;
     if (logits.size() < need) fail("forward: logits buffer holds {} floats, needs {}", logits.size(), need);
     for (int32_t id : ids)
-      if (id < 0 || id >= cfg_.vocab_size) fail("token id {} is outside the vocabulary (0..{})", id, cfg_.vocab_size - 1);
+      if (id < 0 || id >= cfg_.vocab_size)
+        fail("token id {} is outside the vocabulary (0..{})", id, cfg_.vocab_size - 1);
 
     const int H = cfg_.hidden_size;
     std::vector<float> h(size_t(n) * H), xn(size_t(n) * H), mix(size_t(n) * H);
@@ -84,12 +87,16 @@ class CpuModel final : public Model {
 
     for (int i = 0; i < cfg_.num_layers; ++i) {
       const LayerWeights& lw = w_.layers[i];
-      for (int t = 0; t < n; ++t) cpu::rmsnorm(&h[size_t(t) * H], lw.in_norm.data(), H, cfg_.rms_eps, &xn[size_t(t) * H]);
-      if (lw.kind == LayerKind::kLinear) gdn(lw.gdn, st.layers[i], xn.data(), n, mix.data());
-      else attn(lw.attn, st.layers[i], st.n, xn.data(), n, mix.data());
+      for (int t = 0; t < n; ++t)
+        cpu::rmsnorm(&h[size_t(t) * H], lw.in_norm.data(), H, cfg_.rms_eps, &xn[size_t(t) * H]);
+      if (lw.kind == LayerKind::kLinear)
+        gdn(lw.gdn, st.layers[i], xn.data(), n, mix.data());
+      else
+        attn(lw.attn, st.layers[i], st.n, xn.data(), n, mix.data());
       report(i, "mixer_out", mix.data(), n, H);
       for (size_t j = 0; j < h.size(); ++j) h[j] += mix[j];
-      for (int t = 0; t < n; ++t) cpu::rmsnorm(&h[size_t(t) * H], lw.post_norm.data(), H, cfg_.rms_eps, &xn[size_t(t) * H]);
+      for (int t = 0; t < n; ++t)
+        cpu::rmsnorm(&h[size_t(t) * H], lw.post_norm.data(), H, cfg_.rms_eps, &xn[size_t(t) * H]);
       moe(i, lw.moe, xn.data(), n, mix.data());
       report(i, "moe_out", mix.data(), n, H);
       for (size_t j = 0; j < h.size(); ++j) h[j] += mix[j];
@@ -106,13 +113,15 @@ class CpuModel final : public Model {
 
  private:
   void report(int layer, const char* what, const float* x, int n, int H) {
-    if (trace_) trace_("layer." + std::to_string(layer) + "." + what, std::span<const float>(x + size_t(n - 1) * H, H));
+    if (trace_)
+      trace_("layer." + std::to_string(layer) + "." + what, std::span<const float>(x + size_t(n - 1) * H, H));
   }
 
   // Gated DeltaNet (MODEL.md §5).
   void gdn(const GdnWeights& w, CpuState::Layer& L, const float* xn, int n, float* out) {
     const int C = cfg_.lin_conv_dim(), KD = cfg_.lin_key_dim(), VD = cfg_.lin_value_dim();
-    const int NK = cfg_.lin_num_k_heads, NV = cfg_.lin_num_v_heads, dk = cfg_.lin_k_head_dim, dv = cfg_.lin_v_head_dim;
+    const int NK = cfg_.lin_num_k_heads, NV = cfg_.lin_num_v_heads, dk = cfg_.lin_k_head_dim,
+              dv = cfg_.lin_v_head_dim;
     std::vector<float> qkv(size_t(n) * C), z(size_t(n) * VD), a(size_t(n) * NV), b(size_t(n) * NV);
     cpu::matmul(w.in_qkv, xn, n, qkv.data());
     cpu::matmul(w.in_z, xn, n, z.data());
@@ -127,19 +136,22 @@ class CpuModel final : public Model {
       float* v = y.data() + 2 * KD;
       cpu::l2norm_heads(q, NK, dk, qscale);
       cpu::l2norm_heads(k, NK, dk, 1.0f);
-      cpu::gdn_gates(&a[size_t(t) * NV], &b[size_t(t) * NV], w.A_log.data(), w.dt_bias.data(), NV, beta.data(), g.data());
+      cpu::gdn_gates(&a[size_t(t) * NV], &b[size_t(t) * NV], w.A_log.data(), w.dt_bias.data(), NV,
+                     beta.data(), g.data());
       cpu::gdn_recurrent_step(q, k, v, beta.data(), g.data(), NK, NV, dk, dv, L.S.data(), o.data());
       for (int hh = 0; hh < NV; ++hh)
-        cpu::rmsnorm_gated(&o[size_t(hh) * dv], &z[size_t(t) * VD + size_t(hh) * dv], w.norm.data(), dv, cfg_.rms_eps,
-                           &normed[size_t(t) * VD + size_t(hh) * dv]);
+        cpu::rmsnorm_gated(&o[size_t(hh) * dv], &z[size_t(t) * VD + size_t(hh) * dv], w.norm.data(), dv,
+                           cfg_.rms_eps, &normed[size_t(t) * VD + size_t(hh) * dv]);
     }
     cpu::matmul(w.out, normed.data(), n, out);
   }
 
   // Gated attention (MODEL.md §4); pos0 = tokens already cached.
   void attn(const AttnWeights& w, CpuState::Layer& L, int pos0, const float* xn, int n, float* out) {
-    const int NH = cfg_.num_heads, NKV = cfg_.num_kv_heads, hd = cfg_.head_dim, QD = cfg_.q_dim(), KVD = cfg_.kv_dim();
-    std::vector<float> qg(size_t(n) * 2 * QD), k(size_t(n) * KVD), v(size_t(n) * KVD), o(size_t(n) * QD), q(QD);
+    const int NH = cfg_.num_heads, NKV = cfg_.num_kv_heads, hd = cfg_.head_dim, QD = cfg_.q_dim(),
+              KVD = cfg_.kv_dim();
+    std::vector<float> qg(size_t(n) * 2 * QD), k(size_t(n) * KVD), v(size_t(n) * KVD), o(size_t(n) * QD),
+        q(QD);
     cpu::matmul(w.q, xn, n, qg.data());
     cpu::matmul(w.k, xn, n, k.data());
     cpu::matmul(w.v, xn, n, v.data());
@@ -178,7 +190,8 @@ class CpuModel final : public Model {
     std::vector<float> logits(size_t(n) * E), wts(size_t(n) * K);
     std::vector<int> idx(size_t(n) * K);
     cpu::matmul(w.router, xn, n, logits.data());
-    for (int t = 0; t < n; ++t) cpu::route_topk(&logits[size_t(t) * E], E, K, &idx[size_t(t) * K], &wts[size_t(t) * K]);
+    for (int t = 0; t < n; ++t)
+      cpu::route_topk(&logits[size_t(t) * E], E, K, &idx[size_t(t) * K], &wts[size_t(t) * K]);
     if (route_override_) override_routes(layer, logits, n, idx, wts);
     if (route_trace_) route_trace_(layer, std::span<const int32_t>(idx.data(), idx.size()));
     std::fill(out, out + size_t(n) * H, 0.0f);
@@ -194,7 +207,8 @@ class CpuModel final : public Model {
       G.resize(size_t(m) * I);
       U.resize(size_t(m) * I);
       D.resize(size_t(m) * H);
-      for (int r = 0; r < m; ++r) std::memcpy(&X[size_t(r) * H], xn + size_t(toks[r].first) * H, sizeof(float) * H);
+      for (int r = 0; r < m; ++r)
+        std::memcpy(&X[size_t(r) * H], xn + size_t(toks[r].first) * H, sizeof(float) * H);
       cpu::matmul(w.gate[e], X.data(), m, G.data());
       cpu::matmul(w.up[e], X.data(), m, U.data());
       cpu::swiglu(G.data(), U.data(), m * I, G.data());

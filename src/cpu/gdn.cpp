@@ -18,8 +18,8 @@ void conv1d_step(const float* x, float* window, const float* w, int C, int kerne
   }
 }
 
-void gdn_gates(const float* a, const float* b, const float* A_log, const float* dt_bias, int n_v_heads, float* beta,
-               float* g) {
+void gdn_gates(const float* a, const float* b, const float* A_log, const float* dt_bias, int n_v_heads,
+               float* beta, float* g) {
   for (int h = 0; h < n_v_heads; ++h) {
     beta[h] = 1.0f / (1.0f + std::exp(-b[h]));
     const float x = a[h] + dt_bias[h];

@@ -2,7 +2,6 @@
 #include <cmath>
 
 #include "cuda/attention_decode.cuh"
-
 #include "cuda/gemm.cuh"
 #include "cuda/pdl.cuh"
 
@@ -54,8 +53,9 @@ __device__ __forceinline__ void rope_table(int p, int rot, double theta, float* 
 // One warp RMS-norms the 256 values at src (weight w) and rotates the first `rot` dims (NeoX
 // halves) by the angles of rope_table. Lane owns dims lane*8 .. lane*8+7, returned in y (f32).
 // Needs rot % 16 == 0, so that a dim's rotation partner sits in another lane at the same slot.
-__device__ __forceinline__ void norm_rope_warp(const bf16* __restrict__ src, const float* __restrict__ w, float eps,
-                                               int rot, const float* cs, const float* sn, float (&y)[8]) {
+__device__ __forceinline__ void norm_rope_warp(const bf16* __restrict__ src, const float* __restrict__ w,
+                                               float eps, int rot, const float* cs, const float* sn,
+                                               float (&y)[8]) {
   const int lane = threadIdx.x % 32;
   float x[8];
   bf16x8_to_f32(*reinterpret_cast<const uint4*>(src + lane * 8), x);
@@ -85,11 +85,10 @@ __device__ __forceinline__ void norm_rope_warp(const bf16* __restrict__ src, con
 // The position (advanced by the previous step, never by the kernel just before) is read before
 // the PDL wait, so the rotation angles are computed while the predecessor finishes.
 constexpr int kRopeWarps = 8;
-__global__ void __launch_bounds__(kRopeWarps * 32) qk_norm_rope_kernel(QkvLayout L, const int* __restrict__ pos,
-                                                                       const float* __restrict__ q_norm,
-                                                                       const float* __restrict__ k_norm, float eps,
-                                                                       int rot, double theta, bf16* k_cache,
-                                                                       bf16* v_cache) {
+__global__ void __launch_bounds__(kRopeWarps * 32)
+    qk_norm_rope_kernel(QkvLayout L, const int* __restrict__ pos, const float* __restrict__ q_norm,
+                        const float* __restrict__ k_norm, float eps, int rot, double theta, bf16* k_cache,
+                        bf16* v_cache) {
   __shared__ float cs[kHeadDim / 2], sn[kHeadDim / 2];
   const int head = blockIdx.x * kRopeWarps + threadIdx.x / 32, t = blockIdx.y, lane = threadIdx.x % 32;
   const int p = *pos + t;
@@ -115,13 +114,11 @@ __global__ void __launch_bounds__(kRopeWarps * 32) qk_norm_rope_kernel(QkvLayout
   }
 }
 
-
 // Block per (kv head, split, token); warp w handles query heads w, w+8, ... of the group; each
 // lane owns 8 of the 256 dims. Online softmax over the split's keys, partial results to scratch.
-__global__ void __launch_bounds__(kWarps * 32) attn_split_kernel(QkvLayout L, const int* __restrict__ pos,
-                                                                 const bf16* __restrict__ k_cache,
-                                                                 const bf16* __restrict__ v_cache, int splits,
-                                                                 float* __restrict__ scratch) {
+__global__ void __launch_bounds__(kWarps * 32)
+    attn_split_kernel(QkvLayout L, const int* __restrict__ pos, const bf16* __restrict__ k_cache,
+                      const bf16* __restrict__ v_cache, int splits, float* __restrict__ scratch) {
   const int kvh = blockIdx.x, s = blockIdx.y, t = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = L.n_heads / L.n_kv;
@@ -138,7 +135,9 @@ __global__ void __launch_bounds__(kWarps * 32) attn_split_kernel(QkvLayout L, co
   for (int hi = warp; hi < group; hi += kWarps) {
     const int h = kvh * group + hi;
     float q[8];
-    bf16x8_to_f32(*reinterpret_cast<const uint4*>(L.base + int64_t(t) * L.ld + int64_t(h) * 2 * kHeadDim + lane * 8), q);
+    bf16x8_to_f32(
+        *reinterpret_cast<const uint4*>(L.base + int64_t(t) * L.ld + int64_t(h) * 2 * kHeadDim + lane * 8),
+        q);
     float m = -FLT_MAX, l = 0.f, acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int j0 = b; j0 < e; j0 += kKeysPerStep) {
       // The step's keys and values are loaded together: one memory latency per step.
@@ -146,8 +145,10 @@ __global__ void __launch_bounds__(kWarps * 32) attn_split_kernel(QkvLayout L, co
 #pragma unroll
       for (int u = 0; u < kKeysPerStep; ++u) {
         const bool in = j0 + u < e;
-        kr[u] = in ? *reinterpret_cast<const uint4*>(kbase + int64_t(j0 + u) * kv_stride) : make_uint4(0, 0, 0, 0);
-        vr[u] = in ? *reinterpret_cast<const uint4*>(vbase + int64_t(j0 + u) * kv_stride) : make_uint4(0, 0, 0, 0);
+        kr[u] = in ? *reinterpret_cast<const uint4*>(kbase + int64_t(j0 + u) * kv_stride)
+                   : make_uint4(0, 0, 0, 0);
+        vr[u] = in ? *reinterpret_cast<const uint4*>(vbase + int64_t(j0 + u) * kv_stride)
+                   : make_uint4(0, 0, 0, 0);
       }
       float sc[kKeysPerStep];
 #pragma unroll
@@ -205,7 +206,7 @@ __global__ void __launch_bounds__(kWarps * 32) attn_split_kernel(QkvLayout L, co
 constexpr int kFusedWarps = 8;
 constexpr int kKeysPerWarp = 4;
 constexpr int kFusedTile = kFusedWarps * kKeysPerWarp;  // keys per tile
-constexpr int kFusedStages = 3;                          // tiles in flight
+constexpr int kFusedStages = 3;                         // tiles in flight
 constexpr int kTileElems = kFusedTile * kHeadDim;
 
 template <int G>
@@ -307,12 +308,15 @@ __global__ void __launch_bounds__(kFusedWarps * 32, 1) attn_decode_fused_kernel(
     } else {
       norm_rope_warp(L.base + L.k_off() + int64_t(kvh) * kHeadDim, a.k_norm, a.eps, a.rot, cs, sn, y);
       const uint4 kb = f32_to_bf16x8(y);
-      const uint4 vb = *reinterpret_cast<const uint4*>(L.base + L.v_off() + int64_t(kvh) * kHeadDim + lane * 8);
+      const uint4 vb =
+          *reinterpret_cast<const uint4*>(L.base + L.v_off() + int64_t(kvh) * kHeadDim + lane * 8);
       *reinterpret_cast<uint4*>(Kn + lane * 8) = kb;
       *reinterpret_cast<uint4*>(Vn + lane * 8) = vb;
       if (e == len) {  // this split holds the position: the only block that writes the cache row
-        *reinterpret_cast<uint4*>(a.k_cache + int64_t(p) * kv_stride + int64_t(kvh) * kHeadDim + lane * 8) = kb;
-        *reinterpret_cast<uint4*>(a.v_cache + int64_t(p) * kv_stride + int64_t(kvh) * kHeadDim + lane * 8) = vb;
+        *reinterpret_cast<uint4*>(a.k_cache + int64_t(p) * kv_stride + int64_t(kvh) * kHeadDim + lane * 8) =
+            kb;
+        *reinterpret_cast<uint4*>(a.v_cache + int64_t(p) * kv_stride + int64_t(kvh) * kHeadDim + lane * 8) =
+            vb;
       }
     }
   }
@@ -467,9 +471,9 @@ constexpr int kCombineGroups = 4;
 constexpr int kCombineThreads = kHeadDim * kCombineGroups;
 static_assert(kMaxAttnSplits <= kCombineThreads);
 
-__global__ void __launch_bounds__(kCombineThreads) attn_combine_kernel(QkvLayout L, const int* __restrict__ pos,
-                                                                       int splits, const float* __restrict__ scratch,
-                                                                       bf16* __restrict__ out, int64_t ldo) {
+__global__ void __launch_bounds__(kCombineThreads)
+    attn_combine_kernel(QkvLayout L, const int* __restrict__ pos, int splits,
+                        const float* __restrict__ scratch, bf16* __restrict__ out, int64_t ldo) {
   __shared__ float f[kMaxAttnSplits];
   __shared__ float red[kCombineThreads / 32];
   __shared__ float part_o[kCombineGroups - 1][kHeadDim];
@@ -501,8 +505,8 @@ void check_layout(const QkvLayout& L, int n, const char* what) {
   TANSY_CHECK(L.base && aligned16(L.base) && L.ld % 8 == 0 && L.ld >= L.v_off() + int64_t(L.n_kv) * kHeadDim,
               "{}: qkv rows must be 16-byte aligned and hold {} values (ld {})", what,
               L.v_off() + int64_t(L.n_kv) * kHeadDim, L.ld);
-  TANSY_CHECK(L.n_kv >= 1 && L.n_heads >= L.n_kv && L.n_heads % L.n_kv == 0, "{}: {} heads over {} kv heads", what,
-              L.n_heads, L.n_kv);
+  TANSY_CHECK(L.n_kv >= 1 && L.n_heads >= L.n_kv && L.n_heads % L.n_kv == 0, "{}: {} heads over {} kv heads",
+              what, L.n_heads, L.n_kv);
   TANSY_CHECK(n >= 1 && n <= 65535, "{}: {} tokens outside 1..65535", what, n);
 }
 
@@ -514,62 +518,75 @@ void check_rotary(int rotary_dim, const char* what) {
 // The split pass's arguments, shared by attention_decode and attention_decode_fused.
 void check_splits(const QkvLayout& L, const int* pos, const void* k_cache, const void* v_cache, int splits,
                   const float* scratch, const bf16* out, int64_t ldo, const char* what) {
-  TANSY_CHECK(splits >= 1 && splits <= kMaxAttnSplits, "{}: {} splits outside 1..{}", what, splits, kMaxAttnSplits);
-  TANSY_CHECK(pos && k_cache && v_cache && scratch && out && ldo >= int64_t(L.n_heads) * kHeadDim, "{}: bad arguments",
-              what);
+  TANSY_CHECK(splits >= 1 && splits <= kMaxAttnSplits, "{}: {} splits outside 1..{}", what, splits,
+              kMaxAttnSplits);
+  TANSY_CHECK(pos && k_cache && v_cache && scratch && out && ldo >= int64_t(L.n_heads) * kHeadDim,
+              "{}: bad arguments", what);
   TANSY_CHECK(aligned16(k_cache) && aligned16(v_cache) && aligned16(scratch), "{}: misaligned buffers", what);
 }
 
 }  // namespace
 
-void qk_norm_rope(const QkvLayout& qkv, int n, const int* pos, const float* q_norm, const float* k_norm, float eps,
-                  int rotary_dim, double theta, bf16* k_cache, bf16* v_cache, cudaStream_t stream) {
+void qk_norm_rope(const QkvLayout& qkv, int n, const int* pos, const float* q_norm, const float* k_norm,
+                  float eps, int rotary_dim, double theta, bf16* k_cache, bf16* v_cache,
+                  cudaStream_t stream) {
   check_layout(qkv, n, "qk_norm_rope");
   check_rotary(rotary_dim, "qk_norm_rope");
   TANSY_CHECK(theta > 0 && pos && q_norm && k_norm && k_cache && v_cache, "qk_norm_rope: bad arguments");
   pdl_launch(qk_norm_rope_kernel, dim3((qkv.n_heads + qkv.n_kv + kRopeWarps - 1) / kRopeWarps, n),
-             dim3(kRopeWarps * 32), 0, stream, qkv, pos, q_norm, k_norm, eps, rotary_dim, theta, k_cache, v_cache);
+             dim3(kRopeWarps * 32), 0, stream, qkv, pos, q_norm, k_norm, eps, rotary_dim, theta, k_cache,
+             v_cache);
 }
 
 void attention_decode(const QkvLayout& qkv, int n, const int* pos, const bf16* k_cache, const bf16* v_cache,
                       int splits, float* scratch, bf16* out, int64_t ldo, cudaStream_t stream) {
   check_layout(qkv, n, "attention_decode");
   check_splits(qkv, pos, k_cache, v_cache, splits, scratch, out, ldo, "attention_decode");
-  pdl_launch(attn_split_kernel, dim3(qkv.n_kv, splits, n), dim3(kWarps * 32), 0, stream, qkv, pos, k_cache, v_cache,
-             splits, scratch);
-  pdl_launch(attn_combine_kernel, dim3(qkv.n_heads, n), dim3(kCombineThreads), 0, stream, qkv, pos, splits, scratch,
-             out, ldo);
+  pdl_launch(attn_split_kernel, dim3(qkv.n_kv, splits, n), dim3(kWarps * 32), 0, stream, qkv, pos, k_cache,
+             v_cache, splits, scratch);
+  pdl_launch(attn_combine_kernel, dim3(qkv.n_heads, n), dim3(kCombineThreads), 0, stream, qkv, pos, splits,
+             scratch, out, ldo);
 }
 
 namespace {
 template <int G>
 void launch_fused(const FusedArgs& a, cudaStream_t stream) {
   constexpr size_t kSmem = fused_smem_bytes<G>();
-  static const bool attr_set = cudaFuncSetAttribute(attn_decode_fused_kernel<G>,
-                                                    cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)) == cudaSuccess;
+  static const bool attr_set =
+      cudaFuncSetAttribute(attn_decode_fused_kernel<G>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           int(kSmem)) == cudaSuccess;
   TANSY_CHECK(attr_set, "attention_decode_fused: cannot reserve {} bytes of shared memory per block", kSmem);
   pdl_launch(attn_decode_fused_kernel<G>, dim3(a.L.n_kv, a.splits), dim3(kFusedWarps * 32), kSmem, stream, a);
 }
 }  // namespace
 
-void attention_decode_fused(const QkvLayout& qkv, const int* pos, const float* q_norm, const float* k_norm, float eps,
-                            int rotary_dim, double theta, bf16* k_cache, bf16* v_cache, int splits, float* scratch,
-                            bf16* out, int64_t ldo, cudaStream_t stream) {
+void attention_decode_fused(const QkvLayout& qkv, const int* pos, const float* q_norm, const float* k_norm,
+                            float eps, int rotary_dim, double theta, bf16* k_cache, bf16* v_cache, int splits,
+                            float* scratch, bf16* out, int64_t ldo, cudaStream_t stream) {
   check_layout(qkv, 1, "attention_decode_fused");
   check_rotary(rotary_dim, "attention_decode_fused");
   check_splits(qkv, pos, k_cache, v_cache, splits, scratch, out, ldo, "attention_decode_fused");
   TANSY_CHECK(theta > 0 && q_norm && k_norm, "attention_decode_fused: bad arguments");
   FusedArgs a{qkv, pos, q_norm, k_norm, eps, rotary_dim, theta, k_cache, v_cache, splits, scratch};
   switch (qkv.n_heads / qkv.n_kv) {
-    case 1: launch_fused<1>(a, stream); break;
-    case 2: launch_fused<2>(a, stream); break;
-    case 4: launch_fused<4>(a, stream); break;
-    case 8: launch_fused<8>(a, stream); break;
+    case 1:
+      launch_fused<1>(a, stream);
+      break;
+    case 2:
+      launch_fused<2>(a, stream);
+      break;
+    case 4:
+      launch_fused<4>(a, stream);
+      break;
+    case 8:
+      launch_fused<8>(a, stream);
+      break;
     default:
-      fail("attention_decode_fused: {} query heads per kv head unsupported (1, 2, 4 or 8)", qkv.n_heads / qkv.n_kv);
+      fail("attention_decode_fused: {} query heads per kv head unsupported (1, 2, 4 or 8)",
+           qkv.n_heads / qkv.n_kv);
   }
-  pdl_launch(attn_combine_kernel, dim3(qkv.n_heads, 1), dim3(kCombineThreads), 0, stream, qkv, pos, splits, scratch,
-             out, ldo);
+  pdl_launch(attn_combine_kernel, dim3(qkv.n_heads, 1), dim3(kCombineThreads), 0, stream, qkv, pos, splits,
+             scratch, out, ldo);
 }
 
 }  // namespace tansy::cuda

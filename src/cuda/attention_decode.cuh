@@ -23,8 +23,8 @@ struct QkvLayout {
 // For token t < n at position p = *pos + t: q heads RMS-normed (q_norm) and rotated in place;
 // k heads normed (k_norm) and rotated into k_cache[p]; v copied into v_cache[p].
 // Caches bf16 [max_pos, n_kv, 256]; NeoX rotary over the first rotary_dim dims, base theta.
-void qk_norm_rope(const QkvLayout& qkv, int n, const int* pos, const float* q_norm, const float* k_norm, float eps,
-                  int rotary_dim, double theta, bf16* k_cache, bf16* v_cache, cudaStream_t stream);
+void qk_norm_rope(const QkvLayout& qkv, int n, const int* pos, const float* q_norm, const float* k_norm,
+                  float eps, int rotary_dim, double theta, bf16* k_cache, bf16* v_cache, cudaStream_t stream);
 
 // Scratch for split attention, per (token, head, split): 256 partial outputs, max, sum (+ pad to 16 bytes).
 constexpr int kAttnPartStride = kHeadDim + 4;
@@ -44,8 +44,8 @@ void attention_decode(const QkvLayout& qkv, int n, const int* pos, const bf16* k
 // still runs; the split holding the position writes the new k/v into the cache), then the merge
 // with the output gate. Same results as qk_norm_rope + attention_decode for one token. Needs
 // n_heads / n_kv in {1, 2, 4, 8}.
-void attention_decode_fused(const QkvLayout& qkv, const int* pos, const float* q_norm, const float* k_norm, float eps,
-                            int rotary_dim, double theta, bf16* k_cache, bf16* v_cache, int splits, float* scratch,
-                            bf16* out, int64_t ldo, cudaStream_t stream);
+void attention_decode_fused(const QkvLayout& qkv, const int* pos, const float* q_norm, const float* k_norm,
+                            float eps, int rotary_dim, double theta, bf16* k_cache, bf16* v_cache, int splits,
+                            float* scratch, bf16* out, int64_t ldo, cudaStream_t stream);
 
 }  // namespace tansy::cuda

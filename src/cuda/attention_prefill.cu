@@ -6,11 +6,10 @@
 // nearly flat. 8 warps x 16 rows; each warp keeps its 16x256 output in registers (128 f32 per
 // thread) and its 16x32 score tile (16 f32). K/V tiles of 32 keys are double-buffered with cp.async.
 // Shared memory: Q 64 KB + 2 x (K 16 KB + V 16 KB) = 128 KB; ~240 registers: one block per SM.
-#include "cuda/attention_prefill.cuh"
-
 #include <cmath>
 
 #include "core/error.h"
+#include "cuda/attention_prefill.cuh"
 #include "cuda/gemm.cuh"  // tc:: tensor-core primitives
 
 namespace tansy::cuda {
@@ -29,8 +28,8 @@ constexpr int kSmem = (BQ + 4 * BKV) * D * 2;
 __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const AttnPrefillArgs a, int G) {
   extern __shared__ __align__(128) unsigned char smem[];
   __nv_bfloat16* const Qs = reinterpret_cast<__nv_bfloat16*>(smem);
-  __nv_bfloat16* const Ks = Qs + BQ * D;        // [2][BKV][D]
-  __nv_bfloat16* const Vs = Ks + 2 * BKV * D;   // [2][BKV][D]
+  __nv_bfloat16* const Ks = Qs + BQ * D;       // [2][BKV][D]
+  __nv_bfloat16* const Vs = Ks + 2 * BKV * D;  // [2][BKV][D]
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int kvh = blockIdx.y;
@@ -101,7 +100,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const At
 #pragma unroll
       for (int np = 0; np < BKV / 16; ++np) {
         uint32_t kb[4];
-        tc::ldmatrix_x4(kb, ks + swz<kChunks>(np * 16 + (lane / 16) * 8 + (lane % 8), kk * 16 + ((lane / 8) % 2) * 8));
+        tc::ldmatrix_x4(
+            kb, ks + swz<kChunks>(np * 16 + (lane / 16) * 8 + (lane % 8), kk * 16 + ((lane / 8) % 2) * 8));
         tc::mma_bf16(s[2 * np], qa, kb[0], kb[1]);
         tc::mma_bf16(s[2 * np + 1], qa, kb[2], kb[3]);
       }
@@ -153,7 +153,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const At
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         uint32_t vb[4];
-        tc::ldmatrix_x4_trans(vb, vs + swz<kChunks>(kc * 16 + ((lane / 8) % 2) * 8 + (lane % 8), dp * 16 + (lane / 16) * 8));
+        tc::ldmatrix_x4_trans(
+            vb, vs + swz<kChunks>(kc * 16 + ((lane / 8) % 2) * 8 + (lane % 8), dp * 16 + (lane / 16) * 8));
         tc::mma_bf16(o[2 * dp], pa, vb[0], vb[1]);
         tc::mma_bf16(o[2 * dp + 1], pa, vb[2], vb[3]);
       }
@@ -194,10 +195,12 @@ bool aligned(const void* p, size_t n) { return reinterpret_cast<uintptr_t>(p) % 
 
 void attention_prefill(const AttnPrefillArgs& a, cudaStream_t stream) {
   TANSY_CHECK(a.n >= 1 && a.p0 >= 0, "attention_prefill: bad n={} p0={}", a.n, a.p0);
-  TANSY_CHECK(int64_t(a.p0) + a.n < (int64_t(1) << 31) / 2, "attention_prefill: context {} too long", int64_t(a.p0) + a.n);
-  TANSY_CHECK(a.n_kv >= 1 && a.n_heads >= a.n_kv && a.n_heads % a.n_kv == 0 && a.n_heads / a.n_kv <= kAttnMaxGroup,
-              "attention_prefill: {} query heads over {} kv heads unsupported (group <= {})", a.n_heads, a.n_kv,
-              kAttnMaxGroup);
+  TANSY_CHECK(int64_t(a.p0) + a.n < (int64_t(1) << 31) / 2, "attention_prefill: context {} too long",
+              int64_t(a.p0) + a.n);
+  TANSY_CHECK(
+      a.n_kv >= 1 && a.n_heads >= a.n_kv && a.n_heads % a.n_kv == 0 && a.n_heads / a.n_kv <= kAttnMaxGroup,
+      "attention_prefill: {} query heads over {} kv heads unsupported (group <= {})", a.n_heads, a.n_kv,
+      kAttnMaxGroup);
   TANSY_CHECK(a.q && a.k_cache && a.v_cache && a.out, "attention_prefill: null pointer");
   TANSY_CHECK(aligned(a.q, 16) && a.q_stride_t % 8 == 0 && a.q_stride_h % 8 == 0 && aligned(a.k_cache, 16) &&
                   aligned(a.v_cache, 16),
@@ -210,7 +213,8 @@ void attention_prefill(const AttnPrefillArgs& a, cudaStream_t stream) {
   const int64_t blocks = (int64_t(a.n) * G + BQ - 1) / BQ;
   TANSY_CHECK(blocks < (int64_t(1) << 31) && a.n_kv <= 65535, "attention_prefill: grid too large");
   static const bool attr_set =
-      cudaFuncSetAttribute(attention_prefill_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) == cudaSuccess;
+      cudaFuncSetAttribute(attention_prefill_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) ==
+      cudaSuccess;
   TANSY_CHECK(attr_set, "attention_prefill: cannot reserve {} bytes of shared memory per block", kSmem);
   attention_prefill_kernel<<<dim3(unsigned(blocks), a.n_kv), kThreads, kSmem, stream>>>(a, G);
   const cudaError_t e = cudaGetLastError();

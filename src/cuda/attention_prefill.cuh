@@ -27,8 +27,8 @@ struct AttnPrefillArgs {
   int64_t q_stride_t = 0, q_stride_h = 0;
   const __nv_bfloat16* k_cache = nullptr;  // [>= p0+n, n_kv, 256]
   const __nv_bfloat16* v_cache = nullptr;  // [>= p0+n, n_kv, 256]
-  int p0 = 0;  // absolute position of the first query
-  int n = 0;   // number of query positions
+  int p0 = 0;                              // absolute position of the first query
+  int n = 0;                               // number of query positions
   int n_heads = 0, n_kv = 0;
   // Optional output gate (fused §4.7): out *= sigmoid(gate), same indexing as q. Null = no gate.
   const __nv_bfloat16* gate = nullptr;

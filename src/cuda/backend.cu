@@ -20,8 +20,6 @@
 // input id and position live on the device; prefill (several tokens) runs the tensor-core kernels
 // (gemm, attention_prefill, gdn_prefill) unless TANSY_CUDA_PREFILL=gemv selects the GEMV kernels
 // (a slower path kept for testing the two against each other).
-#include "cuda/backend.h"
-
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -33,6 +31,7 @@
 #include "core/safetensors.h"
 #include "cuda/attention_decode.cuh"
 #include "cuda/attention_prefill.cuh"
+#include "cuda/backend.h"
 #include "cuda/ceilings.cuh"
 #include "cuda/cuda_util.h"
 #include "cuda/embed.cuh"
@@ -49,10 +48,10 @@ namespace tansy {
 namespace cuda {
 namespace {
 
-constexpr int kChunk = 4096;       // tokens per forward chunk (bounds the scratch buffers)
-constexpr int kLogitRows = 32;     // lm_head rows computed per pass when all positions are wanted
+constexpr int kChunk = 4096;        // tokens per forward chunk (bounds the scratch buffers)
+constexpr int kLogitRows = 32;      // lm_head rows computed per pass when all positions are wanted
 constexpr int kDecodeSplits = 128;  // most key-range splits of decode attention (short contexts use fewer)
-constexpr int kFusedDecodeSplits = 64;  // the same for the fused one-token kernel (2 x 64 blocks at 4,096)
+constexpr int kFusedDecodeSplits = 64;   // the same for the fused one-token kernel (2 x 64 blocks at 4,096)
 constexpr int kPrefillSplitKeys = 2048;  // GEMV-path prefill: keys per split
 
 // ---- weight upload ----
@@ -81,7 +80,8 @@ class Uploader {
     for (size_t r0 = 0; r0 < n_rows; r0 += per) {
       const size_t m = std::min(per, n_rows - r0);
       for (size_t i = 0; i < m; ++i) std::memcpy(buf_ + i * row_bytes, src(r0 + i), row_bytes);
-      CUDA_CHECK(cudaMemcpy(static_cast<uint8_t*>(dst) + r0 * row_bytes, buf_, m * row_bytes, cudaMemcpyHostToDevice));
+      CUDA_CHECK(cudaMemcpy(static_cast<uint8_t*>(dst) + r0 * row_bytes, buf_, m * row_bytes,
+                            cudaMemcpyHostToDevice));
     }
   }
 
@@ -114,7 +114,8 @@ DevMatrix upload_matrix(Uploader& up, const std::vector<RowRef>& rows, const cha
   m.view.out = int(n);
   m.view.in = in;
   if (first->fmt == WFormat::kAffine4 || first->fmt == WFormat::kAffine8) {
-    TANSY_CHECK(first->group == kQuantGroup, "{}: quant group {} unsupported (only {})", what, first->group, kQuantGroup);
+    TANSY_CHECK(first->group == kQuantGroup, "{}: quant group {} unsupported (only {})", what, first->group,
+                kQuantGroup);
     m.view.fmt = first->fmt;
     const size_t words = size_t(in) * first->bits() / 32, groups = size_t(in) / kQuantGroup;
     std::vector<uint32_t> zq(words, 0);
@@ -181,11 +182,11 @@ struct DevLayer {
   DevMatrix attn_in, attn_o;  // [2*q_dim + 2*kv_dim, H], [H, q_dim]
   DeviceBuffer<float> q_norm, k_norm;
   // MoE
-  DevMatrix router;               // [E + 1 (+1 pad), H]
-  DevMatrix experts_gu;           // [E' * 2I, H] interleaved gate/up per expert (E' = E+1 when folded)
-  DevMatrix experts_down;         // [E' * H, I]
-  DevMatrix sh_gu, sh_down;       // [2S, H] interleaved, [H, S] (empty when folded)
-  bool sh_folded = false;         // the shared expert is expert E of experts_gu/experts_down
+  DevMatrix router;                  // [E + 1 (+1 pad), H]
+  DevMatrix experts_gu;              // [E' * 2I, H] interleaved gate/up per expert (E' = E+1 when folded)
+  DevMatrix experts_down;            // [E' * H, I]
+  DevMatrix sh_gu, sh_down;          // [2S, H] interleaved, [H, S] (empty when folded)
+  bool sh_folded = false;            // the shared expert is expert E of experts_gu/experts_down
   DevLinear routed_gu, routed_down;  // views: the E routed experts
   DevLinear sh_gu_v, sh_down_v;      // views: the shared expert
 };
@@ -202,7 +203,7 @@ struct CudaState final : SequenceState {
   };
   std::vector<Layer> layers;
   cudaGraphExec_t decode_graph = nullptr;
-  int graph_limit = 0;  // the decode graph's argmax covers ids [0, graph_limit)
+  int graph_limit = 0;                    // the decode graph's argmax covers ids [0, graph_limit)
   cudaGraphExec_t reset_graph = nullptr;  // zeroes pos and the GDN state: one launch, not 61 memsets
   ~CudaState() override {
     if (decode_graph) cudaGraphExecDestroy(decode_graph);
@@ -219,8 +220,10 @@ class CudaModel final : public Model, public StageProfiler {
     // A blocking stream: ordered after the default-stream memsets/copies of new_state and uploads.
     CUDA_CHECK(cudaStreamCreate(&stream_));
     const char* mode = std::getenv("TANSY_CUDA_PREFILL");
-    if (mode && std::string(mode) == "gemv") tc_prefill_ = false;
-    else if (mode && std::string(mode) != "tc") fail("TANSY_CUDA_PREFILL must be 'tc' or 'gemv', not '{}'", mode);
+    if (mode && std::string(mode) == "gemv")
+      tc_prefill_ = false;
+    else if (mode && std::string(mode) != "tc")
+      fail("TANSY_CUDA_PREFILL must be 'tc' or 'gemv', not '{}'", mode);
     // TANSY_ATTN_FUSED=0: decode attention as qk_norm_rope + split + merge (to compare).
     attn_fused_ = env_flag("TANSY_ATTN_FUSED", true);
     // TANSY_HEAD_FUSED=0: decode's final norm, lm_head, argmax and position as separate kernels
@@ -304,7 +307,8 @@ class CudaModel final : public Model, public StageProfiler {
         CUDA_CHECK(cudaMemcpyAsync(B.V.get(), A.V.get(), kv, cudaMemcpyDeviceToDevice, stream_));
       }
       if (A.S.size()) {
-        CUDA_CHECK(cudaMemcpyAsync(B.window.get(), A.window.get(), A.window.bytes(), cudaMemcpyDeviceToDevice, stream_));
+        CUDA_CHECK(cudaMemcpyAsync(B.window.get(), A.window.get(), A.window.bytes(), cudaMemcpyDeviceToDevice,
+                                   stream_));
         CUDA_CHECK(cudaMemcpyAsync(B.S.get(), A.S.get(), A.S.bytes(), cudaMemcpyDeviceToDevice, stream_));
       }
     }
@@ -319,29 +323,33 @@ class CudaModel final : public Model, public StageProfiler {
     check_ids(st, ids);
     const size_t V = size_t(cfg_.vocab_size), need = all_positions ? V * n : V;
     if (logits.size() < need) fail("forward: logits buffer holds {} floats, needs {}", logits.size(), need);
-    if (n == 1 && !trace_ && !route_trace_ && st.decode_graph) {  // one token: the decode graph (its argmax is unused here)
+    if (n == 1 && !trace_ && !route_trace_ &&
+        st.decode_graph) {  // one token: the decode graph (its argmax is unused here)
       *h_tok_ = ids[0];
       CUDA_CHECK(cudaMemcpyAsync(d_tok_.get(), h_tok_, sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
       CUDA_CHECK(cudaGraphLaunch(st.decode_graph, stream_));
       st.n += 1;
-      CUDA_CHECK(cudaMemcpyAsync(logits.data(), d_logits_.get(), sizeof(float) * V, cudaMemcpyDeviceToHost, stream_));
+      CUDA_CHECK(cudaMemcpyAsync(logits.data(), d_logits_.get(), sizeof(float) * V, cudaMemcpyDeviceToHost,
+                                 stream_));
       CUDA_CHECK(cudaStreamSynchronize(stream_));
       return;
     }
     for (int c0 = 0; c0 < n; c0 += kChunk) {
       const int m = std::min(kChunk, n - c0);
-      CUDA_CHECK(cudaMemcpyAsync(d_ids_.get(), ids.data() + c0, sizeof(int) * m, cudaMemcpyHostToDevice, stream_));
+      CUDA_CHECK(
+          cudaMemcpyAsync(d_ids_.get(), ids.data() + c0, sizeof(int) * m, cudaMemcpyHostToDevice, stream_));
       run_chunk(st, m);
       if (all_positions) {
         for (int r0 = 0; r0 < m; r0 += kLogitRows) {
           const int rows = std::min(kLogitRows, m - r0);
           lm_head(r0, rows);
-          CUDA_CHECK(cudaMemcpyAsync(logits.data() + (size_t(c0) + r0) * V, d_logits_.get(), sizeof(float) * V * rows,
-                                     cudaMemcpyDeviceToHost, stream_));
+          CUDA_CHECK(cudaMemcpyAsync(logits.data() + (size_t(c0) + r0) * V, d_logits_.get(),
+                                     sizeof(float) * V * rows, cudaMemcpyDeviceToHost, stream_));
         }
       } else if (c0 + m == n) {
         lm_head(m - 1, 1);
-        CUDA_CHECK(cudaMemcpyAsync(logits.data(), d_logits_.get(), sizeof(float) * V, cudaMemcpyDeviceToHost, stream_));
+        CUDA_CHECK(cudaMemcpyAsync(logits.data(), d_logits_.get(), sizeof(float) * V, cudaMemcpyDeviceToHost,
+                                   stream_));
       }
     }
     CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -381,7 +389,8 @@ class CudaModel final : public Model, public StageProfiler {
       for (int c0 = 0; c0 < n; c0 += kChunk) {
         const int m = std::min(kChunk, n - c0);
         mark("ids upload");
-        CUDA_CHECK(cudaMemcpyAsync(d_ids_.get(), ids.data() + c0, sizeof(int) * m, cudaMemcpyHostToDevice, stream_));
+        CUDA_CHECK(
+            cudaMemcpyAsync(d_ids_.get(), ids.data() + c0, sizeof(int) * m, cudaMemcpyHostToDevice, stream_));
         run_chunk(st, m);
       }
       mark("lm_head", wbytes(lm_head_.view), 2.0 * lm_head_.view.out * lm_head_.view.in, 1);
@@ -400,7 +409,8 @@ class CudaModel final : public Model, public StageProfiler {
   int32_t greedy_step(SequenceState& state, std::span<const int32_t> ids, int limit) override {
     if (trace_ || route_trace_) return Model::greedy_step(state, ids, limit);
     auto& st = dynamic_cast<CudaState&>(state);
-    if (limit < 1 || limit > cfg_.vocab_size) fail("greedy_step: limit {} outside 1..{}", limit, cfg_.vocab_size);
+    if (limit < 1 || limit > cfg_.vocab_size)
+      fail("greedy_step: limit {} outside 1..{}", limit, cfg_.vocab_size);
     if (ids.empty()) fail("greedy_step: no ids to feed");
     check_ids(st, ids);
     if (ids.size() > 1) return prefill_argmax(st, ids, limit);  // a piece of prompt
@@ -418,7 +428,8 @@ class CudaModel final : public Model, public StageProfiler {
 
   void generate_greedy(SequenceState& state, std::span<const int32_t> prompt, int n,
                        const std::function<bool(int32_t)>& on_token) override {
-    if (trace_ || route_trace_) return Model::generate_greedy(state, prompt, n, on_token);  // traced runs go eagerly
+    if (trace_ || route_trace_)
+      return Model::generate_greedy(state, prompt, n, on_token);  // traced runs go eagerly
     auto& st = dynamic_cast<CudaState&>(state);
     check_ids(st, prompt);
     if (n <= 0) return;
@@ -441,8 +452,8 @@ class CudaModel final : public Model, public StageProfiler {
  private:
   void validate_config() {
     const ModelConfig& c = cfg_;
-    TANSY_CHECK(c.head_dim == kHeadDim, "cuda backend: head_dim {} unsupported (kernels are built for {})", c.head_dim,
-                kHeadDim);
+    TANSY_CHECK(c.head_dim == kHeadDim, "cuda backend: head_dim {} unsupported (kernels are built for {})",
+                c.head_dim, kHeadDim);
     TANSY_CHECK(c.lin_k_head_dim == kGdnDim && c.lin_v_head_dim == kGdnDim,
                 "cuda backend: GDN head dims {}/{} unsupported (kernels are built for {})", c.lin_k_head_dim,
                 c.lin_v_head_dim, kGdnDim);
@@ -450,8 +461,8 @@ class CudaModel final : public Model, public StageProfiler {
                 "cuda backend: hidden size {} unsupported", c.hidden_size);
     TANSY_CHECK(c.num_experts <= kRouteMaxExperts && c.experts_per_tok <= kRouteMaxTopK,
                 "cuda backend: {} experts / top-{} unsupported", c.num_experts, c.experts_per_tok);
-    TANSY_CHECK(c.conv_kernel >= 2 && c.conv_kernel <= kMaxConvKernel, "cuda backend: conv kernel {} unsupported",
-                c.conv_kernel);
+    TANSY_CHECK(c.conv_kernel >= 2 && c.conv_kernel <= kMaxConvKernel,
+                "cuda backend: conv kernel {} unsupported", c.conv_kernel);
   }
 
   void check_ids(const CudaState& st, std::span<const int32_t> ids) {
@@ -459,7 +470,8 @@ class CudaModel final : public Model, public StageProfiler {
     if (st.n + int64_t(ids.size()) > st.max_tokens)
       fail("forward: {} + {} tokens exceed the state's capacity {}", st.n, ids.size(), st.max_tokens);
     for (int32_t id : ids)
-      if (id < 0 || id >= cfg_.vocab_size) fail("token id {} is outside the vocabulary (0..{})", id, cfg_.vocab_size - 1);
+      if (id < 0 || id >= cfg_.vocab_size)
+        fail("token id {} is outside the vocabulary (0..{})", id, cfg_.vocab_size - 1);
   }
 
   void upload(const ModelWeights& w) {
@@ -483,12 +495,14 @@ class CudaModel final : public Model, public StageProfiler {
       L.post_norm = upload_f32(lw.post_norm);
       if (lw.kind == LayerKind::kLinear) {
         const GdnWeights& g = lw.gdn;
-        L.gdn_in = matrix([&] {
-          append_rows(rows, g.in_qkv);
-          append_rows(rows, g.in_z);
-          append_rows(rows, g.in_a);
-          append_rows(rows, g.in_b);
-        }, "linear_attn in_proj");
+        L.gdn_in = matrix(
+            [&] {
+              append_rows(rows, g.in_qkv);
+              append_rows(rows, g.in_z);
+              append_rows(rows, g.in_a);
+              append_rows(rows, g.in_b);
+            },
+            "linear_attn in_proj");
         L.gdn_out = matrix([&] { append_rows(rows, g.out); }, "linear_attn out_proj");
         L.conv_w = upload_f32(g.conv);
         L.A_log = upload_f32(g.A_log);
@@ -496,33 +510,42 @@ class CudaModel final : public Model, public StageProfiler {
         L.gnorm = upload_f32(g.norm);
       } else {
         const AttnWeights& a = lw.attn;
-        L.attn_in = matrix([&] {
-          append_rows(rows, a.q);
-          append_rows(rows, a.k);
-          append_rows(rows, a.v);
-        }, "self_attn q|k|v");
+        L.attn_in = matrix(
+            [&] {
+              append_rows(rows, a.q);
+              append_rows(rows, a.k);
+              append_rows(rows, a.v);
+            },
+            "self_attn q|k|v");
         L.attn_o = matrix([&] { append_rows(rows, a.o); }, "self_attn o_proj");
         L.q_norm = upload_f32(a.q_norm);
         L.k_norm = upload_f32(a.k_norm);
       }
       const MoeWeights& m = lw.moe;
-      L.router = matrix([&] {
-        append_rows(rows, m.router);
-        append_rows(rows, m.sh_router);
-        if (rows.size() % 2) rows.push_back({nullptr, 0});  // even row count: paired GEMM stores
-      }, "mlp.gate|shared_expert_gate");
+      L.router = matrix(
+          [&] {
+            append_rows(rows, m.router);
+            append_rows(rows, m.sh_router);
+            if (rows.size() % 2) rows.push_back({nullptr, 0});  // even row count: paired GEMM stores
+          },
+          "mlp.gate|shared_expert_gate");
       const Linear& g0 = m.gate[0];
       L.sh_folded = m.sh_gate.out == g0.out && m.sh_gate.fmt == g0.fmt && m.sh_gate.in == g0.in &&
-                    m.sh_gate.group == g0.group && m.sh_down.fmt == m.down[0].fmt && m.sh_down.in == m.down[0].in &&
-                    m.sh_down.group == m.down[0].group && m.sh_up.fmt == g0.fmt && m.sh_up.group == g0.group;
-      L.experts_gu = matrix([&] {
-        for (int e = 0; e < c.num_experts; ++e) append_interleaved(rows, m.gate[e], m.up[e]);
-        if (L.sh_folded) append_interleaved(rows, m.sh_gate, m.sh_up);
-      }, "experts gate|up");
-      L.experts_down = matrix([&] {
-        for (int e = 0; e < c.num_experts; ++e) append_rows(rows, m.down[e]);
-        if (L.sh_folded) append_rows(rows, m.sh_down);
-      }, "experts down");
+                    m.sh_gate.group == g0.group && m.sh_down.fmt == m.down[0].fmt &&
+                    m.sh_down.in == m.down[0].in && m.sh_down.group == m.down[0].group &&
+                    m.sh_up.fmt == g0.fmt && m.sh_up.group == g0.group;
+      L.experts_gu = matrix(
+          [&] {
+            for (int e = 0; e < c.num_experts; ++e) append_interleaved(rows, m.gate[e], m.up[e]);
+            if (L.sh_folded) append_interleaved(rows, m.sh_gate, m.sh_up);
+          },
+          "experts gate|up");
+      L.experts_down = matrix(
+          [&] {
+            for (int e = 0; e < c.num_experts; ++e) append_rows(rows, m.down[e]);
+            if (L.sh_folded) append_rows(rows, m.sh_down);
+          },
+          "experts down");
       const int I = c.moe_intermediate;
       L.routed_gu = L.experts_gu.view.rows(0, c.num_experts * 2 * I);
       L.routed_down = L.experts_down.view.rows(0, c.num_experts * c.hidden_size);
@@ -543,7 +566,8 @@ class CudaModel final : public Model, public StageProfiler {
     const int H = c.hidden_size, E = c.num_experts, K = c.experts_per_tok;
     proj_ld_ = 0;
     for (const DevLayer& L : layers_)
-      proj_ld_ = std::max<int64_t>(proj_ld_, L.kind == LayerKind::kLinear ? L.gdn_in.view.out : L.attn_in.view.out);
+      proj_ld_ =
+          std::max<int64_t>(proj_ld_, L.kind == LayerKind::kLinear ? L.gdn_in.view.out : L.attn_in.view.out);
     proj_ld_ = (proj_ld_ + 7) / 8 * 8;
     router_ld_ = layers_[0].router.view.out;
     const size_t C = kChunk;
@@ -552,7 +576,8 @@ class CudaModel final : public Model, public StageProfiler {
     h_.resize(C * H);
     ss_parts_.resize(size_t(2 * c.num_layers + 1) * kNormParts);
     CUDA_CHECK(cudaMemset(ss_parts_.get(), 0, ss_parts_.bytes()));
-    TANSY_CHECK(H <= kFusedNormMaxDim, "cuda backend: hidden size {} exceeds the fused decode norm's {}", H, kFusedNormMaxDim);
+    TANSY_CHECK(H <= kFusedNormMaxDim, "cuda backend: hidden size {} exceeds the fused decode norm's {}", H,
+                kFusedNormMaxDim);
     conv_f32_.resize(c.lin_conv_dim());
     gdn_counters_.resize(std::max(1, c.lin_num_v_heads));
     route_counter_.resize(1);
@@ -659,7 +684,8 @@ class CudaModel final : public Model, public StageProfiler {
     int m = 0;
     for (int c0 = 0; c0 < P; c0 += m) {
       m = std::min(kChunk, P - c0);
-      CUDA_CHECK(cudaMemcpyAsync(d_ids_.get(), ids.data() + c0, sizeof(int) * m, cudaMemcpyHostToDevice, stream_));
+      CUDA_CHECK(
+          cudaMemcpyAsync(d_ids_.get(), ids.data() + c0, sizeof(int) * m, cudaMemcpyHostToDevice, stream_));
       run_chunk(st, m);
     }
     lm_head(m - 1, 1);
@@ -731,7 +757,8 @@ class CudaModel final : public Model, public StageProfiler {
     for (size_t i = 0; i + 1 < marks.size(); ++i) {
       float ms = 0;
       CUDA_CHECK(cudaEventElapsedTime(&ms, marks[i].ev, marks[i + 1].ev));
-      auto it = std::find_if(out.begin(), out.end(), [&](const StageTime& t) { return t.name == marks[i].name; });
+      auto it =
+          std::find_if(out.begin(), out.end(), [&](const StageTime& t) { return t.name == marks[i].name; });
       if (it == out.end()) it = out.insert(out.end(), StageTime{marks[i].name, 0, 0, 0, 0});
       it->ms += ms;
       it->bytes += marks[i].bytes;
@@ -781,8 +808,10 @@ class CudaModel final : public Model, public StageProfiler {
     add_rmsnorm(h_.get(), nullptr, layers_[0].in_norm.get(), m, H, c.rms_eps, xn_.get(), stream_);
     for (int i = 0; i < c.num_layers; ++i) {
       DevLayer& L = layers_[i];
-      if (L.kind == LayerKind::kLinear) gdn(L, st.layers[i], m, tc);
-      else attention(L, st, st.layers[i], m, tc);
+      if (L.kind == LayerKind::kLinear)
+        gdn(L, st.layers[i], m, tc);
+      else
+        attention(L, st, st.layers[i], m, tc);
       trace_row("layer." + std::to_string(i) + ".mixer_out", r_.get(), m, H);
       mark("residual add + rmsnorm", norm_bytes);
       add_rmsnorm(h_.get(), r_.get(), L.post_norm.get(), m, H, c.rms_eps, xn_.get(), stream_);
@@ -865,11 +894,11 @@ class CudaModel final : public Model, public StageProfiler {
         QkvLayout lay{P, proj_ld_, c.num_heads, c.num_kv_heads};
         if (!attn_fused_) {
           mark("attn.qk_norm_rope");
-          qk_norm_rope(lay, 1, st.pos.get(), L.q_norm.get(), L.k_norm.get(), c.rms_eps, c.rotary_dim, c.rope_theta,
-                       S.K.get(), S.V.get(), stream_);
+          qk_norm_rope(lay, 1, st.pos.get(), L.q_norm.get(), L.k_norm.get(), c.rms_eps, c.rotary_dim,
+                       c.rope_theta, S.K.get(), S.V.get(), stream_);
           mark("attn.decode (split+combine)", 2.0 * (st.n + 1) * c.kv_dim() * 2, 0, 2);
-          attention_decode(lay, 1, st.pos.get(), S.K.get(), S.V.get(), kDecodeSplits, attn_scratch_.get(), mix_.get(),
-                           QD, stream_);
+          attention_decode(lay, 1, st.pos.get(), S.K.get(), S.V.get(), kDecodeSplits, attn_scratch_.get(),
+                           mix_.get(), QD, stream_);
         } else {
           mark("attn.q/k norm+rope+cache+split, merge", 2.0 * (st.n + 1) * c.kv_dim() * 2, 0, 2);
           attention_decode_fused(lay, st.pos.get(), L.q_norm.get(), L.k_norm.get(), c.rms_eps, c.rotary_dim,
@@ -892,13 +921,15 @@ class CudaModel final : public Model, public StageProfiler {
       mark("moe.router+norm+topk", wbytes(L.router.view));
       matvec_norm_route(L.router.view, pin, router_logits_.get(), re, stream_);
       report_routes(i, 1, L.sh_folded ? K + 1 : K);
-      const double gu1 = wbytes(L.experts_gu.view.rows(0, 2 * I)), dn1 = wbytes(L.experts_down.view.rows(0, H));
+      const double gu1 = wbytes(L.experts_gu.view.rows(0, 2 * I)),
+                   dn1 = wbytes(L.experts_down.view.rows(0, H));
       if (L.sh_folded) {
         mark("moe.experts gate|up (k+shared)", (K + 1) * gu1);
-        matvec_swiglu_experts(L.experts_gu.view, E + 1, topk_idx_.get(), 1, K + 1, xn_.get(), H, act_.get(), stream_);
+        matvec_swiglu_experts(L.experts_gu.view, E + 1, topk_idx_.get(), 1, K + 1, xn_.get(), H, act_.get(),
+                              stream_);
         mark("moe.experts down+combine+residual", (K + 1) * dn1);
-        moe_down_residual(L.experts_down.view, E + 1, topk_idx_.get(), topk_w_.get(), act_.get(), K + 1, nullptr,
-                          nullptr, moe_out, stream_);
+        moe_down_residual(L.experts_down.view, E + 1, topk_idx_.get(), topk_w_.get(), act_.get(), K + 1,
+                          nullptr, nullptr, moe_out, stream_);
       } else {
         const int SI = c.shared_intermediate;
         mark("moe.shared expert", wbytes(L.sh_gu_v) + wbytes(L.sh_down_v), 0, 2);
@@ -918,7 +949,8 @@ class CudaModel final : public Model, public StageProfiler {
   }
 
   // Projection: GEMV for decode, tensor-core GEMM for prefill.
-  void project(const DevLinear& W, const bf16* X, int64_t ldx, int m, void* Y, bool f32, int64_t ldy, bool tc) {
+  void project(const DevLinear& W, const bf16* X, int64_t ldx, int m, void* Y, bool f32, int64_t ldy,
+               bool tc) {
     if (tc) {
       GemmOutput out;
       out.ptr = Y;
@@ -972,10 +1004,13 @@ class CudaModel final : public Model, public StageProfiler {
     // chunked delta rule: per chunk of 64 and value head ~ (2 + 4 + 2) * 64 * 128 * 128 multiply-adds
     mark(tc ? "gdn.chunked delta rule" : "gdn.recurrence", 2.0 * NV * kGdnDim * kGdnDim * 4,
          tc ? 2.0 * 8 * double(m) * NV * kGdnDim * kGdnDim : 0);
-    if (tc) gdn_prefill(ra, stream_);
-    else gdn_recurrent(ra, stream_);
+    if (tc)
+      gdn_prefill(ra, stream_);
+    else
+      gdn_recurrent(ra, stream_);
     mark("gdn.gated_norm");
-    gated_rmsnorm(o_.get(), VD, P + C, proj_ld_, L.gnorm.get(), m, NV, kGdnDim, c.rms_eps, mix_.get(), VD, stream_);
+    gated_rmsnorm(o_.get(), VD, P + C, proj_ld_, L.gnorm.get(), m, NV, kGdnDim, c.rms_eps, mix_.get(), VD,
+                  stream_);
     mark("gdn.out_proj", wbytes(L.gdn_out.view), wflops(L.gdn_out.view, m));
     project(L.gdn_out.view, mix_.get(), VD, m, r_.get(), false, H, tc);
   }
@@ -1018,8 +1053,8 @@ class CudaModel final : public Model, public StageProfiler {
       int splits = kDecodeSplits;
       if (m > 1) splits = std::min(kMaxAttnSplits, (st.n + m + kPrefillSplitKeys - 1) / kPrefillSplitKeys);
       if (m > 1 && size_t(m) * splits > size_t(kChunk)) splits = std::max(1, kChunk / m);
-      attention_decode(lay, m, st.pos.get(), S.K.get(), S.V.get(), splits, attn_scratch_.get(), mix_.get(), QD,
-                       stream_);
+      attention_decode(lay, m, st.pos.get(), S.K.get(), S.V.get(), splits, attn_scratch_.get(), mix_.get(),
+                       QD, stream_);
     }
     mark("attn.o_proj", wbytes(L.attn_o.view), wflops(L.attn_o.view, m));
     project(L.attn_o.view, mix_.get(), QD, m, r_.get(), false, H, tc);
@@ -1039,7 +1074,8 @@ class CudaModel final : public Model, public StageProfiler {
     const double gu_bytes = wbytes(L.routed_gu), dn_bytes = wbytes(L.routed_down);
     const double gu_flops = 2.0 * m * K * 2 * I * H, dn_flops = 2.0 * m * K * H * I;
     if (!tc) {
-      mark("moe.shared expert", wbytes(L.sh_gu_v) + wbytes(L.sh_down_v), wflops(L.sh_gu_v, m) + wflops(L.sh_down_v, m), 2);
+      mark("moe.shared expert", wbytes(L.sh_gu_v) + wbytes(L.sh_down_v),
+           wflops(L.sh_gu_v, m) + wflops(L.sh_down_v, m), 2);
       matvec_swiglu(L.sh_gu_v, xn_.get(), H, m, sh_act_.get(), SI, stream_);
       matvec(L.sh_down_v, sh_act_.get(), SI, m, MatvecOut{r_.get(), false, H}, stream_);
       mark("moe.experts gate|up", gu_bytes, gu_flops);
@@ -1062,14 +1098,15 @@ class CudaModel final : public Model, public StageProfiler {
     GemmOutput dn{yd_.get(), GemmOutType::kBF16, H, GemmEpilogue::kStore};
     mark("moe.experts down", dn_bytes, dn_flops);
     gemm_grouped(L.routed_down, E, act_.get(), I, false, m, K, rt, dn, stream_);
-    mark("moe.shared expert", wbytes(L.sh_gu_v) + wbytes(L.sh_down_v), wflops(L.sh_gu_v, m) + wflops(L.sh_down_v, m), 2);
-    gemm(L.sh_gu_v, xn_.get(), H, m,
-         GemmOutput{sh_act_.get(), GemmOutType::kBF16, SI, GemmEpilogue::kSwiGlu}, stream_);
+    mark("moe.shared expert", wbytes(L.sh_gu_v) + wbytes(L.sh_down_v),
+         wflops(L.sh_gu_v, m) + wflops(L.sh_down_v, m), 2);
+    gemm(L.sh_gu_v, xn_.get(), H, m, GemmOutput{sh_act_.get(), GemmOutType::kBF16, SI, GemmEpilogue::kSwiGlu},
+         stream_);
     gemm(L.sh_down_v, sh_act_.get(), SI, m,
          GemmOutput{sh_out_.get(), GemmOutType::kBF16, H, GemmEpilogue::kStore}, stream_);
     mark("moe.combine");
-    moe_combine(yd_.get(), slot_row_.get(), topk_w_.get(), m, K, H, nullptr, sh_out_.get(), router_logits_.get() + E,
-                router_ld_, r_.get(), stream_);
+    moe_combine(yd_.get(), slot_row_.get(), topk_w_.get(), m, K, H, nullptr, sh_out_.get(),
+                router_logits_.get() + E, router_ld_, r_.get(), stream_);
   }
 
   ModelConfig cfg_;
@@ -1083,17 +1120,17 @@ class CudaModel final : public Model, public StageProfiler {
 
   // Scratch, sized for kChunk tokens (m = tokens in flight).
   int64_t proj_ld_ = 0, router_ld_ = 0;
-  DeviceBuffer<int> d_ids_;            // [kChunk] input ids
-  DeviceBuffer<int> d_tok_;            // [1] the decode step's input id, overwritten by its argmax
-  DeviceBuffer<float> h_;              // [m, H] residual stream (f32)
-  DeviceBuffer<float> ss_parts_;       // decode: [2 * layers + 1, kNormParts] partial sums of h² per norm point
-  DeviceBuffer<bf16> xn_, r_;          // [m, H] normed input, mixer/MoE output
-  DeviceBuffer<float> conv_f32_;       // decode: [conv_dim] GDN conv output
+  DeviceBuffer<int> d_ids_;       // [kChunk] input ids
+  DeviceBuffer<int> d_tok_;       // [1] the decode step's input id, overwritten by its argmax
+  DeviceBuffer<float> h_;         // [m, H] residual stream (f32)
+  DeviceBuffer<float> ss_parts_;  // decode: [2 * layers + 1, kNormParts] partial sums of h² per norm point
+  DeviceBuffer<bf16> xn_, r_;     // [m, H] normed input, mixer/MoE output
+  DeviceBuffer<float> conv_f32_;  // decode: [conv_dim] GDN conv output
   DeviceBuffer<unsigned> gdn_counters_, route_counter_;  // last-block counters of fused decode kernels
-  DeviceBuffer<bf16> proj_;            // [m, proj_ld] fused input projections
-  DeviceBuffer<bf16> conv_y_;          // [m, conv_dim] conv output, q/k normalised
-  DeviceBuffer<float> beta_, g_;       // [m, n_v_heads]
-  DeviceBuffer<float> o_;              // [m, value_dim] GDN output before the gated norm
+  DeviceBuffer<bf16> proj_;                              // [m, proj_ld] fused input projections
+  DeviceBuffer<bf16> conv_y_;                            // [m, conv_dim] conv output, q/k normalised
+  DeviceBuffer<float> beta_, g_;                         // [m, n_v_heads]
+  DeviceBuffer<float> o_;                                // [m, value_dim] GDN output before the gated norm
   DeviceBuffer<bf16> mix_;             // [m, max(value_dim, q_dim)] input of out_proj / o_proj
   DeviceBuffer<float> router_logits_;  // [m, router_ld]
   DeviceBuffer<int> topk_idx_;         // [m, k]
@@ -1107,10 +1144,10 @@ class CudaModel final : public Model, public StageProfiler {
   DeviceBuffer<unsigned long long> d_head_scratch_;  // fused head: one argmax candidate per block
   DeviceBuffer<unsigned> head_counter_;
   DeviceBuffer<int> expert_offsets_, tile_offsets_, sorted_slot_, slot_row_;  // prefill MoE routing
-  DeviceBuffer<bf16> yd_;              // [m*k, H] routed experts' down outputs in sorted order
-  int32_t* h_tok_ = nullptr;           // pinned
-  int greedy_limit_ = 0;               // argmax range captured into new decode graphs
-  std::vector<Mark>* marks_ = nullptr; // set while a StageProfiler call runs
+  DeviceBuffer<bf16> yd_;               // [m*k, H] routed experts' down outputs in sorted order
+  int32_t* h_tok_ = nullptr;            // pinned
+  int greedy_limit_ = 0;                // argmax range captured into new decode graphs
+  std::vector<Mark>* marks_ = nullptr;  // set while a StageProfiler call runs
 };
 
 }  // namespace

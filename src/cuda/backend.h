@@ -10,4 +10,4 @@ namespace tansy {
 std::unique_ptr<Model> make_cuda_model(const std::filesystem::path& dir);
 // The f32 plan (the CPU reference's arithmetic on the device; f32_model.cu).
 std::unique_ptr<Model> make_cuda_f32_model(const std::filesystem::path& dir);
-}
+}  // namespace tansy

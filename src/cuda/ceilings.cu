@@ -1,24 +1,24 @@
-#include "cuda/ceilings.cuh"
-
 #include <cublas_v2.h>
 
 #include <algorithm>
-#include <cstdio>
 #include <cctype>
+#include <cstdio>
 #include <fstream>
 #include <sstream>
 #include <vector>
 
+#include "cuda/ceilings.cuh"
 #include "cuda/cuda_util.h"
 
 namespace tansy::cuda {
 namespace {
 
-#define CUBLAS_CHECK(expr)                                                                       \
-  do {                                                                                           \
-    cublasStatus_t st_ = (expr);                                                                 \
-    if (st_ != CUBLAS_STATUS_SUCCESS)                                                            \
-      ::tansy::fail("cuBLAS error at {}:{}: {} ({})", __FILE__, __LINE__, cublasGetStatusString(st_), #expr); \
+#define CUBLAS_CHECK(expr)                                                                            \
+  do {                                                                                                \
+    cublasStatus_t st_ = (expr);                                                                      \
+    if (st_ != CUBLAS_STATUS_SUCCESS)                                                                 \
+      ::tansy::fail("cuBLAS error at {}:{}: {} ({})", __FILE__, __LINE__, cublasGetStatusString(st_), \
+                    #expr);                                                                           \
   } while (0)
 
 // Random fill on the device (hash of the index): measurements never run on zeros (METHOD.md).
@@ -46,7 +46,8 @@ constexpr int kReadUnroll = 8;
 
 // Reads every 16-byte word once; the sum feeds a store that only happens for one impossible-in-
 // practice value, so the loads cannot be optimized away and almost nothing is written.
-__global__ void __launch_bounds__(kReadThreads) read_kernel(const uint4* __restrict__ p, size_t n, uint32_t* out) {
+__global__ void __launch_bounds__(kReadThreads)
+    read_kernel(const uint4* __restrict__ p, size_t n, uint32_t* out) {
   uint32_t acc = 0;
   const size_t stride = size_t(gridDim.x) * blockDim.x;
   size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x;
@@ -159,7 +160,8 @@ Ceilings measure_ceilings(int reps) {
     CUDA_LAUNCH_CHECK();
     fill_random_u32<<<fill_blocks, 256>>>(dst.get(), dst.size(), 2);
     CUDA_LAUNCH_CHECK();
-    double ms = median_ms(3, reps, [&] { CUDA_CHECK(cudaMemcpyAsync(dst.get(), src.get(), bytes, cudaMemcpyDeviceToDevice)); });
+    double ms = median_ms(
+        3, reps, [&] { CUDA_CHECK(cudaMemcpyAsync(dst.get(), src.get(), bytes, cudaMemcpyDeviceToDevice)); });
     c.copy_buffer_bytes = bytes;
     c.copy_gbps = 2.0 * double(bytes) / (ms * 1e-3) / 1e9;
 
@@ -185,9 +187,9 @@ Ceilings measure_ceilings(int reps) {
     try {
       const float alpha = 1.0f, beta = 0.0f;
       double ms = median_ms(3, std::max(3, reps / 2), [&] {
-        CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, a.get(), CUDA_R_16BF, n, b.get(),
-                                  CUDA_R_16BF, n, &beta, out.get(), CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
-                                  CUBLAS_GEMM_DEFAULT));
+        CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, a.get(), CUDA_R_16BF, n,
+                                  b.get(), CUDA_R_16BF, n, &beta, out.get(), CUDA_R_16BF, n,
+                                  CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
       });
       c.gemm_n = n;
       c.gemm_tflops = 2.0 * double(n) * n * n / (ms * 1e-3) / 1e12;

@@ -13,10 +13,10 @@
 namespace tansy::cuda {
 
 struct DeviceInfo {
-  std::string gpu;             // cudaDeviceProp::name
-  std::string driver;          // NVIDIA driver version ("580.159.04"), "unknown" if unreadable
-  std::string cuda_runtime;    // runtime this binary was built against, "13.0"
-  std::string cuda_driver;     // CUDA version the driver supports, "13.0"
+  std::string gpu;           // cudaDeviceProp::name
+  std::string driver;        // NVIDIA driver version ("580.159.04"), "unknown" if unreadable
+  std::string cuda_runtime;  // runtime this binary was built against, "13.0"
+  std::string cuda_driver;   // CUDA version the driver supports, "13.0"
   int sm_count = 0;
   double memory_gib = 0;
 };
@@ -42,11 +42,11 @@ Ceilings measure_ceilings(int reps = 15);
 // also derives from StageProfiler gets its stages timed and reported next to the floors; bench
 // says plainly when the backend does not.
 struct StageTime {
-  std::string name;    // e.g. "gdn.in_proj", "moe.experts", "lm_head"; repeated layers summed
-  double ms = 0;       // device time summed over the step (or prefill)
-  double bytes = 0;    // minimum bytes the stage must move (0: not counted)
-  double flops = 0;    // floating-point operations (0: not counted)
-  int launches = 0;    // kernel launches summed into ms
+  std::string name;  // e.g. "gdn.in_proj", "moe.experts", "lm_head"; repeated layers summed
+  double ms = 0;     // device time summed over the step (or prefill)
+  double bytes = 0;  // minimum bytes the stage must move (0: not counted)
+  double flops = 0;  // floating-point operations (0: not counted)
+  int launches = 0;  // kernel launches summed into ms
 };
 
 class StageProfiler {

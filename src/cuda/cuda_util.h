@@ -21,11 +21,11 @@ namespace tansy::cuda {
 
 using bf16 = __nv_bfloat16;
 
-#define CUDA_CHECK(expr)                                                                          \
-  do {                                                                                            \
-    cudaError_t err_ = (expr);                                                                    \
-    if (err_ != cudaSuccess) ::tansy::fail("CUDA error at {}:{}: {} ({})", __FILE__, __LINE__,     \
-                                           cudaGetErrorString(err_), #expr);                      \
+#define CUDA_CHECK(expr)                                                                                  \
+  do {                                                                                                    \
+    cudaError_t err_ = (expr);                                                                            \
+    if (err_ != cudaSuccess)                                                                              \
+      ::tansy::fail("CUDA error at {}:{}: {} ({})", __FILE__, __LINE__, cudaGetErrorString(err_), #expr); \
   } while (0)
 
 // After a launch: configuration errors surface here, asynchronous faults at the next sync.

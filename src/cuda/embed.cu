@@ -1,5 +1,4 @@
 #include "cuda/embed.cuh"
-
 #include "cuda/pdl.cuh"
 
 namespace tansy::cuda {
@@ -41,7 +40,6 @@ __global__ void embed_kernel(DevLinear E, const int* __restrict__ ids, float* __
   }
 }
 
-
 __device__ unsigned long long block_max(unsigned long long k) {
   __shared__ unsigned long long red[32];
 #pragma unroll
@@ -72,7 +70,8 @@ __global__ void argmax_final(const unsigned long long* scratch, int* dst, int* r
   pdl_wait();
   pdl_launch_dependents();
   unsigned long long best = threadIdx.x < kArgmaxBlocks ? scratch[threadIdx.x] : 0;
-  for (int i = threadIdx.x + blockDim.x; i < kArgmaxBlocks; i += blockDim.x) best = scratch[i] > best ? scratch[i] : best;
+  for (int i = threadIdx.x + blockDim.x; i < kArgmaxBlocks; i += blockDim.x)
+    best = scratch[i] > best ? scratch[i] : best;
   best = block_max(best);
   if (threadIdx.x == 0) {
     const int id = argmax_index(best);

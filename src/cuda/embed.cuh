@@ -8,10 +8,10 @@
 
 namespace tansy::cuda {
 
-// h[t, :] = E[ids[t], :] (f32: the residual stream) for t < n; ids on the device. Ids outside [0, E.out) give zeros
-// (the host validates ids before they reach the device; generated ids come from argmax).
-// ss (decode, n == 1): the row's Σh² goes to ss[0], the first of the NormIn partials (the rest of
-// that point's partials are never written, so they stay zero).
+// h[t, :] = E[ids[t], :] (f32: the residual stream) for t < n; ids on the device. Ids outside [0, E.out) give
+// zeros (the host validates ids before they reach the device; generated ids come from argmax). ss (decode, n
+// == 1): the row's Σh² goes to ss[0], the first of the NormIn partials (the rest of that point's partials are
+// never written, so they stay zero).
 void embed(const DevLinear& E, const int* ids, int n, float* h, cudaStream_t stream, float* ss = nullptr);
 
 // Argmax key: a larger key is a larger value, then a lower index; NaN maps below -inf.
@@ -22,7 +22,9 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int i) {
   return (static_cast<unsigned long long>(u) << 32) | (0xffffffffu - uint32_t(i));
 }
 // The index a key was made from.
-__device__ __forceinline__ int argmax_index(unsigned long long key) { return int(0xffffffffu - uint32_t(key & 0xffffffffu)); }
+__device__ __forceinline__ int argmax_index(unsigned long long key) {
+  return int(0xffffffffu - uint32_t(key & 0xffffffffu));
+}
 
 constexpr int kArgmaxBlocks = 264;  // 2 per SM on an H200
 

@@ -25,8 +25,8 @@ namespace tansy {
 namespace cuda {
 namespace {
 
-constexpr int kChunk = 1024;     // tokens per pass through the layers (bounds the scratch buffers)
-constexpr int kLogitRows = 64;   // lm_head rows per pass when all positions are wanted
+constexpr int kChunk = 1024;    // tokens per pass through the layers (bounds the scratch buffers)
+constexpr int kLogitRows = 64;  // lm_head rows per pass when all positions are wanted
 
 // A Linear copied to the device; `view` has the device pointers.
 struct DevLinear32 {
@@ -55,8 +55,12 @@ std::unique_ptr<DevLinear32> upload(const Linear& L) {
       copy_in(d->biases, L.biases, rows * groups);
       break;
     }
-    case WFormat::kBF16: copy_in(d->w16, L.bf16, rows * L.in); break;
-    case WFormat::kF32: copy_in(d->w32, L.f32, rows * L.in); break;
+    case WFormat::kBF16:
+      copy_in(d->w16, L.bf16, rows * L.in);
+      break;
+    case WFormat::kF32:
+      copy_in(d->w32, L.f32, rows * L.in);
+      break;
   }
   d->view.q = d->q.get();  // null where the format has no such part
   d->view.scales = d->scales.get();
@@ -77,9 +81,9 @@ struct F32State final : SequenceState {
   int max_tokens = 0;
   int capacity = 0;  // positions the attention caches hold (grown on demand up to max_tokens)
   struct Layer {
-    DeviceBuffer<float> K, V;   // [capacity, kv_dim] post-norm post-RoPE keys, raw values
-    DeviceBuffer<float> conv;   // [kernel-1, conv_dim]
-    DeviceBuffer<float> S;      // [n_v_heads, dk, dv]
+    DeviceBuffer<float> K, V;  // [capacity, kv_dim] post-norm post-RoPE keys, raw values
+    DeviceBuffer<float> conv;  // [kernel-1, conv_dim]
+    DeviceBuffer<float> S;     // [n_v_heads, dk, dv]
   };
   std::vector<Layer> layers;
   int n_tokens() const override { return n; }
@@ -189,11 +193,13 @@ class F32Model final : public Model {
     auto& st = dynamic_cast<F32State&>(state);
     const int n = int(ids.size());
     if (n == 0) fail("forward: no tokens");
-    if (st.n + n > st.max_tokens) fail("forward: {} + {} tokens exceed the state's capacity {}", st.n, n, st.max_tokens);
+    if (st.n + n > st.max_tokens)
+      fail("forward: {} + {} tokens exceed the state's capacity {}", st.n, n, st.max_tokens);
     const size_t V = size_t(cfg_.vocab_size), need = all_positions ? V * n : V;
     if (logits.size() < need) fail("forward: logits buffer holds {} floats, needs {}", logits.size(), need);
     for (int32_t id : ids)
-      if (id < 0 || id >= cfg_.vocab_size) fail("token id {} is outside the vocabulary (0..{})", id, cfg_.vocab_size - 1);
+      if (id < 0 || id >= cfg_.vocab_size)
+        fail("token id {} is outside the vocabulary (0..{})", id, cfg_.vocab_size - 1);
     if (route_override_) fail("f32 plan: route overrides are for the CPU reference only");
     ensure_scratch(std::min(n, kChunk), all_positions);  // allocations before the state changes
     reserve(st, st.n + n);
@@ -340,7 +346,8 @@ class F32Model final : public Model {
   // Trace hook: row `row` of x [*, hidden] from the device.
   void trace_row(const std::string& name, const float* x, int row) {
     std::vector<float> h(cfg_.hidden_size);
-    CUDA_CHECK(cudaMemcpy(h.data(), x + size_t(row) * h.size(), sizeof(float) * h.size(), cudaMemcpyDeviceToHost));
+    CUDA_CHECK(
+        cudaMemcpy(h.data(), x + size_t(row) * h.size(), sizeof(float) * h.size(), cudaMemcpyDeviceToHost));
     trace_(name, h);
   }
 
@@ -357,8 +364,10 @@ class F32Model final : public Model {
     for (int i = 0; i < cfg_.num_layers; ++i) {
       Layer& L = layers_[i];
       f32::rmsnorm(h, L.in_norm.get(), n, H, cfg_.rms_eps, xn);
-      if (L.kind == LayerKind::kLinear) gdn(L, st.layers[i], xn, n, mix);
-      else attn(L, st.layers[i], st.n, xn, n, mix);
+      if (L.kind == LayerKind::kLinear)
+        gdn(L, st.layers[i], xn, n, mix);
+      else
+        attn(L, st.layers[i], st.n, xn, n, mix);
       report(i, "mixer_out", mix, n);
       f32::add(h, mix, size_t(n) * H);
       f32::rmsnorm(h, L.post_norm.get(), n, H, cfg_.rms_eps, xn);
@@ -389,9 +398,9 @@ class F32Model final : public Model {
     f32::matmul(L.in_a->view, xn, n, a_.get());
     f32::matmul(L.in_b->view, xn, n, b_.get());
     f32::conv1d(qkv_.get(), n, S.conv.get(), L.conv.get(), C, cfg_.conv_kernel, conv_y_.get());
-    f32::gdn_core({conv_y_.get(), z_.get(), a_.get(), b_.get(), L.A_log.get(), L.dt_bias.get(), L.gdn_norm.get(),
-                   S.S.get(), normed_.get(), n, cfg_.lin_num_k_heads, NV, cfg_.lin_k_head_dim, cfg_.lin_v_head_dim,
-                   cfg_.rms_eps});
+    f32::gdn_core({conv_y_.get(), z_.get(), a_.get(), b_.get(), L.A_log.get(), L.dt_bias.get(),
+                   L.gdn_norm.get(), S.S.get(), normed_.get(), n, cfg_.lin_num_k_heads, NV,
+                   cfg_.lin_k_head_dim, cfg_.lin_v_head_dim, cfg_.rms_eps});
     f32::matmul(L.out->view, normed_.get(), n, out);
   }
 
@@ -400,9 +409,9 @@ class F32Model final : public Model {
     f32::matmul(L.q->view, xn, n, qg_.get());
     f32::matmul(L.k->view, xn, n, k_.get());
     f32::matmul(L.v->view, xn, n, v_.get());
-    f32::attention_prep({qg_.get(), k_.get(), v_.get(), L.q_norm.get(), L.k_norm.get(), q_.get(), S.K.get(), S.V.get(),
-                         n, pos0, cfg_.num_heads, cfg_.num_kv_heads, cfg_.head_dim, cfg_.rotary_dim, cfg_.rms_eps,
-                         cfg_.rope_theta});
+    f32::attention_prep({qg_.get(), k_.get(), v_.get(), L.q_norm.get(), L.k_norm.get(), q_.get(), S.K.get(),
+                         S.V.get(), n, pos0, cfg_.num_heads, cfg_.num_kv_heads, cfg_.head_dim,
+                         cfg_.rotary_dim, cfg_.rms_eps, cfg_.rope_theta});
     f32::attention(q_.get(), qg_.get(), S.K.get(), S.V.get(), n, pos0, cfg_.num_heads, cfg_.num_kv_heads,
                    cfg_.head_dim, o_.get());
     f32::matmul(L.o->view, o_.get(), n, out);

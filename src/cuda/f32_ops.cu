@@ -1,12 +1,11 @@
 // The f32 plan's kernels (see f32_ops.cuh). Straightforward on purpose: a warp per output row,
 // a block per token (and head) for the normalisations and attention, a block per value head for
 // the GDN recurrence, a thread per channel for the conv.
-#include "cuda/f32_ops.cuh"
-
 #include <cmath>
 #include <string>
 
 #include "core/error.h"
+#include "cuda/f32_ops.cuh"
 
 namespace tansy::cuda::f32 {
 namespace {
@@ -77,8 +76,8 @@ __device__ float block_max(float v, float* red) {
   return t;
 }
 
-constexpr int kWarps = 8;  // matmul: output rows per block
-constexpr int kAttnThreads = 256;  // attention: keys per chunk, and output dims per pass
+constexpr int kWarps = 8;                         // matmul: output rows per block
+constexpr int kAttnThreads = 256;                 // attention: keys per chunk, and output dims per pass
 constexpr int kMaxExperts = 1024, kMaxTopK = 64;  // route_kernel's per-thread arrays
 // Dynamic shared memory a launch may ask for without an opt-in, less what the kernels declare
 // statically (their reduction scratch, under 1 KiB).
@@ -87,8 +86,8 @@ constexpr size_t kMaxDynamicSmem = 47 * 1024;
 // Warp per (output row o, tile of T token rows). Indexed (Ws != nullptr): T == 1 and the row's
 // matrix is Ws[idx[r]].
 template <int T>
-__global__ void matmul_kernel(Linear W, const Linear* Ws, const int32_t* idx, const float* X, int x_div, int rows,
-                              float* Y) {
+__global__ void matmul_kernel(Linear W, const Linear* Ws, const int32_t* idx, const float* X, int x_div,
+                              int rows, float* Y) {
   const int o = blockIdx.y * kWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
   const int r0 = blockIdx.x * T;
   if (o >= W.out) return;
@@ -115,7 +114,6 @@ __global__ void matmul_kernel(Linear W, const Linear* Ws, const int32_t* idx, co
   }
 }
 
-
 __global__ void embed_kernel(Linear E, const int32_t* ids, float* out) {
   const int t = blockIdx.x, id = ids[t];
   for (int c0 = threadIdx.x * 8; c0 < E.in; c0 += blockDim.x * 8) {
@@ -138,13 +136,15 @@ __global__ void rmsnorm_kernel(const float* x, const float* w, int dim, float ep
 }
 
 __global__ void add_kernel(float* h, const float* x, size_t n) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) h[i] += x[i];
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    h[i] += x[i];
 }
 
 __device__ __forceinline__ float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // Thread per channel: its window column is its own.
-__global__ void conv1d_kernel(const float* x, int n, float* window, const float* w, int C, int kernel, float* y) {
+__global__ void conv1d_kernel(const float* x, int n, float* window, const float* w, int C, int kernel,
+                              float* y) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= C) return;
   const int hist = kernel - 1;
@@ -232,9 +232,11 @@ __global__ void attention_prep_kernel(AttnPrepArgs a) {
   const int t = blockIdx.x, j = blockIdx.y, hd = a.hd, pos = a.pos0 + t;
   const bool is_q = j < a.n_heads;
   const int kv = j - a.n_heads;
-  const float* src = is_q ? a.qg + size_t(t) * a.n_heads * 2 * hd + size_t(j) * 2 * hd : a.k + size_t(t) * a.n_kv * hd + size_t(kv) * hd;
+  const float* src = is_q ? a.qg + size_t(t) * a.n_heads * 2 * hd + size_t(j) * 2 * hd
+                          : a.k + size_t(t) * a.n_kv * hd + size_t(kv) * hd;
   const float* w = is_q ? a.q_norm : a.k_norm;
-  float* dst = is_q ? a.q + size_t(t) * a.n_heads * hd + size_t(j) * hd : a.K + size_t(pos) * a.n_kv * hd + size_t(kv) * hd;
+  float* dst = is_q ? a.q + size_t(t) * a.n_heads * hd + size_t(j) * hd
+                    : a.K + size_t(pos) * a.n_kv * hd + size_t(kv) * hd;
   double ss = 0;
   for (int i = threadIdx.x; i < hd; i += blockDim.x) ss += double(src[i]) * src[i];
   ss = block_sum(ss, red);
@@ -259,7 +261,6 @@ __global__ void attention_prep_kernel(AttnPrepArgs a) {
   }
 }
 
-
 // Block per (token, query head): chunks of kAttnThreads keys, online softmax (the running
 // maximum rescales the partial sums), output dims spread over the threads.
 __global__ void attention_kernel(const float* qall, const float* qg, const float* K, const float* V, int pos0,
@@ -267,8 +268,8 @@ __global__ void attention_kernel(const float* qall, const float* qg, const float
   extern __shared__ float sm[];
   __shared__ double red[32];
   __shared__ float redf[32];
-  float* q = sm;             // [hd]
-  float* p = sm + hd;        // [kAttnThreads] this chunk's weights
+  float* q = sm;                  // [hd]
+  float* p = sm + hd;             // [kAttnThreads] this chunk's weights
   float* acc = p + kAttnThreads;  // [hd]
   const int t = blockIdx.x, h = blockIdx.y, kvh = h / (n_heads / n_kv), tid = threadIdx.x;
   const int n_ctx = pos0 + t + 1, row = n_kv * hd;
@@ -292,7 +293,7 @@ __global__ void attention_kernel(const float* qall, const float* qg, const float
     const float m_new = fmaxf(m, block_max(s, redf));
     const float e = j < n_ctx ? expf(s - m_new) : 0.f;
     p[tid] = e;
-    const float alpha = expf(m - m_new);  // 0 on the first chunk (m = -inf)
+    const float alpha = expf(m - m_new);        // 0 on the first chunk (m = -inf)
     l = l * alpha + block_sum(double(e), red);  // block_sum's barriers also publish p
     const int cnt = min(kAttnThreads, n_ctx - j0);
     for (int i = tid; i < hd; i += blockDim.x) {
@@ -308,10 +309,10 @@ __global__ void attention_kernel(const float* qall, const float* qg, const float
   for (int i = tid; i < hd; i += blockDim.x) o[i] = float(acc[i] / l) * sigmoidf(gate[i]);
 }
 
-
 // Thread per token; as cpu::route_topk (softmax with a double sum, then the k largest, ties to the
 // lower index, renormalised in selection order).
-__global__ void route_kernel(const float* logits, int n, int stride, int E, int k, int32_t* idx, float* weight) {
+__global__ void route_kernel(const float* logits, int n, int stride, int E, int k, int32_t* idx,
+                             float* weight) {
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
   if (t >= n) return;
   const float* l = logits + size_t(t) * stride;
@@ -376,7 +377,8 @@ int grid_for(size_t n, int threads) { return int(std::min<size_t>((n + threads -
 void check_linear(const Linear& W, const std::string& what) {
   if (W.in <= 0 || W.in % 8 != 0) fail("f32 plan: {} has input size {}, not a multiple of 8", what, W.in);
   if ((W.fmt == WFormat::kAffine4 || W.fmt == WFormat::kAffine8) && (W.group % 8 != 0 || W.in % W.group != 0))
-    fail("f32 plan: {}'s quant group {} does not divide its input size {} in multiples of 8", what, W.group, W.in);
+    fail("f32 plan: {}'s quant group {} does not divide its input size {} in multiples of 8", what, W.group,
+         W.in);
   if (W.out <= 0 || (W.out + kWarps - 1) / kWarps > 65535)
     fail("f32 plan: {} has {} output rows (at most {})", what, W.out, 65535 * kWarps);
 }
@@ -388,7 +390,8 @@ void check_gdn(int n_k, int n_v, int dk, int dv) {
 }
 
 void check_attention(int n_heads, int n_kv, int hd, int rotary_dim) {
-  if (n_kv <= 0 || n_heads % n_kv != 0) fail("f32 plan: {} attention heads over {} key-value heads", n_heads, n_kv);
+  if (n_kv <= 0 || n_heads % n_kv != 0)
+    fail("f32 plan: {} attention heads over {} key-value heads", n_heads, n_kv);
   if (rotary_dim < 0 || rotary_dim > hd || rotary_dim % 2 != 0)
     fail("f32 plan: rotary dims {} of head_dim {}", rotary_dim, hd);
   if (sizeof(float) * size_t(2 * hd + kAttnThreads) > kMaxDynamicSmem)
@@ -409,8 +412,8 @@ void matmul(const Linear& W, const float* X, int n, float* Y) {
   CUDA_LAUNCH_CHECK();
 }
 
-void matmul_indexed(const Linear* Ws, int n_w, const Linear& shape, const int32_t* idx, const float* X, int x_div,
-                    int rows, float* Y) {
+void matmul_indexed(const Linear* Ws, int n_w, const Linear& shape, const int32_t* idx, const float* X,
+                    int x_div, int rows, float* Y) {
   if (rows <= 0) return;
   check_linear(shape, "matmul_indexed");
   TANSY_CHECK(n_w > 0 && x_div > 0, "f32 matmul_indexed: {} matrices, x_div {}", n_w, x_div);
@@ -459,8 +462,8 @@ void attention_prep(const AttnPrepArgs& a) {
   CUDA_LAUNCH_CHECK();
 }
 
-void attention(const float* q, const float* qg, const float* K, const float* V, int n, int pos0, int n_heads, int n_kv,
-               int hd, float* out) {
+void attention(const float* q, const float* qg, const float* K, const float* V, int n, int pos0, int n_heads,
+               int n_kv, int hd, float* out) {
   if (n <= 0) return;
   check_attention(n_heads, n_kv, hd, 0);
   const size_t smem = sizeof(float) * size_t(2 * hd + kAttnThreads);

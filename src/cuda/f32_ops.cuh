@@ -27,10 +27,10 @@ void check_route(int n_experts, int k);
 // multiple of 8 (and of the quant group for affine formats).
 // Y[t, o] = sum_i W[o, i] * X[t, i] for t < n — cpu::matmul.
 void matmul(const Linear& W, const float* X, int n, float* Y);
-// Row r < rows: Y[r, :] = Ws[idx[r]] * X[r / x_div, :] — cpu::matmul(Ws[idx[r]], X + (r / x_div) * in, 1, ...)
-// per row. Ws: device array of n_w matrices of `shape`'s format, out and in (the routed experts).
-void matmul_indexed(const Linear* Ws, int n_w, const Linear& shape, const int32_t* idx, const float* X, int x_div,
-                    int rows, float* Y);
+// Row r < rows: Y[r, :] = Ws[idx[r]] * X[r / x_div, :] — cpu::matmul(Ws[idx[r]], X + (r / x_div) * in, 1,
+// ...) per row. Ws: device array of n_w matrices of `shape`'s format, out and in (the routed experts).
+void matmul_indexed(const Linear* Ws, int n_w, const Linear& shape, const int32_t* idx, const float* X,
+                    int x_div, int rows, float* Y);
 // out[t, :] = row ids[t] of E — cpu::embed_row per token (ids on the device, checked in range by the caller).
 void embed(const Linear& E, const int32_t* ids, int n, float* out);
 // Row r < rows of x [rows, dim] — cpu::rmsnorm per row.
@@ -78,8 +78,8 @@ struct AttnPrepArgs {
 void attention_prep(const AttnPrepArgs& a);
 // Token t < n attends to cache positions [0, pos0 + t] — cpu::attention per token, then each
 // output times sigmoid(gate) (the second hd of the head's [q | gate] pair in qg). out [n, n_heads*hd].
-void attention(const float* q, const float* qg, const float* K, const float* V, int n, int pos0, int n_heads, int n_kv,
-               int hd, float* out);
+void attention(const float* q, const float* qg, const float* K, const float* V, int n, int pos0, int n_heads,
+               int n_kv, int hd, float* out);
 
 // Token t < n — cpu::route_topk on logits [n, stride] (its first n_experts), idx/weight [n, k].
 void route_topk(const float* logits, int n, int stride, int n_experts, int k, int32_t* idx, float* weight);

@@ -1,5 +1,4 @@
 #include "cuda/gdn_decode.cuh"
-
 #include "cuda/pdl.cuh"
 
 namespace tansy::cuda {
@@ -48,7 +47,8 @@ __global__ void __launch_bounds__(kGdnDim) gdn_conv_kernel(GdnConvArgs A, int up
     const int tau = t0 - (K - 1) + j;
     prev[j] = 0.f;
     if (j < K - 1)
-      prev[j] = __bfloat162float(tau >= 0 ? A.x[int64_t(tau) * A.ldx + c] : A.window[int64_t(tau + K - 1) * C + c]);
+      prev[j] =
+          __bfloat162float(tau >= 0 ? A.x[int64_t(tau) * A.ldx + c] : A.window[int64_t(tau + K - 1) * C + c]);
   }
   const float qscale = rsqrtf(float(kGdnDim));
   for (int t = t0; t < t1; ++t) {
@@ -57,14 +57,16 @@ __global__ void __launch_bounds__(kGdnDim) gdn_conv_kernel(GdnConvArgs A, int up
 #pragma unroll
     for (int j = 0; j < kMaxConvKernel - 1; ++j)
       if (j < K - 1) acc = fmaf(w[j], prev[j], acc);
-    // tap K-1 multiplies the current token
+        // tap K-1 multiplies the current token
 #pragma unroll
     for (int j = 0; j < kMaxConvKernel; ++j)
       if (j == K - 1) acc = fmaf(w[j], cur, acc);
 #pragma unroll
     for (int j = 0; j < kMaxConvKernel - 1; ++j) {
-      if (j < K - 2) prev[j] = prev[j + 1];
-      else if (j == K - 2) prev[j] = cur;
+      if (j < K - 2)
+        prev[j] = prev[j + 1];
+      else if (j == K - 2)
+        prev[j] = cur;
     }
     float y = silu(acc);
     if (is_q || is_k) {
@@ -92,7 +94,8 @@ __global__ void conv_window_kernel(GdnConvArgs A) {
     const int tau = A.n - (K - 1) + j;
     nw[j] = 0.f;
     if (j < K - 1)
-      nw[j] = __bfloat162float(tau >= 0 ? A.x[int64_t(tau) * A.ldx + c] : A.window[int64_t(tau + K - 1) * C + c]);
+      nw[j] =
+          __bfloat162float(tau >= 0 ? A.x[int64_t(tau) * A.ldx + c] : A.window[int64_t(tau + K - 1) * C + c]);
   }
 #pragma unroll
   for (int j = 0; j < kMaxConvKernel - 1; ++j)
@@ -104,8 +107,9 @@ constexpr int kColsPerBlock = 32;
 // One token of the delta rule for this thread's 32 state rows (warp w holds rows 32w..32w+31 of
 // column c0 + lane), once qs/ks are published: decay, u = Sᵀk over the block's four warps,
 // S += k·beta·(v − u), and this warp's part of o = Sᵀq (the caller adds the four parts).
-__device__ __forceinline__ float delta_rule_step(float (&s)[32], const float* qs, const float* ks, float v, float beta,
-                                                 float decay, float (*red_u)[32], int warp, int lane) {
+__device__ __forceinline__ float delta_rule_step(float (&s)[32], const float* qs, const float* ks, float v,
+                                                 float beta, float decay, float (*red_u)[32], int warp,
+                                                 int lane) {
   float u = 0.f;
 #pragma unroll
   for (int i = 0; i < 32; ++i) {
@@ -151,8 +155,10 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(GdnPrefillArgs A) {
     if (warp == 0) {
       const float out = red_o[0][lane] + red_o[1][lane] + red_o[2][lane] + red_o[3][lane];
       const int64_t oi = int64_t(t) * A.o_stride + h * kGdnDim + c0 + lane;
-      if (A.o_f32) A.o_f32[oi] = out;
-      else A.o_bf16[oi] = __float2bfloat16(out);
+      if (A.o_f32)
+        A.o_f32[oi] = out;
+      else
+        A.o_bf16[oi] = __float2bfloat16(out);
     }
   }
 #pragma unroll
@@ -188,7 +194,8 @@ __global__ void __launch_bounds__(128) gdn_decode_kernel(GdnDecodeArgs A) {
   for (int i = 0; i < 32; ++i) S[int64_t(i) * kGdnDim] = s[i];
   red_o[warp][lane] = o;
   __syncthreads();
-  if (warp == 0) A.o[h * kGdnDim + c0 + lane] = red_o[0][lane] + red_o[1][lane] + red_o[2][lane] + red_o[3][lane];
+  if (warp == 0)
+    A.o[h * kGdnDim + c0 + lane] = red_o[0][lane] + red_o[1][lane] + red_o[2][lane] + red_o[3][lane];
   // The head's last block applies the gated norm to all 128 outputs.
   __threadfence();
   __syncthreads();
@@ -224,7 +231,8 @@ void gdn_conv(const GdnConvArgs& a, cudaStream_t stream) {
   const int C = (2 * a.n_k_heads + a.n_v_heads) * kGdnDim;
   const unsigned chunks = ceil_div(a.n, kConvTokensPerBlock);
   TANSY_CHECK(chunks <= 65535u, "gdn_conv: {} tokens exceed the grid limit", a.n);
-  pdl_launch(gdn_conv_kernel, dim3(C / kGdnDim + 1, chunks), dim3(kGdnDim), 0, stream, a, chunks == 1 ? 1 : 0);
+  pdl_launch(gdn_conv_kernel, dim3(C / kGdnDim + 1, chunks), dim3(kGdnDim), 0, stream, a,
+             chunks == 1 ? 1 : 0);
   if (chunks > 1) {
     conv_window_kernel<<<ceil_div(C, 256), 256, 0, stream>>>(a);
     CUDA_LAUNCH_CHECK();
@@ -232,9 +240,10 @@ void gdn_conv(const GdnConvArgs& a, cudaStream_t stream) {
 }
 
 void gdn_recurrent(const GdnPrefillArgs& a, cudaStream_t stream) {
-  TANSY_CHECK(a.n >= 1 && a.n_k_heads >= 1 && a.n_v_heads % a.n_k_heads == 0, "gdn_recurrent: n {} heads {}/{} invalid",
-              a.n, a.n_k_heads, a.n_v_heads);
-  TANSY_CHECK(a.q && a.k && a.v && a.beta && a.g && a.state && (a.o_f32 || a.o_bf16), "gdn_recurrent: missing buffers");
+  TANSY_CHECK(a.n >= 1 && a.n_k_heads >= 1 && a.n_v_heads % a.n_k_heads == 0,
+              "gdn_recurrent: n {} heads {}/{} invalid", a.n, a.n_k_heads, a.n_v_heads);
+  TANSY_CHECK(a.q && a.k && a.v && a.beta && a.g && a.state && (a.o_f32 || a.o_bf16),
+              "gdn_recurrent: missing buffers");
   pdl_launch(gdn_recurrent_kernel, dim3(a.n_v_heads, kGdnDim / kColsPerBlock), dim3(128), 0, stream, a);
 }
 

@@ -8,8 +8,8 @@
 
 namespace tansy::cuda {
 
-constexpr int kGdnDim = 128;        // dk = dv (the model family's)
-constexpr int kMaxConvKernel = 8;   // conv taps kept in registers
+constexpr int kGdnDim = 128;       // dk = dv (the model family's)
+constexpr int kMaxConvKernel = 8;  // conv taps kept in registers
 constexpr int kConvTokensPerBlock = 16;
 
 struct GdnConvArgs {
@@ -45,17 +45,17 @@ void gdn_recurrent(const GdnPrefillArgs& a, cudaStream_t stream);
 // value head (§5.5-5.7), in one launch: block (head, 32 state columns); the last of a head's four
 // blocks to finish normalises the head's 128 outputs.
 struct GdnDecodeArgs {
-  const float* conv = nullptr;     // [conv_dim]: SiLU(conv) of q heads | k heads | v heads
-  const float* beta = nullptr;     // [n_v_heads]
-  const float* g = nullptr;        // [n_v_heads]
+  const float* conv = nullptr;  // [conv_dim]: SiLU(conv) of q heads | k heads | v heads
+  const float* beta = nullptr;  // [n_v_heads]
+  const float* g = nullptr;     // [n_v_heads]
   int n_k_heads = 0, n_v_heads = 0;
-  float* state = nullptr;          // [n_v_heads, 128, 128], updated
-  const bf16* z = nullptr;         // [n_v_heads * 128] gate input
-  const float* norm_w = nullptr;   // [128]
+  float* state = nullptr;         // [n_v_heads, 128, 128], updated
+  const bf16* z = nullptr;        // [n_v_heads * 128] gate input
+  const float* norm_w = nullptr;  // [128]
   float eps = 0.f;
-  float* o = nullptr;              // [n_v_heads * 128] f32 scratch: outputs before the norm
-  unsigned* counters = nullptr;    // [n_v_heads], zero before the launch (left zero)
-  bf16* y = nullptr;               // [n_v_heads * 128]
+  float* o = nullptr;            // [n_v_heads * 128] f32 scratch: outputs before the norm
+  unsigned* counters = nullptr;  // [n_v_heads], zero before the launch (left zero)
+  bf16* y = nullptr;             // [n_v_heads * 128]
 };
 void gdn_decode_step(const GdnDecodeArgs& a, cudaStream_t stream);
 

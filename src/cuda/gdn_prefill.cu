@@ -10,28 +10,27 @@
 // Q·Kᵀ and K·Kᵀ use tensor cores: q̂, k̂ arrive in bf16, so their products are exact in f32 and
 // the mma result equals the f32 dot product up to summation order. Everything touching S or V'
 // stays in f32 on the CUDA cores (the state's rounding compounds over the sequence).
-#include "cuda/gdn_prefill.cuh"
-
 #include "core/error.h"
+#include "cuda/gdn_prefill.cuh"
 #include "cuda/gemm.cuh"  // tc:: tensor-core primitives
 
 namespace tansy::cuda {
 namespace {
 
-constexpr int C = kGdnChunk;      // 64
-constexpr int DK = kGdnHeadDim;   // 128
-constexpr int BV = 32;            // state columns per block
+constexpr int C = kGdnChunk;     // 64
+constexpr int DK = kGdnHeadDim;  // 128
+constexpr int BV = 32;           // state columns per block
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 
 // Shared-memory row pitches (elements), padded against bank conflicts for the access patterns
 // noted with each buffer.
-constexpr int KP = DK + 8;   // bf16 K/Q: 272-byte rows put ldmatrix's 8 rows in 8 bank groups
-constexpr int VP = BV + 1;   // f32 V: the solve reads one row per lane
-constexpr int WP = DK + 1;   // f32 W: rows 2 apart land 2 banks apart (V' = U - W·S)
-constexpr int UP = BV + 4;   // f32 U/V': float4 rows
-constexpr int AP = C + 1;    // f32 A, Aqk: the solve reads a column, one row per lane
-constexpr int SP = BV + 4;   // f32 S: float4 rows
+constexpr int KP = DK + 8;  // bf16 K/Q: 272-byte rows put ldmatrix's 8 rows in 8 bank groups
+constexpr int VP = BV + 1;  // f32 V: the solve reads one row per lane
+constexpr int WP = DK + 1;  // f32 W: rows 2 apart land 2 banks apart (V' = U - W·S)
+constexpr int UP = BV + 4;  // f32 U/V': float4 rows
+constexpr int AP = C + 1;   // f32 A, Aqk: the solve reads a column, one row per lane
+constexpr int SP = BV + 4;  // f32 S: float4 rows
 
 struct Smem {
   __nv_bfloat16 k[C * KP], q[C * KP];
@@ -68,8 +67,10 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_prefill_kernel(const GdnPrefi
     for (int i = 0; i < 4; ++i) {
       const int idx = tid + i * kThreads, r = idx / 16, c = idx % 16, t = t0 + r;
       const bool ok = t < p.n;
-      kpre[i] = ok ? *reinterpret_cast<const uint4*>(p.k + int64_t(t) * p.k_stride + kh * DK + c * 8) : make_uint4(0, 0, 0, 0);
-      qpre[i] = ok ? *reinterpret_cast<const uint4*>(p.q + int64_t(t) * p.q_stride + kh * DK + c * 8) : make_uint4(0, 0, 0, 0);
+      kpre[i] = ok ? *reinterpret_cast<const uint4*>(p.k + int64_t(t) * p.k_stride + kh * DK + c * 8)
+                   : make_uint4(0, 0, 0, 0);
+      qpre[i] = ok ? *reinterpret_cast<const uint4*>(p.q + int64_t(t) * p.q_stride + kh * DK + c * 8)
+                   : make_uint4(0, 0, 0, 0);
     }
     {
       const int r = tid / 4, c = tid % 4, t = t0 + r;
@@ -103,8 +104,10 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_prefill_kernel(const GdnPrefi
         sm.v[r * VP + c * 8 + 2 * i + 1] = f.y;
       }
     }
-    if (tid < C) sm.beta[tid] = bgpre;
-    else if (tid < 2 * C) sm.graw[tid - C] = bgpre;
+    if (tid < C)
+      sm.beta[tid] = bgpre;
+    else if (tid < 2 * C)
+      sm.graw[tid - C] = bgpre;
     if (ch + 1 < n_chunks) fetch(t0 + C);
     __syncthreads();
 
@@ -114,7 +117,10 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_prefill_kernel(const GdnPrefi
 #pragma unroll
       for (int o = 1; o < 32; o *= 2) {
         const float x = __shfl_up_sync(0xffffffffu, a, o), y = __shfl_up_sync(0xffffffffu, b, o);
-        if (lane >= o) { a += x; b += y; }
+        if (lane >= o) {
+          a += x;
+          b += y;
+        }
       }
       b += __shfl_sync(0xffffffffu, a, 31);
       const float glast = __shfl_sync(0xffffffffu, b, 31);
@@ -136,7 +142,8 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_prefill_kernel(const GdnPrefi
 #pragma unroll
       for (int np = 0; np < 2; ++np) {
         uint32_t b[4];
-        tc::ldmatrix_x4(b, sm.k + (cbase + np * 16 + (lane / 16) * 8 + lane % 8) * KP + kk * 16 + ((lane / 8) % 2) * 8);
+        tc::ldmatrix_x4(
+            b, sm.k + (cbase + np * 16 + (lane / 16) * 8 + lane % 8) * KP + kk * 16 + ((lane / 8) % 2) * 8);
         tc::mma_bf16(ckk[2 * np], ak, b[0], b[1]);
         tc::mma_bf16(ckk[2 * np + 1], ak, b[2], b[3]);
         tc::mma_bf16(cqk[2 * np], aq, b[0], b[1]);
@@ -167,7 +174,8 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_prefill_kernel(const GdnPrefi
 #pragma unroll
         for (int s = 0; s < 2; ++s) {
           const int r = lane + 32 * s;
-          x[cc][s] = sm.beta[r] * (col < BV ? sm.v[r * VP + col] : sm.eg[r] * __bfloat162float(sm.k[r * KP + col - BV]));
+          x[cc][s] = sm.beta[r] *
+                     (col < BV ? sm.v[r * VP + col] : sm.eg[r] * __bfloat162float(sm.k[r * KP + col - BV]));
         }
       }
       // A is strictly lower triangular with explicit zeros, so rows <= i are left unchanged.
@@ -191,8 +199,10 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_prefill_kernel(const GdnPrefi
 #pragma unroll
         for (int s = 0; s < 2; ++s) {
           const int r = lane + 32 * s;
-          if (col < BV) sm.u[r * UP + col] = x[cc][s];
-          else sm.w[r * WP + col - BV] = x[cc][s];
+          if (col < BV)
+            sm.u[r * UP + col] = x[cc][s];
+          else
+            sm.w[r * WP + col - BV] = x[cc][s];
         }
       }
     }
@@ -205,7 +215,10 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_prefill_kernel(const GdnPrefi
 #pragma unroll
       for (int ri = 0; ri < 2; ++ri) {
         const float4 u = *reinterpret_cast<const float4*>(sm.u + (r0 + ri) * UP + c0);
-        acc[ri][0] = u.x; acc[ri][1] = u.y; acc[ri][2] = u.z; acc[ri][3] = u.w;
+        acc[ri][0] = u.x;
+        acc[ri][1] = u.y;
+        acc[ri][2] = u.z;
+        acc[ri][3] = u.w;
       }
 #pragma unroll 8
       for (int d = 0; d < DK; ++d) {
@@ -213,13 +226,17 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_prefill_kernel(const GdnPrefi
 #pragma unroll
         for (int ri = 0; ri < 2; ++ri) {
           const float w = sm.w[(r0 + ri) * WP + d];
-          acc[ri][0] -= w * s.x; acc[ri][1] -= w * s.y; acc[ri][2] -= w * s.z; acc[ri][3] -= w * s.w;
+          acc[ri][0] -= w * s.x;
+          acc[ri][1] -= w * s.y;
+          acc[ri][2] -= w * s.z;
+          acc[ri][3] -= w * s.w;
         }
       }
       __syncthreads();  // all reads of U done before it becomes V'
 #pragma unroll
       for (int ri = 0; ri < 2; ++ri)
-        *reinterpret_cast<float4*>(sm.u + (r0 + ri) * UP + c0) = make_float4(acc[ri][0], acc[ri][1], acc[ri][2], acc[ri][3]);
+        *reinterpret_cast<float4*>(sm.u + (r0 + ri) * UP + c0) =
+            make_float4(acc[ri][0], acc[ri][1], acc[ri][2], acc[ri][3]);
     }
     __syncthreads();
 
@@ -251,7 +268,10 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_prefill_kernel(const GdnPrefi
 #pragma unroll
         for (int ri = 0; ri < 2; ++ri) {
           const float a = sm.aqk[(r0 + ri) * AP + j];
-          acc[ri][0] += a * vv.x; acc[ri][1] += a * vv.y; acc[ri][2] += a * vv.z; acc[ri][3] += a * vv.w;
+          acc[ri][0] += a * vv.x;
+          acc[ri][1] += a * vv.y;
+          acc[ri][2] += a * vv.z;
+          acc[ri][3] += a * vv.w;
         }
       }
 #pragma unroll
@@ -260,7 +280,8 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_prefill_kernel(const GdnPrefi
         if (t >= p.n) continue;
         const int64_t off = int64_t(t) * p.o_stride + h * DK + v0 + c0;
         if (p.o_f32) {
-          *reinterpret_cast<float4*>(p.o_f32 + off) = make_float4(acc[ri][0], acc[ri][1], acc[ri][2], acc[ri][3]);
+          *reinterpret_cast<float4*>(p.o_f32 + off) =
+              make_float4(acc[ri][0], acc[ri][1], acc[ri][2], acc[ri][3]);
         } else {
           uint2 o;
           o.x = tc::pack_bf16(acc[ri][0], acc[ri][1]);
@@ -278,7 +299,10 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_prefill_kernel(const GdnPrefi
 #pragma unroll
       for (int ri = 0; ri < 4; ++ri) {
         const float4 s = *reinterpret_cast<const float4*>(sm.s + (kd0 + ri) * SP + c0);
-        acc[ri][0] = eglast * s.x; acc[ri][1] = eglast * s.y; acc[ri][2] = eglast * s.z; acc[ri][3] = eglast * s.w;
+        acc[ri][0] = eglast * s.x;
+        acc[ri][1] = eglast * s.y;
+        acc[ri][2] = eglast * s.z;
+        acc[ri][3] = eglast * s.w;
       }
 #pragma unroll 4
       for (int i = 0; i < C; ++i) {
@@ -289,13 +313,17 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_prefill_kernel(const GdnPrefi
         const float kv[4] = {ka.x * dec, ka.y * dec, kb.x * dec, kb.y * dec};
 #pragma unroll
         for (int ri = 0; ri < 4; ++ri) {
-          acc[ri][0] += kv[ri] * vv.x; acc[ri][1] += kv[ri] * vv.y; acc[ri][2] += kv[ri] * vv.z; acc[ri][3] += kv[ri] * vv.w;
+          acc[ri][0] += kv[ri] * vv.x;
+          acc[ri][1] += kv[ri] * vv.y;
+          acc[ri][2] += kv[ri] * vv.z;
+          acc[ri][3] += kv[ri] * vv.w;
         }
       }
       __syncthreads();  // every read of S (steps 4-6) is done
 #pragma unroll
       for (int ri = 0; ri < 4; ++ri)
-        *reinterpret_cast<float4*>(sm.s + (kd0 + ri) * SP + c0) = make_float4(acc[ri][0], acc[ri][1], acc[ri][2], acc[ri][3]);
+        *reinterpret_cast<float4*>(sm.s + (kd0 + ri) * SP + c0) =
+            make_float4(acc[ri][0], acc[ri][1], acc[ri][2], acc[ri][3]);
     }
     __syncthreads();
   }
@@ -312,23 +340,29 @@ bool aligned(const void* ptr, size_t n) { return reinterpret_cast<uintptr_t>(ptr
 
 void gdn_prefill(const GdnPrefillArgs& a, cudaStream_t stream) {
   TANSY_CHECK(a.n >= 1, "gdn_prefill: need at least one token, got {}", a.n);
-  TANSY_CHECK(a.n_k_heads >= 1 && a.n_v_heads >= a.n_k_heads && a.n_v_heads % a.n_k_heads == 0 && a.n_v_heads <= 65535,
+  TANSY_CHECK(a.n_k_heads >= 1 && a.n_v_heads >= a.n_k_heads && a.n_v_heads % a.n_k_heads == 0 &&
+                  a.n_v_heads <= 65535,
               "gdn_prefill: {} value heads over {} key heads unsupported", a.n_v_heads, a.n_k_heads);
   TANSY_CHECK(a.q && a.k && a.v && a.beta && a.g && a.state, "gdn_prefill: null input");
   TANSY_CHECK(!a.o_bf16 != !a.o_f32, "gdn_prefill: exactly one of o_bf16 / o_f32 must be set (got {})",
               a.o_bf16 ? "both" : "neither");
-  TANSY_CHECK(aligned(a.q, 16) && aligned(a.k, 16) && aligned(a.v, 16) && a.q_stride % 8 == 0 && a.k_stride % 8 == 0 &&
-                  a.v_stride % 8 == 0,
-              "gdn_prefill: q/k/v rows must be 16-byte aligned (strides {}, {}, {})", a.q_stride, a.k_stride, a.v_stride);
-  TANSY_CHECK(a.q_stride >= int64_t(a.n_k_heads) * kGdnHeadDim && a.k_stride >= int64_t(a.n_k_heads) * kGdnHeadDim &&
-                  a.v_stride >= int64_t(a.n_v_heads) * kGdnHeadDim && a.o_stride >= int64_t(a.n_v_heads) * kGdnHeadDim,
-              "gdn_prefill: a row stride is shorter than its heads (q {}, k {}, v {}, o {})", a.q_stride, a.k_stride,
-              a.v_stride, a.o_stride);
-  TANSY_CHECK(a.o_f32 ? (aligned(a.o_f32, 16) && a.o_stride % 4 == 0) : (aligned(a.o_bf16, 8) && a.o_stride % 4 == 0),
-              "gdn_prefill: output rows must be aligned for 4-wide stores (stride {})", a.o_stride);
+  TANSY_CHECK(aligned(a.q, 16) && aligned(a.k, 16) && aligned(a.v, 16) && a.q_stride % 8 == 0 &&
+                  a.k_stride % 8 == 0 && a.v_stride % 8 == 0,
+              "gdn_prefill: q/k/v rows must be 16-byte aligned (strides {}, {}, {})", a.q_stride, a.k_stride,
+              a.v_stride);
+  TANSY_CHECK(a.q_stride >= int64_t(a.n_k_heads) * kGdnHeadDim &&
+                  a.k_stride >= int64_t(a.n_k_heads) * kGdnHeadDim &&
+                  a.v_stride >= int64_t(a.n_v_heads) * kGdnHeadDim &&
+                  a.o_stride >= int64_t(a.n_v_heads) * kGdnHeadDim,
+              "gdn_prefill: a row stride is shorter than its heads (q {}, k {}, v {}, o {})", a.q_stride,
+              a.k_stride, a.v_stride, a.o_stride);
+  TANSY_CHECK(
+      a.o_f32 ? (aligned(a.o_f32, 16) && a.o_stride % 4 == 0) : (aligned(a.o_bf16, 8) && a.o_stride % 4 == 0),
+      "gdn_prefill: output rows must be aligned for 4-wide stores (stride {})", a.o_stride);
   constexpr int kSmem = sizeof(Smem);
   static const bool attr_set =
-      cudaFuncSetAttribute(gdn_prefill_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) == cudaSuccess;
+      cudaFuncSetAttribute(gdn_prefill_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) ==
+      cudaSuccess;
   TANSY_CHECK(attr_set, "gdn_prefill: cannot reserve {} bytes of shared memory per block", kSmem);
   gdn_prefill_kernel<<<dim3(a.n_v_heads, kGdnHeadDim / BV), kThreads, kSmem, stream>>>(a);
   const cudaError_t e = cudaGetLastError();

@@ -5,11 +5,10 @@
 // Pipeline: 3 cp.async stages for X and the packed weight tile; each k-tile the block dequantizes
 // its packed stage into one bf16 tile (swizzled like the X tile) and both operands go through
 // ldmatrix into mma.sync. bf16 weights skip the dequant and are read from their stage directly.
-#include "cuda/gemm.cuh"
-
 #include <algorithm>
 
 #include "core/error.h"
+#include "cuda/gemm.cuh"
 
 namespace tansy::cuda {
 namespace {
@@ -22,14 +21,16 @@ constexpr int kThreads = 256;
 constexpr int kStages = 3;
 
 template <WFormat F>
-constexpr int kWordsPerRowTile = F == WFormat::kAffine4 ? BK / 8 : F == WFormat::kAffine8 ? BK / 4 : 0;
+constexpr int kWordsPerRowTile = F == WFormat::kAffine4   ? BK / 8
+                                 : F == WFormat::kAffine8 ? BK / 4
+                                                          : 0;
 
 // Shared memory carve-up (bytes) for one instantiation.
 template <int BM, WFormat F>
 struct Layout {
-  static constexpr int kA = BM * BK * 2;                                               // one X stage
+  static constexpr int kA = BM * BK * 2;                                                       // one X stage
   static constexpr int kW = F == WFormat::kBF16 ? BN * BK * 2 : BN * kWordsPerRowTile<F> * 4;  // one W stage
-  static constexpr int kB = F == WFormat::kBF16 ? 0 : BN * BK * 2;                    // dequantized tile
+  static constexpr int kB = F == WFormat::kBF16 ? 0 : BN * BK * 2;  // dequantized tile
   static constexpr int kTotal = kStages * (kA + kW) + kB;
 };
 
@@ -60,8 +61,8 @@ __device__ __forceinline__ float silu(float x) { return x / (1.f + __expf(-x)); 
 // Codes become exact bf16 integers through the 128+c bit trick (exponent of 128, mantissa c),
 // then one subtraction and one fused multiply-add per pair.
 __device__ __forceinline__ uint4 dequant4(uint32_t w, __nv_bfloat162 s2, __nv_bfloat162 b2) {
-  const uint32_t even = w & 0x0f0f0f0fu;          // c0 c2 c4 c6 in bytes 0..3
-  const uint32_t odd = (w >> 4) & 0x0f0f0f0fu;    // c1 c3 c5 c7
+  const uint32_t even = w & 0x0f0f0f0fu;               // c0 c2 c4 c6 in bytes 0..3
+  const uint32_t odd = (w >> 4) & 0x0f0f0f0fu;         // c1 c3 c5 c7
   const uint32_t lo = __byte_perm(even, odd, 0x5140);  // bytes c0 c1 c2 c3
   const uint32_t hi = __byte_perm(even, odd, 0x7362);  // bytes c4 c5 c6 c7
   const __nv_bfloat162 k128 = __floats2bfloat162_rn(128.f, 128.f);
@@ -95,8 +96,8 @@ __device__ __forceinline__ uint4 dequant8(uint32_t w0, uint32_t w1, float s, flo
 template <int BM, WFormat F>
 __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const Params p) {
   using L = Layout<BM, F>;
-  constexpr int kMT = BM / 32;  // m16 tiles per warp (warp tile BM/2 rows)
-  constexpr int kNT = 4;        // n8 tiles per warp (warp tile 32 cols)
+  constexpr int kMT = BM / 32;                               // m16 tiles per warp (warp tile BM/2 rows)
+  constexpr int kNT = 4;                                     // n8 tiles per warp (warp tile 32 cols)
   constexpr int kARowsPerThread = BM * (BK / 8) / kThreads;  // 16-byte chunks of X per thread per stage
   constexpr bool kAffine = F != WFormat::kBF16;
 
@@ -118,7 +119,10 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const Params p) {
     int lo = 0, hi = p.n_experts - 1;              // last expert whose first tile is <= t
     while (lo < hi) {
       const int mid = (lo + hi + 1) / 2;
-      if (p.tile_offsets[mid] <= t) lo = mid; else hi = mid - 1;
+      if (p.tile_offsets[mid] <= t)
+        lo = mid;
+      else
+        hi = mid - 1;
     }
     const int e = lo;
     row0 = p.expert_offsets[e] + (t - p.tile_offsets[e]) * BM;
@@ -161,7 +165,8 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const Params p) {
 #pragma unroll
     for (int i = 0; i < kARowsPerThread; ++i) {
       const int r = (tid + i * kThreads) / 8;
-      tc::cp_async16(as + swz<BK / 8>(r, (tid % 8) * 8), a_src[i] ? a_src[i] + kt * BK : p.X, a_src[i] != nullptr);
+      tc::cp_async16(as + swz<BK / 8>(r, (tid % 8) * 8), a_src[i] ? a_src[i] + kt * BK : p.X,
+                     a_src[i] != nullptr);
     }
     if constexpr (F == WFormat::kBF16) {
       __nv_bfloat16* ws = reinterpret_cast<__nv_bfloat16*>(Ws + stage * L::kW);
@@ -169,7 +174,8 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const Params p) {
       for (int i = 0; i < BN * (BK / 8) / kThreads; ++i) {
         const int idx = tid + i * kThreads, r = idx / 8, c = idx % 8;
         const bool ok = n0 + r < p.out;
-        tc::cp_async16(ws + swz<BK / 8>(r, c * 8), ok ? wdense + size_t(n0 + r) * p.in + kt * BK + c * 8 : wdense, ok);
+        tc::cp_async16(ws + swz<BK / 8>(r, c * 8),
+                       ok ? wdense + size_t(n0 + r) * p.in + kt * BK + c * 8 : wdense, ok);
       }
     } else {
       constexpr int kWords = kWordsPerRowTile<F>;  // per row per k-tile
@@ -212,7 +218,8 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const Params p) {
     const __nv_bfloat16* bs;
     if constexpr (kAffine) {
       constexpr int kWords = kWordsPerRowTile<F>;
-      const uint32_t* ws = reinterpret_cast<const uint32_t*>(Ws + stage * L::kW) + wrow * kWords + whalf * (kWords / 2);
+      const uint32_t* ws =
+          reinterpret_cast<const uint32_t*>(Ws + stage * L::kW) + wrow * kWords + whalf * (kWords / 2);
       const float s = s_next, b = b_next;
       load_sb(kt + 1);
       // This thread's 32 columns = 4 output chunks (whalf*4 .. +3) of row wrow.
@@ -237,11 +244,13 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const Params p) {
       uint32_t a[kMT][4];
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt)
-        tc::ldmatrix_x4(a[mt], as + swz<BK / 8>(wm * (BM / 2) + mt * 16 + (lane % 16), kk * 16 + (lane / 16) * 8));
+        tc::ldmatrix_x4(a[mt],
+                        as + swz<BK / 8>(wm * (BM / 2) + mt * 16 + (lane % 16), kk * 16 + (lane / 16) * 8));
 #pragma unroll
       for (int np = 0; np < kNT / 2; ++np) {
         uint32_t b[4];  // b0,b1 of n-tile 2np, then of n-tile 2np+1
-        tc::ldmatrix_x4(b, bs + swz<BK / 8>(wn * 32 + np * 16 + (lane / 16) * 8 + (lane % 8), kk * 16 + ((lane / 8) % 2) * 8));
+        tc::ldmatrix_x4(b, bs + swz<BK / 8>(wn * 32 + np * 16 + (lane / 16) * 8 + (lane % 8),
+                                            kk * 16 + ((lane / 8) % 2) * 8));
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
           tc::mma_bf16(acc[mt][2 * np], a[mt], b[0], b[1]);
@@ -269,15 +278,21 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const Params p) {
         if (p.epilogue == GemmEpilogue::kSwiGlu) {
           const size_t i = size_t(row) * p.ldy + col / 2;  // (gate, up) = (col, col+1); out is even
           const float y = silu(v0) * v1;
-          if (p.out_type == GemmOutType::kF32) static_cast<float*>(p.Y)[i] = y;
-          else static_cast<__nv_bfloat16*>(p.Y)[i] = __float2bfloat16(y);
+          if (p.out_type == GemmOutType::kF32)
+            static_cast<float*>(p.Y)[i] = y;
+          else
+            static_cast<__nv_bfloat16*>(p.Y)[i] = __float2bfloat16(y);
           continue;
         }
         const size_t i = size_t(row) * p.ldy + col;
         if (p.out_type == GemmOutType::kF32) {
           float* y = static_cast<float*>(p.Y) + i;
           if (pair) {
-            if (p.epilogue == GemmEpilogue::kAccumulate) { const float2 o = *reinterpret_cast<float2*>(y); v0 += o.x; v1 += o.y; }
+            if (p.epilogue == GemmEpilogue::kAccumulate) {
+              const float2 o = *reinterpret_cast<float2*>(y);
+              v0 += o.x;
+              v1 += o.y;
+            }
             *reinterpret_cast<float2*>(y) = make_float2(v0, v1);
           } else {
             if (p.epilogue == GemmEpilogue::kAccumulate) v0 += *y;
@@ -288,7 +303,8 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const Params p) {
           if (pair) {
             if (p.epilogue == GemmEpilogue::kAccumulate) {
               const float2 o = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(y));
-              v0 += o.x; v1 += o.y;
+              v0 += o.x;
+              v1 += o.y;
             }
             *reinterpret_cast<__nv_bfloat162*>(y) = __floats2bfloat162_rn(v0, v1);
           } else {
@@ -304,7 +320,8 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const Params p) {
 int num_sms() {
   static const int n = [] {
     int dev = 0, v = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
       return 0;
     return v;
   }();
@@ -321,7 +338,8 @@ template <int BM, WFormat F>
 void launch(const Params& p, dim3 grid, cudaStream_t stream) {
   constexpr int kSmem = Layout<BM, F>::kTotal;
   static const bool attr_set = [] {
-    return cudaFuncSetAttribute(gemm_kernel<BM, F>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) == cudaSuccess;
+    return cudaFuncSetAttribute(gemm_kernel<BM, F>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) ==
+           cudaSuccess;
   }();
   if (!attr_set) fail("gemm: cannot reserve {} bytes of shared memory per block", kSmem);
   gemm_kernel<BM, F><<<grid, kThreads, kSmem, stream>>>(p);
@@ -331,18 +349,22 @@ void launch(const Params& p, dim3 grid, cudaStream_t stream) {
 template <int BM>
 void dispatch(const Params& p, WFormat fmt, dim3 grid, cudaStream_t stream) {
   switch (fmt) {
-    case WFormat::kAffine4: return launch<BM, WFormat::kAffine4>(p, grid, stream);
-    case WFormat::kAffine8: return launch<BM, WFormat::kAffine8>(p, grid, stream);
-    case WFormat::kBF16: return launch<BM, WFormat::kBF16>(p, grid, stream);
-    default: fail("gemm: weight format {} is not supported", wformat_name(fmt));
+    case WFormat::kAffine4:
+      return launch<BM, WFormat::kAffine4>(p, grid, stream);
+    case WFormat::kAffine8:
+      return launch<BM, WFormat::kAffine8>(p, grid, stream);
+    case WFormat::kBF16:
+      return launch<BM, WFormat::kBF16>(p, grid, stream);
+    default:
+      fail("gemm: weight format {} is not supported", wformat_name(fmt));
   }
 }
 
 bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
 
 // `out` is the row count of one matrix (W.out / n_experts for stacked experts).
-Params make_params(const DevLinear& W, int out, const __nv_bfloat16* X, int64_t ldx, int n_rows, const GemmOutput& Y,
-                   const char* what) {
+Params make_params(const DevLinear& W, int out, const __nv_bfloat16* X, int64_t ldx, int n_rows,
+                   const GemmOutput& Y, const char* what) {
   TANSY_CHECK(W.fmt == WFormat::kAffine4 || W.fmt == WFormat::kAffine8 || W.fmt == WFormat::kBF16,
               "{}: weight format {} is not supported", what, wformat_name(W.fmt));
   TANSY_CHECK(out >= 1 && W.in >= kGemmInAlign && W.in % kGemmInAlign == 0,
@@ -351,27 +373,41 @@ Params make_params(const DevLinear& W, int out, const __nv_bfloat16* X, int64_t 
   if (W.fmt == WFormat::kBF16) {
     TANSY_CHECK(W.w && aligned(W.w, 16), "{}: bf16 weight pointer missing or not 16-byte aligned", what);
   } else {
-    TANSY_CHECK(W.q && W.scales && W.biases && aligned(W.q, 16), "{}: affine weight arrays missing or codes not 16-byte aligned", what);
+    TANSY_CHECK(W.q && W.scales && W.biases && aligned(W.q, 16),
+                "{}: affine weight arrays missing or codes not 16-byte aligned", what);
   }
   TANSY_CHECK(n_rows >= 1, "{}: need at least one row, got {}", what, n_rows);
-  TANSY_CHECK(X && aligned(X, 16) && ldx >= W.in && ldx % 8 == 0, "{}: X must be 16-byte aligned with ldx ({}) >= in ({}) and a multiple of 8", what, ldx, W.in);
+  TANSY_CHECK(X && aligned(X, 16) && ldx >= W.in && ldx % 8 == 0,
+              "{}: X must be 16-byte aligned with ldx ({}) >= in ({}) and a multiple of 8", what, ldx, W.in);
   TANSY_CHECK(Y.ptr, "{}: null output", what);
   const int cols = Y.epilogue == GemmEpilogue::kSwiGlu ? out / 2 : out;
-  if (Y.epilogue == GemmEpilogue::kSwiGlu) TANSY_CHECK(out % 2 == 0, "{}: SwiGLU epilogue needs an even row count, got {}", what, out);
+  if (Y.epilogue == GemmEpilogue::kSwiGlu)
+    TANSY_CHECK(out % 2 == 0, "{}: SwiGLU epilogue needs an even row count, got {}", what, out);
   TANSY_CHECK(Y.ld >= cols && Y.ld % 2 == 0, "{}: output ld {} must be even and >= {}", what, Y.ld, cols);
-  TANSY_CHECK(aligned(Y.ptr, Y.type == GemmOutType::kF32 ? 8 : 4), "{}: output pointer misaligned for paired stores", what);
+  TANSY_CHECK(aligned(Y.ptr, Y.type == GemmOutType::kF32 ? 8 : 4),
+              "{}: output pointer misaligned for paired stores", what);
   Params p{};
-  p.q = W.q; p.scales = W.scales; p.biases = W.biases; p.w = W.w;
-  p.out = out; p.in = W.in;
-  p.X = X; p.ldx = ldx; p.n_rows = n_rows;
-  p.Y = Y.ptr; p.ldy = Y.ld; p.out_type = Y.type; p.epilogue = Y.epilogue;
+  p.q = W.q;
+  p.scales = W.scales;
+  p.biases = W.biases;
+  p.w = W.w;
+  p.out = out;
+  p.in = W.in;
+  p.X = X;
+  p.ldx = ldx;
+  p.n_rows = n_rows;
+  p.Y = Y.ptr;
+  p.ldy = Y.ld;
+  p.out_type = Y.type;
+  p.epilogue = Y.epilogue;
   return p;
 }
 
 // ---- MoE routing sort: one block; counting sort with shared-memory counters ----
 constexpr int kSortThreads = 1024;
 
-__global__ void __launch_bounds__(kSortThreads) route_sort_kernel(const int* ids, int total, int n_experts, MoeRouting r) {
+__global__ void __launch_bounds__(kSortThreads)
+    route_sort_kernel(const int* ids, int total, int n_experts, MoeRouting r) {
   __shared__ int count[kMaxExperts];
   __shared__ int cursor[kMaxExperts];
   __shared__ int warp_sum[2][kSortThreads / 32];
@@ -390,18 +426,28 @@ __global__ void __launch_bounds__(kSortThreads) route_sort_kernel(const int* ids
 #pragma unroll
   for (int o = 1; o < 32; o *= 2) {
     const int a = __shfl_up_sync(0xffffffffu, rows, o), b = __shfl_up_sync(0xffffffffu, tiles, o);
-    if (lane >= o) { rows += a; tiles += b; }
+    if (lane >= o) {
+      rows += a;
+      tiles += b;
+    }
   }
-  if (lane == 31) { warp_sum[0][warp] = rows; warp_sum[1][warp] = tiles; }
+  if (lane == 31) {
+    warp_sum[0][warp] = rows;
+    warp_sum[1][warp] = tiles;
+  }
   __syncthreads();
   if (warp == 0) {
     int a = warp_sum[0][lane], b = warp_sum[1][lane];
 #pragma unroll
     for (int o = 1; o < 32; o *= 2) {
       const int x = __shfl_up_sync(0xffffffffu, a, o), y = __shfl_up_sync(0xffffffffu, b, o);
-      if (lane >= o) { a += x; b += y; }
+      if (lane >= o) {
+        a += x;
+        b += y;
+      }
     }
-    warp_sum[0][lane] = a; warp_sum[1][lane] = b;  // inclusive over warps
+    warp_sum[0][lane] = a;
+    warp_sum[1][lane] = b;  // inclusive over warps
   }
   __syncthreads();
   const int rows_before = rows - c + (warp > 0 ? warp_sum[0][warp - 1] : 0);
@@ -425,11 +471,10 @@ __global__ void __launch_bounds__(kSortThreads) route_sort_kernel(const int* ids
 
 constexpr int kCombineThreads = 256;
 
-__global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const __nv_bfloat16* Yd, const int* slot_row,
-                                                                      const float* weight, int k, int d,
-                                                                      const __nv_bfloat16* residual,
-                                                                      const __nv_bfloat16* shared, const float* sh_logit,
-                                                                      int64_t sh_ld, __nv_bfloat16* out) {
+__global__ void __launch_bounds__(kCombineThreads)
+    moe_combine_kernel(const __nv_bfloat16* Yd, const int* slot_row, const float* weight, int k, int d,
+                       const __nv_bfloat16* residual, const __nv_bfloat16* shared, const float* sh_logit,
+                       int64_t sh_ld, __nv_bfloat16* out) {
   const int t = blockIdx.x;
   const float sg = shared ? 1.f / (1.f + __expf(-sh_logit[t * sh_ld])) : 0.f;
   for (int c = threadIdx.x * 8; c < d; c += kCombineThreads * 8) {
@@ -438,7 +483,11 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const __nv
       const uint4 v = *reinterpret_cast<const uint4*>(residual + size_t(t) * d + c);
       const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) { const float2 f = __bfloat1622float2(h[i]); acc[2 * i] = f.x; acc[2 * i + 1] = f.y; }
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(h[i]);
+        acc[2 * i] = f.x;
+        acc[2 * i + 1] = f.y;
+      }
     }
     float mix[8] = {};
     for (int j = 0; j < k; ++j) {
@@ -446,25 +495,35 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const __nv
       const uint4 v = *reinterpret_cast<const uint4*>(Yd + size_t(slot_row[size_t(t) * k + j]) * d + c);
       const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) { const float2 f = __bfloat1622float2(h[i]); mix[2 * i] += w * f.x; mix[2 * i + 1] += w * f.y; }
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(h[i]);
+        mix[2 * i] += w * f.x;
+        mix[2 * i + 1] += w * f.y;
+      }
     }
     if (shared) {
       const uint4 v = *reinterpret_cast<const uint4*>(shared + size_t(t) * d + c);
       const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) { const float2 f = __bfloat1622float2(h[i]); mix[2 * i] += sg * f.x; mix[2 * i + 1] += sg * f.y; }
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(h[i]);
+        mix[2 * i] += sg * f.x;
+        mix[2 * i + 1] += sg * f.y;
+      }
     }
     uint4 o;
     uint32_t* ow = reinterpret_cast<uint32_t*>(&o);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) ow[i] = tc::pack_bf16(acc[2 * i] + mix[2 * i], acc[2 * i + 1] + mix[2 * i + 1]);
+    for (int i = 0; i < 4; ++i)
+      ow[i] = tc::pack_bf16(acc[2 * i] + mix[2 * i], acc[2 * i + 1] + mix[2 * i + 1]);
     *reinterpret_cast<uint4*>(out + size_t(t) * d + c) = o;
   }
 }
 
 }  // namespace
 
-void gemm(const DevLinear& W, const __nv_bfloat16* X, int64_t ldx, int n, const GemmOutput& Y, cudaStream_t stream) {
+void gemm(const DevLinear& W, const __nv_bfloat16* X, int64_t ldx, int n, const GemmOutput& Y,
+          cudaStream_t stream) {
   const Params p = make_params(W, W.out, X, ldx, n, Y, "gemm");
   const int ntiles = (W.out + BN - 1) / BN;
   TANSY_CHECK(ntiles <= 65535, "gemm: out {} exceeds the grid limit", W.out);
@@ -478,21 +537,26 @@ void gemm(const DevLinear& W, const __nv_bfloat16* X, int64_t ldx, int n, const 
   }
 }
 
-void moe_route_sort(const int* topk_ids, int n, int k, int n_experts, const MoeRouting& r, cudaStream_t stream) {
-  TANSY_CHECK(n >= 1 && k >= 1 && k <= n_experts, "moe_route_sort: bad n={} k={} n_experts={}", n, k, n_experts);
-  TANSY_CHECK(n_experts <= kMaxExperts, "moe_route_sort: {} experts exceed the limit {}", n_experts, kMaxExperts);
+void moe_route_sort(const int* topk_ids, int n, int k, int n_experts, const MoeRouting& r,
+                    cudaStream_t stream) {
+  TANSY_CHECK(n >= 1 && k >= 1 && k <= n_experts, "moe_route_sort: bad n={} k={} n_experts={}", n, k,
+              n_experts);
+  TANSY_CHECK(n_experts <= kMaxExperts, "moe_route_sort: {} experts exceed the limit {}", n_experts,
+              kMaxExperts);
   TANSY_CHECK(long(n) * k <= (1L << 30), "moe_route_sort: n*k = {} too large", long(n) * k);
-  TANSY_CHECK(topk_ids && r.expert_offsets && r.tile_offsets && r.sorted_slot && r.slot_row, "moe_route_sort: null pointer");
+  TANSY_CHECK(topk_ids && r.expert_offsets && r.tile_offsets && r.sorted_slot && r.slot_row,
+              "moe_route_sort: null pointer");
   route_sort_kernel<<<1, kSortThreads, 0, stream>>>(topk_ids, n * k, n_experts, r);
   check_launch("moe_route_sort");
 }
 
-void gemm_grouped(const DevLinear& W, int n_experts, const __nv_bfloat16* X, int64_t ldx, bool gather, int n, int k,
-                  const MoeRouting& r, const GemmOutput& Y, cudaStream_t stream) {
-  TANSY_CHECK(n >= 1 && k >= 1 && n_experts >= 1 && n_experts <= kMaxExperts, "gemm_grouped: bad n={} k={} n_experts={}", n, k,
-              n_experts);
+void gemm_grouped(const DevLinear& W, int n_experts, const __nv_bfloat16* X, int64_t ldx, bool gather, int n,
+                  int k, const MoeRouting& r, const GemmOutput& Y, cudaStream_t stream) {
+  TANSY_CHECK(n >= 1 && k >= 1 && n_experts >= 1 && n_experts <= kMaxExperts,
+              "gemm_grouped: bad n={} k={} n_experts={}", n, k, n_experts);
   TANSY_CHECK(r.expert_offsets && r.tile_offsets && r.sorted_slot, "gemm_grouped: routing arrays missing");
-  TANSY_CHECK(W.out % n_experts == 0, "gemm_grouped: {} stacked rows do not split into {} experts", W.out, n_experts);
+  TANSY_CHECK(W.out % n_experts == 0, "gemm_grouped: {} stacked rows do not split into {} experts", W.out,
+              n_experts);
   const long rows = long(n) * k;
   TANSY_CHECK(rows < (1L << 30), "gemm_grouped: n*k = {} too large", rows);
   Params p = make_params(W, W.out / n_experts, X, ldx, int(rows), Y, "gemm_grouped");
@@ -509,14 +573,16 @@ void gemm_grouped(const DevLinear& W, int n_experts, const __nv_bfloat16* X, int
 }
 
 void moe_combine(const __nv_bfloat16* Yd, const int* slot_row, const float* weight, int n, int k, int d,
-                 const __nv_bfloat16* residual, const __nv_bfloat16* shared, const float* sh_logit, int64_t sh_ld,
-                 __nv_bfloat16* out, cudaStream_t stream) {
+                 const __nv_bfloat16* residual, const __nv_bfloat16* shared, const float* sh_logit,
+                 int64_t sh_ld, __nv_bfloat16* out, cudaStream_t stream) {
   TANSY_CHECK(n >= 1 && k >= 1 && d >= 8 && d % 8 == 0, "moe_combine: bad n={} k={} d={}", n, k, d);
   TANSY_CHECK(Yd && slot_row && weight && out, "moe_combine: null pointer");
   TANSY_CHECK(!shared == !sh_logit, "moe_combine: shared expert output and its gate logit come together");
-  TANSY_CHECK(aligned(Yd, 16) && aligned(out, 16) && (!residual || aligned(residual, 16)) && (!shared || aligned(shared, 16)),
+  TANSY_CHECK(aligned(Yd, 16) && aligned(out, 16) && (!residual || aligned(residual, 16)) &&
+                  (!shared || aligned(shared, 16)),
               "moe_combine: rows must be 16-byte aligned");
-  moe_combine_kernel<<<n, kCombineThreads, 0, stream>>>(Yd, slot_row, weight, k, d, residual, shared, sh_logit, sh_ld, out);
+  moe_combine_kernel<<<n, kCombineThreads, 0, stream>>>(Yd, slot_row, weight, k, d, residual, shared,
+                                                        sh_logit, sh_ld, out);
   check_launch("moe_combine");
 }
 

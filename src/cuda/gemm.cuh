@@ -21,8 +21,8 @@ namespace tansy::cuda {
 
 // Limits the launchers enforce.
 constexpr int kGemmInAlign = kQuantGroup;  // `in` must be a multiple: one k-tile = one quant group
-constexpr int kGroupedBM = 64;         // rows per tile in the grouped GEMM (moe_route_sort's tile schedule)
-constexpr int kMaxExperts = 1024;      // moe_route_sort keeps per-expert counters in shared memory
+constexpr int kGroupedBM = 64;     // rows per tile in the grouped GEMM (moe_route_sort's tile schedule)
+constexpr int kMaxExperts = 1024;  // moe_route_sort keeps per-expert counters in shared memory
 
 enum class GemmEpilogue {
   kStore,       // Y = X·Wᵀ
@@ -35,9 +35,9 @@ enum class GemmEpilogue {
 enum class GemmOutType { kBF16, kF32 };
 
 struct GemmOutput {
-  void* ptr = nullptr;         // first element of row 0 (a column offset is just a pointer offset)
+  void* ptr = nullptr;  // first element of row 0 (a column offset is just a pointer offset)
   GemmOutType type = GemmOutType::kBF16;
-  int64_t ld = 0;              // elements between rows; must be even (paired stores)
+  int64_t ld = 0;  // elements between rows; must be even (paired stores)
   GemmEpilogue epilogue = GemmEpilogue::kStore;
 };
 
@@ -61,16 +61,17 @@ void moe_route_sort(const int* topk_ids, int n, int k, int n_experts, const MoeR
                     cudaStream_t stream);
 
 // Grouped GEMM over the n*k sorted rows: Y[r, :] = X_row(r) · W_eᵀ for r in expert e's range,
-// W stacks n_experts matrices (W.out = n_experts * rows per expert, DevLinear's convention). X_row(r) = X[sorted_slot[r] / k] when `gather` (the first expert
-// projection reads the token rows in place, no gather copy), else X[r] (already sorted, e.g. the
-// SwiGLU activations feeding down_proj). Y has n*k rows in sorted order.
-void gemm_grouped(const DevLinear& W, int n_experts, const __nv_bfloat16* X, int64_t ldx, bool gather,
-                  int n, int k, const MoeRouting& r, const GemmOutput& Y, cudaStream_t stream);
+// W stacks n_experts matrices (W.out = n_experts * rows per expert, DevLinear's convention). X_row(r) =
+// X[sorted_slot[r] / k] when `gather` (the first expert projection reads the token rows in place, no gather
+// copy), else X[r] (already sorted, e.g. the SwiGLU activations feeding down_proj). Y has n*k rows in sorted
+// order.
+void gemm_grouped(const DevLinear& W, int n_experts, const __nv_bfloat16* X, int64_t ldx, bool gather, int n,
+                  int k, const MoeRouting& r, const GemmOutput& Y, cudaStream_t stream);
 
 // Weighted combine (no atomics, deterministic):
-// out[t, :] = residual[t, :] + Σ_j weight[t, j]·Yd[slot_row[t*k+j], :] + sigmoid(sh_logit[t*sh_ld])·shared[t, :]
-// Yd bf16 [n*k, d] sorted rows (down_proj output), weight f32 [n, k]. residual, shared/sh_logit may
-// be null (then those terms are 0). out bf16 [n, d] may alias residual. d % 8 == 0.
+// out[t, :] = residual[t, :] + Σ_j weight[t, j]·Yd[slot_row[t*k+j], :] + sigmoid(sh_logit[t*sh_ld])·shared[t,
+// :] Yd bf16 [n*k, d] sorted rows (down_proj output), weight f32 [n, k]. residual, shared/sh_logit may be
+// null (then those terms are 0). out bf16 [n, d] may alias residual. d % 8 == 0.
 void moe_combine(const __nv_bfloat16* Yd, const int* slot_row, const float* weight, int n, int k, int d,
                  const __nv_bfloat16* residual, const __nv_bfloat16* shared, const float* sh_logit,
                  int64_t sh_ld, __nv_bfloat16* out, cudaStream_t stream);

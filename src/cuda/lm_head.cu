@@ -17,8 +17,6 @@
 // unpadded bulk copy per tile 126 µs (bank conflicts), with swizzled tensor copies 119 µs (2.4
 // TB/s, not the ~4.4 TB/s the card reads: the copies do not keep enough in flight; a sixth stage
 // and L2 prefetch of later tiles made it slower).
-#include "cuda/lm_head.cuh"
-
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
@@ -27,16 +25,17 @@
 #include "cuda/bulk_copy.cuh"
 #include "cuda/embed.cuh"
 #include "cuda/gemm.cuh"
+#include "cuda/lm_head.cuh"
 #include "cuda/pdl.cuh"
 
 namespace tansy::cuda {
 namespace {
 
 constexpr int kWarps = 16, kThreads = kWarps * 32;  // 4 warps per scheduler hide the mma latency
-constexpr int kTileRows = 32;  // two mma row blocks of 16
+constexpr int kTileRows = 32;                       // two mma row blocks of 16
 constexpr int kStages = 5;
 constexpr int kMaxGroupsPerWarp = kFusedNormMaxDim / kQuantGroup / kWarps;
-constexpr int kSlab = 128;                  // bytes of a row per tensor copy (the 128-byte swizzle span)
+constexpr int kSlab = 128;                     // bytes of a row per tensor copy (the 128-byte swizzle span)
 constexpr int kSlabBytes = kTileRows * kSlab;  // one copy: 32 rows x 128 bytes, 1024-byte aligned
 
 // A stage: the codes as row_bytes / 128 slabs of [32 rows][128 bytes], each stored with the
@@ -56,10 +55,11 @@ __host__ __device__ inline Layout layout(int in) {
 // + 1024: the dynamic shared memory is aligned to 1024 bytes inside the kernel
 size_t smem_bytes(int in) { return size_t(kStages) * layout(in).stage + size_t(in) * 2 + 1024; }
 
-__device__ __forceinline__ void tensor_copy_2d(void* dst, const CUtensorMap* map, int c0, int c1, uint64_t* bar) {
+__device__ __forceinline__ void tensor_copy_2d(void* dst, const CUtensorMap* map, int c0, int c1,
+                                               uint64_t* bar) {
   asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
-          tc::smem_addr(dst)),
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
+      "%3}], [%4];\n" ::"r"(tc::smem_addr(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(tc::smem_addr(bar))
       : "memory");
 }
@@ -68,8 +68,8 @@ __device__ __forceinline__ void tensor_copy_2d(void* dst, const CUtensorMap* map
 // per slab of codes (rows past W.out arrive as zeros, still counted) and one bulk copy each for
 // the scales and biases; a tail of those under 16 bytes (a partial last tile) is copied by plain
 // stores, visible to the other warps after the barrier that precedes the tile's use.
-__device__ void issue_tile(const CUtensorMap* map, const DevLinear& W, int tile, uint8_t* stage, const Layout& L,
-                           uint64_t* bar, int lane) {
+__device__ void issue_tile(const CUtensorMap* map, const DevLinear& W, int tile, uint8_t* stage,
+                           const Layout& L, uint64_t* bar, int lane) {
   const int G = W.in / kQuantGroup, row_bytes = W.in / 2;
   const int r0 = tile * kTileRows, rows = min(kTileRows, W.out - r0);
   const int sb = rows * G * 2, sb_bulk = sb & ~15;
@@ -80,7 +80,8 @@ __device__ void issue_tile(const CUtensorMap* map, const DevLinear& W, int tile,
   if (lane == 0) {
     bulk::fence_before_copy();  // earlier reads of the stage come first
     bulk::mbar_expect_tx(bar, unsigned(row_bytes / kSlab * kSlabBytes + 2 * sb_bulk));
-    for (int sl = 0; sl < row_bytes / kSlab; ++sl) tensor_copy_2d(stage + sl * kSlabBytes, map, sl * kSlab, r0, bar);
+    for (int sl = 0; sl < row_bytes / kSlab; ++sl)
+      tensor_copy_2d(stage + sl * kSlabBytes, map, sl * kSlab, r0, bar);
     if (sb_bulk > 0) {
       bulk::copy(ds, gs, sb_bulk, bar);
       bulk::copy(db, gb, sb_bulk, bar);
@@ -105,7 +106,9 @@ __device__ __forceinline__ void mma_word(float (&c)[4], uint32_t wa, uint32_t wb
   tc::mma_bf16(c, a1, b[1][0], b[1][1]);
 }
 
-__device__ __forceinline__ unsigned long long max_u64(unsigned long long a, unsigned long long b) { return a > b ? a : b; }
+__device__ __forceinline__ unsigned long long max_u64(unsigned long long a, unsigned long long b) {
+  return a > b ? a : b;
+}
 
 __device__ __forceinline__ unsigned long long warp_max(unsigned long long k) {
 #pragma unroll
@@ -113,7 +116,8 @@ __device__ __forceinline__ unsigned long long warp_max(unsigned long long k) {
   return k;
 }
 
-__global__ void __launch_bounds__(kThreads, 1) lm_head_kernel(const __grid_constant__ CUtensorMap map, LmHeadArgs a) {
+__global__ void __launch_bounds__(kThreads, 1)
+    lm_head_kernel(const __grid_constant__ CUtensorMap map, LmHeadArgs a) {
   extern __shared__ float4 smem4[];
   __shared__ float red[2][kWarps][kTileRows];
   __shared__ float nred[kWarps];
@@ -139,7 +143,8 @@ __global__ void __launch_bounds__(kThreads, 1) lm_head_kernel(const __grid_const
   // Weights never depend on the step: the first stages load while the previous kernel finishes.
   constexpr int kIssuer = kWarps - 1;  // the warp that issues the copies (warp 0 adds up the rows)
   if (warp == kIssuer)
-    for (int s = 0; s < kStages - 1 && s < mine; ++s) issue_tile(&map, W, tile_of(s), base + s * L.stage, L, &full[s], lane);
+    for (int s = 0; s < kStages - 1 && s < mine; ++s)
+      issue_tile(&map, W, tile_of(s), base + s * L.stage, L, &full[s], lane);
   pdl_wait();
   pdl_launch_dependents();
 
@@ -192,7 +197,7 @@ __global__ void __launch_bounds__(kThreads, 1) lm_head_kernel(const __grid_const
 
   // Warp 0: the rows of tile `tile` from the warps' partials; logits out, argmax candidates kept.
   unsigned long long best = 0;
-  auto finish_tile = [&](int tile, const float (*part)[kTileRows]) {
+  auto finish_tile = [&](int tile, const float(*part)[kTileRows]) {
     const int r = tile * kTileRows + lane;
     float v = 0.f;
 #pragma unroll
@@ -208,7 +213,8 @@ __global__ void __launch_bounds__(kThreads, 1) lm_head_kernel(const __grid_const
     __syncthreads();  // ... and every warp is done with tile it-1's stage (and the tails are visible)
     if (warp == kIssuer) {
       const int nx = it + kStages - 1;
-      if (nx < mine) issue_tile(&map, W, tile_of(nx), base + (nx % kStages) * L.stage, L, &full[nx % kStages], lane);
+      if (nx < mine)
+        issue_tile(&map, W, tile_of(nx), base + (nx % kStages) * L.stage, L, &full[nx % kStages], lane);
     }
     if (warp == 0 && it > 0) finish_tile(tile_of(it - 1), red[(it - 1) & 1]);
     const uint8_t* st = base + (it % kStages) * L.stage;
@@ -239,7 +245,8 @@ __global__ void __launch_bounds__(kThreads, 1) lm_head_kernel(const __grid_const
 #pragma unroll
         for (int j = 0; j < J; ++j) {
           if (warp + j * kWarps >= G) continue;
-          mma_word(c[sub][j], wi ? wv[sub][j][0].y : wv[sub][j][0].x, wi ? wv[sub][j][1].y : wv[sub][j][1].x, bx[j][wi]);
+          mma_word(c[sub][j], wi ? wv[sub][j][0].y : wv[sub][j][0].x, wi ? wv[sub][j][1].y : wv[sub][j][1].x,
+                   bx[j][wi]);
         }
 #pragma unroll
     for (int sub = 0; sub < 2; ++sub) {
@@ -295,7 +302,8 @@ static CUtensorMap codes_map(const DevLinear& W) {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult q{};
-    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q);
+    const cudaError_t e =
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q);
     if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || !fn)
       fail("lm_head_argmax: the driver has no cuTensorMapEncodeTiled ({})", cudaGetErrorString(e));
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
@@ -310,8 +318,8 @@ static CUtensorMap codes_map(const DevLinear& W) {
   const cuuint64_t strides[1] = {cuuint64_t(W.in / 2)};
   const cuuint32_t box[2] = {kSlab, kTileRows}, estrides[2] = {1, 1};
   CUtensorMap map{};
-  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<uint32_t*>(W.q), dims, strides, box,
-                            estrides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<uint32_t*>(W.q), dims, strides,
+                            box, estrides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) fail("lm_head_argmax: cuTensorMapEncodeTiled failed ({})", int(r));
   last.q = W.q;
@@ -330,11 +338,14 @@ bool lm_head_argmax_supports(const DevLinear& W) {
 void lm_head_argmax(const LmHeadArgs& a, cudaStream_t stream) {
   const DevLinear& W = a.W;
   W.check("lm_head_argmax");
-  TANSY_CHECK(lm_head_argmax_supports(W), "lm_head_argmax: a {} weight with in = {} unsupported (4-bit, in a multiple of {} up to {})",
+  TANSY_CHECK(lm_head_argmax_supports(W),
+              "lm_head_argmax: a {} weight with in = {} unsupported (4-bit, in a multiple of {} up to {})",
               wformat_name(W.fmt), W.in, 2 * kSlab, kFusedNormMaxDim);
-  TANSY_CHECK(aligned16(W.scales) && aligned16(W.biases), "lm_head_argmax: scales and biases must be 16-byte aligned");
+  TANSY_CHECK(aligned16(W.scales) && aligned16(W.biases),
+              "lm_head_argmax: scales and biases must be 16-byte aligned");
   TANSY_CHECK(a.x.h && a.x.ss && a.x.w, "lm_head_argmax: the norm input (h, ss, w) is missing");
-  TANSY_CHECK(a.logits && a.token && a.scratch && a.counter, "lm_head_argmax: logits, token, scratch and counter are required");
+  TANSY_CHECK(a.logits && a.token && a.scratch && a.counter,
+              "lm_head_argmax: logits, token, scratch and counter are required");
   TANSY_CHECK(a.limit >= 1 && a.limit <= W.out, "lm_head_argmax: limit {} outside 1..{}", a.limit, W.out);
   const int grid = std::min<int>(ceil_div(W.out, kTileRows), lm_head_scratch());
   const size_t smem = smem_bytes(W.in);

@@ -10,12 +10,12 @@
 namespace tansy::cuda {
 
 struct LmHeadArgs {
-  DevLinear W;           // [vocab, hidden], MLX affine 4-bit (the only format this kernel reads)
-  NormIn x;              // the residual row, its Σh² partials and the final norm's weight; xn_out optional
-  float* logits = nullptr;  // [W.out] f32
-  int limit = 0;         // the argmax covers ids [0, limit), 1 <= limit <= W.out
-  int* token = nullptr;  // the argmax (ties to the lower id; NaN never wins)
-  int* pos = nullptr;    // *pos += 1 once everything else is done (may be null)
+  DevLinear W;  // [vocab, hidden], MLX affine 4-bit (the only format this kernel reads)
+  NormIn x;     // the residual row, its Σh² partials and the final norm's weight; xn_out optional
+  float* logits = nullptr;                // [W.out] f32
+  int limit = 0;                          // the argmax covers ids [0, limit), 1 <= limit <= W.out
+  int* token = nullptr;                   // the argmax (ties to the lower id; NaN never wins)
+  int* pos = nullptr;                     // *pos += 1 once everything else is done (may be null)
   unsigned long long* scratch = nullptr;  // lm_head_scratch() entries
   unsigned* counter = nullptr;            // one u32, zero before the launch (left zero)
 };

@@ -3,13 +3,12 @@
 // x sit in shared memory as f32, each chunk padded by 16 bytes so that the lanes of a warp, which
 // read chunks 144/80/48 bytes apart, hit distinct banks. The pad slot holds the chunk's Σx, which
 // turns the affine dequant into one multiply-add per chunk: Σ(s·q+b)x = s·Σqx + b·Σx.
-#include "cuda/matvec.cuh"
-
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
 #include "cuda/bulk_copy.cuh"
+#include "cuda/matvec.cuh"
 #include "cuda/moe.cuh"
 #include "cuda/pdl.cuh"
 #include "cuda/route_device.cuh"
@@ -39,7 +38,8 @@ void DevLinear::check(const char* what) const {
   if (fmt == WFormat::kBF16) {
     TANSY_CHECK(w && aligned16(w), "{}: bf16 weights missing or not 16-byte aligned", what);
   } else {
-    TANSY_CHECK(q && scales && biases && aligned16(q), "{}: affine weights missing or not 16-byte aligned", what);
+    TANSY_CHECK(q && scales && biases && aligned16(q), "{}: affine weights missing or not 16-byte aligned",
+                what);
   }
 }
 
@@ -65,16 +65,18 @@ __device__ __forceinline__ float bf_hi(uint32_t v) { return __uint_as_float(v & 
 __device__ __forceinline__ uint4 load_stream(const void* p) {
   uint4 v;
   asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
   return v;
 }
 
 // Row r, chunk c of W as 16 raw bytes.
 template <int BITS>
 __device__ __forceinline__ uint4 load_chunk(const DevLinear& W, int64_t r, int c) {
-  if constexpr (BITS == 16) return load_stream(W.w + r * W.in + int64_t(c) * 8);
-  else return load_stream(W.q + r * (int64_t(W.in) * BITS / 32) + int64_t(c) * 4);
+  if constexpr (BITS == 16)
+    return load_stream(W.w + r * W.in + int64_t(c) * 8);
+  else
+    return load_stream(W.q + r * (int64_t(W.in) * BITS / 32) + int64_t(c) * 4);
 }
 
 // A chunk's quant scale and bias (unused for bf16), loaded with its codes so that one memory
@@ -137,7 +139,9 @@ __device__ __forceinline__ float chunk_dot(uint4 wv, const float* xs, float s, f
   }
 }
 
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
 
 // Asks L2 for row r of W (codes or bf16 values, and its scales and biases), 128-byte lines
 // spread over the warp's lanes.
@@ -163,7 +167,8 @@ __device__ __forceinline__ void stage_chunk(const bf16* src, bool valid, float* 
   constexpr int C = Chunk<BITS>::kCols;
   uint4 raw[C / 8];
 #pragma unroll
-  for (int v = 0; v < C / 8; ++v) raw[v] = valid ? *reinterpret_cast<const uint4*>(src + v * 8) : make_uint4(0, 0, 0, 0);
+  for (int v = 0; v < C / 8; ++v)
+    raw[v] = valid ? *reinterpret_cast<const uint4*>(src + v * 8) : make_uint4(0, 0, 0, 0);
   float sum = 0.f;
 #pragma unroll
   for (int v = 0; v < C / 8; ++v) {
@@ -282,7 +287,8 @@ __device__ __forceinline__ float swiglu_bf16(float g, float u) {
 
 // Row `row` of the GDN in_proj is y (every lane holds it): conv channel, z (stored by the caller
 // only), or a gate input. Called by the whole warp.
-__device__ __forceinline__ void gdn_in_epilogue(const GdnInEpilogue& G, int row, float y, float w, float in, int lane) {
+__device__ __forceinline__ void gdn_in_epilogue(const GdnInEpilogue& G, int row, float y, float w, float in,
+                                                int lane) {
   const float x = round_bf(y);  // the projection as the bf16 prefill path stores it
   if (row < G.conv_dim) {
     if (lane == G.kernel - 1) in = x;
@@ -316,8 +322,10 @@ __device__ void route_epilogue(const RouteEpilogue& R, const float* logits, int 
   for (int e = threadIdx.x; e <= R.E; e += blockDim.x) l[e] = __ldcg(logits + e);  // L2: other blocks' stores
   __syncthreads();
   if (warp == 0) {
-    if (R.E <= 8 * 32) route_warp<8>(l, R.E, R.k, R.idx, R.w);
-    else route_warp<32>(l, R.E, R.k, R.idx, R.w);
+    if (R.E <= 8 * 32)
+      route_warp<8>(l, R.E, R.k, R.idx, R.w);
+    else
+      route_warp<32>(l, R.E, R.k, R.idx, R.w);
     if (threadIdx.x == 0) {
       if (R.shared_slot) {
         R.idx[R.k] = R.E;
@@ -334,7 +342,8 @@ template <int BITS, int R, bool PAIR>
 struct Batch {
   uint4 w1[R], w2[R];
   float s1[R], b1[R], s2[R], b2[R];
-  __device__ __forceinline__ void load(const DevLinear& W, const int64_t (&r1)[R], const bool (&ok)[R], int c) {
+  __device__ __forceinline__ void load(const DevLinear& W, const int64_t (&r1)[R], const bool (&ok)[R],
+                                       int c) {
 #pragma unroll
     for (int i = 0; i < R; ++i) {
       if (!ok[i]) continue;
@@ -358,10 +367,10 @@ struct Batch {
 // issued before waiting on the previous kernel (weights never depend on it). A grid smaller
 // than the row blocks (the lm_head) loops over them.
 template <int BITS, int T, int MODE>
-__global__ void __launch_bounds__(kThreads, 3) matvec_kernel(DevLinear W, const bf16* __restrict__ X, int64_t ldx, int n,
-                                                          void* Y, int64_t ldy, int y_f32, int out_rows,
-                                                          const int* __restrict__ idx, int k, int rows_per_expert,
-                                                          int rpw, Fusion fz) {
+__global__ void __launch_bounds__(kThreads, 3)
+    matvec_kernel(DevLinear W, const bf16* __restrict__ X, int64_t ldx, int n, void* Y, int64_t ldy,
+                  int y_f32, int out_rows, const int* __restrict__ idx, int k, int rows_per_expert, int rpw,
+                  Fusion fz) {
   extern __shared__ float4 smem4[];
   float* xs = reinterpret_cast<float*>(smem4);
   constexpr int S = Chunk<BITS>::kStride;
@@ -410,8 +419,10 @@ __global__ void __launch_bounds__(kThreads, 3) matvec_kernel(DevLinear W, const 
     if (lane < cpr) cur.load(W, r1, ok, lane);
   }
   if constexpr (kFusable) {
-    if (fz.norm.w) stage_norm<BITS>(fz.norm, W.in, xs, red);
-    else stage_rows<BITS>(X + int64_t(t0) * ldx, ldx, T, n - t0, W.in, xs);
+    if (fz.norm.w)
+      stage_norm<BITS>(fz.norm, W.in, xs, red);
+    else
+      stage_rows<BITS>(X + int64_t(t0) * ldx, ldx, T, n - t0, W.in, xs);
   } else {
     stage_rows<BITS>(X + int64_t(t0) * ldx, ldx, T, n - t0, W.in, xs);
   }
@@ -429,7 +440,8 @@ __global__ void __launch_bounds__(kThreads, 3) matvec_kernel(DevLinear W, const 
           conv_w[i] = conv_in[i] = 0.f;
           if (ok[i] && rows[i] < G.conv_dim) {
             if (lane < G.kernel) conv_w[i] = G.conv_w[int64_t(rows[i]) * G.kernel + lane];
-            if (lane < G.kernel - 1) conv_in[i] = __bfloat162float(G.window[int64_t(lane) * G.conv_dim + rows[i]]);
+            if (lane < G.kernel - 1)
+              conv_in[i] = __bfloat162float(G.window[int64_t(lane) * G.conv_dim + rows[i]]);
           }
         }
       }
@@ -477,7 +489,8 @@ __global__ void __launch_bounds__(kThreads, 3) matvec_kernel(DevLinear W, const 
           }
         }
         if constexpr (kFusable) {
-          if (fz.epi == Epi::kGdnIn && ok[i]) gdn_in_epilogue(fz.gdn, rows[i], y, conv_w[i], conv_in[i], lane);
+          if (fz.epi == Epi::kGdnIn && ok[i])
+            gdn_in_epilogue(fz.gdn, rows[i], y, conv_w[i], conv_in[i], lane);
         }
       }
     }
@@ -530,10 +543,10 @@ __host__ __device__ inline SmemLayout smem_layout(int in, int weight_rows) {
 }
 
 template <int BITS, int MODE>
-__global__ void __launch_bounds__(kThreads, 2) matvec_smem_kernel(DevLinear W, const bf16* __restrict__ X, int64_t ldx,
-                                                                 void* Y, int64_t ldy, int y_f32, int out_rows, int rpw,
-                                                                 const int* __restrict__ idx, int k,
-                                                                 int rows_per_expert, int bulk_copies, Fusion fz) {
+__global__ void __launch_bounds__(kThreads, 2)
+    matvec_smem_kernel(DevLinear W, const bf16* __restrict__ X, int64_t ldx, void* Y, int64_t ldy, int y_f32,
+                       int out_rows, int rpw, const int* __restrict__ idx, int k, int rows_per_expert,
+                       int bulk_copies, Fusion fz) {
   extern __shared__ float4 smem4[];
   __shared__ alignas(8) uint64_t wbar;  // bulk copies: the block's weights have landed
   constexpr bool kPair = MODE != 0;
@@ -582,7 +595,8 @@ __global__ void __launch_bounds__(kThreads, 2) matvec_smem_kernel(DevLinear W, c
         if (BITS != 16 && lane == 1) {
           uint8_t* ds = base + lay.sb;
           bulk::copy(ds, W.scales + w0 * groups, unsigned(sbytes), &wbar);
-          bulk::copy(ds + int64_t(kWarps) * rpw * wmul * groups * 2, W.biases + w0 * groups, unsigned(sbytes), &wbar);
+          bulk::copy(ds + int64_t(kWarps) * rpw * wmul * groups * 2, W.biases + w0 * groups, unsigned(sbytes),
+                     &wbar);
         }
       }
     } else {
@@ -607,8 +621,10 @@ __global__ void __launch_bounds__(kThreads, 2) matvec_smem_kernel(DevLinear W, c
     pdl_launch_dependents();
   }
   const int t0 = MODE == 2 ? blockIdx.y / k : 0;
-  if (fz.norm.w) stage_norm<BITS>(fz.norm, W.in, xs, red);
-  else stage_rows<BITS>(X + int64_t(t0) * ldx, ldx, 1, 1, W.in, xs);
+  if (fz.norm.w)
+    stage_norm<BITS>(fz.norm, W.in, xs, red);
+  else
+    stage_rows<BITS>(X + int64_t(t0) * ldx, ldx, 1, 1, W.in, xs);
 
   int rows[kR];
   bool ok[kR];
@@ -624,8 +640,10 @@ __global__ void __launch_bounds__(kThreads, 2) matvec_smem_kernel(DevLinear W, c
       if (lane < G.kernel - 1) conv_in[i] = __bfloat162float(G.window[int64_t(lane) * G.conv_dim + rows[i]]);
     }
   }
-  if (bulk_copies) bulk::mbar_wait(&wbar, 0);
-  else cp_async_wait_all();
+  if (bulk_copies)
+    bulk::mbar_wait(&wbar, 0);
+  else
+    cp_async_wait_all();
   __syncthreads();
 
   float acc[kR], acc2[kR];
@@ -670,8 +688,10 @@ __global__ void __launch_bounds__(kThreads, 2) matvec_smem_kernel(DevLinear W, c
         sq = fmaf(v, v, sq);
       } else {
         const int64_t at = (MODE == 2 ? int64_t(blockIdx.y) * ldy : 0) + rows[i];
-        if (y_f32) static_cast<float*>(Y)[at] = y;
-        else static_cast<bf16*>(Y)[at] = __float2bfloat16(y);
+        if (y_f32)
+          static_cast<float*>(Y)[at] = y;
+        else
+          static_cast<bf16*>(Y)[at] = __float2bfloat16(y);
       }
     }
     if (fz.epi == Epi::kGdnIn && ok[i]) gdn_in_epilogue(fz.gdn, rows[i], y, conv_w[i], conv_in[i], lane);
@@ -712,8 +732,8 @@ bool bulk_copies_on() {
 
 template <int BITS, int T, int MODE>
 void launch_matvec_t(const DevLinear& W, const bf16* X, int64_t ldx, int n, void* Y, int64_t ldy, bool y_f32,
-                     int out_rows, const int* idx, int k, int rows_per_expert, unsigned grid_y, cudaStream_t stream,
-                     const Fusion& fz = Fusion{}) {
+                     int out_rows, const int* idx, int k, int rows_per_expert, unsigned grid_y,
+                     cudaStream_t stream, const Fusion& fz = Fusion{}) {
   const int rpw = rows_per_warp(max_rows_per_warp(T, MODE), out_rows, grid_y);
   if constexpr (T == 1) {
     // One token: the shared-memory kernel, when the block's rows fit (and scales come in 16-byte
@@ -724,8 +744,9 @@ void launch_matvec_t(const DevLinear& W, const bf16* X, int64_t ldx, int n, void
         (BITS == 16 || (W.in / kQuantGroup) % 8 == 0)) {
       constexpr auto skern = matvec_smem_kernel<BITS, MODE>;
       allow_smem<skern>(lay.total, "matvec");
-      pdl_launch(skern, dim3(ceil_div(out_rows, kWarps * rpw), grid_y), dim3(kThreads), lay.total, stream, W, X, ldx, Y,
-                 ldy, y_f32 ? 1 : 0, out_rows, rpw, idx, k, rows_per_expert, bulk_copies_on() ? 1 : 0, fz);
+      pdl_launch(skern, dim3(ceil_div(out_rows, kWarps * rpw), grid_y), dim3(kThreads), lay.total, stream, W,
+                 X, ldx, Y, ldy, y_f32 ? 1 : 0, out_rows, rpw, idx, k, rows_per_expert,
+                 bulk_copies_on() ? 1 : 0, fz);
       return;
     }
   }
@@ -739,7 +760,8 @@ void launch_matvec_t(const DevLinear& W, const bf16* X, int64_t ldx, int n, void
     return v ? std::atoi(v) : 0;
   }();
   unsigned gx = ceil_div(out_rows, kWarps * rpw);
-  if (cap > 0 && T == 1 && MODE != 2 && fz.epi == Epi::kNone && !fz.norm.w) gx = std::min<unsigned>(gx, unsigned(sm_count()) * unsigned(cap));
+  if (cap > 0 && T == 1 && MODE != 2 && fz.epi == Epi::kNone && !fz.norm.w)
+    gx = std::min<unsigned>(gx, unsigned(sm_count()) * unsigned(cap));
   dim3 grid(gx, grid_y);
   pdl_launch(kern, grid, dim3(kThreads), smem, stream, W, X, ldx, n, Y, ldy, y_f32 ? 1 : 0, out_rows, idx, k,
              rows_per_expert, rpw, fz);
@@ -752,15 +774,21 @@ void launch_fused(const DevLinear& W, const bf16* X, const Fusion& fz, void* Y, 
     const NormIn& x = fz.norm;
     TANSY_CHECK(x.h && x.ss && x.w && aligned16(x.h) && aligned16(x.w),
                 "matvec_norm: h, ss and w must be present, h and w 16-byte aligned");
-    TANSY_CHECK(W.in % 4 == 0 && W.in <= kFusedNormMaxDim, "matvec_norm: in = {} must be a multiple of 4 and <= {}", W.in,
-                kFusedNormMaxDim);
+    TANSY_CHECK(W.in % 4 == 0 && W.in <= kFusedNormMaxDim,
+                "matvec_norm: in = {} must be a multiple of 4 and <= {}", W.in, kFusedNormMaxDim);
   }
   TANSY_CHECK(Y || fz.epi == Epi::kResidual, "matvec_norm: no output");
   static_assert(kFusedNormMaxDim % (4 * kThreads) == 0);
   switch (W.fmt) {
-    case WFormat::kAffine4: launch_matvec_t<4, 1, 0>(W, X, W.in, 1, Y, ldy, y_f32, W.out, nullptr, 0, 0, 1, stream, fz); break;
-    case WFormat::kAffine8: launch_matvec_t<8, 1, 0>(W, X, W.in, 1, Y, ldy, y_f32, W.out, nullptr, 0, 0, 1, stream, fz); break;
-    default: launch_matvec_t<16, 1, 0>(W, X, W.in, 1, Y, ldy, y_f32, W.out, nullptr, 0, 0, 1, stream, fz); break;
+    case WFormat::kAffine4:
+      launch_matvec_t<4, 1, 0>(W, X, W.in, 1, Y, ldy, y_f32, W.out, nullptr, 0, 0, 1, stream, fz);
+      break;
+    case WFormat::kAffine8:
+      launch_matvec_t<8, 1, 0>(W, X, W.in, 1, Y, ldy, y_f32, W.out, nullptr, 0, 0, 1, stream, fz);
+      break;
+    default:
+      launch_matvec_t<16, 1, 0>(W, X, W.in, 1, Y, ldy, y_f32, W.out, nullptr, 0, 0, 1, stream, fz);
+      break;
   }
 }
 
@@ -774,20 +802,30 @@ void launch_matvec(const DevLinear& W, const bf16* X, int64_t ldx, int n, void* 
   const unsigned grid_y = MODE == 2 ? unsigned(n * k) : multi ? ceil_div(n, kTokensPerPass) : unsigned(n);
   TANSY_CHECK(grid_y <= 65535u, "matvec: {} token rows exceed the grid limit", n);
   auto go = [&]<int BITS>() {
-    if (multi) launch_matvec_t<BITS, kTokensPerPass, MODE>(W, X, ldx, n, Y, ldy, y_f32, out_rows, idx, k, rows_per_expert, grid_y, stream);
-    else launch_matvec_t<BITS, 1, MODE>(W, X, ldx, n, Y, ldy, y_f32, out_rows, idx, k, rows_per_expert, grid_y, stream);
+    if (multi)
+      launch_matvec_t<BITS, kTokensPerPass, MODE>(W, X, ldx, n, Y, ldy, y_f32, out_rows, idx, k,
+                                                  rows_per_expert, grid_y, stream);
+    else
+      launch_matvec_t<BITS, 1, MODE>(W, X, ldx, n, Y, ldy, y_f32, out_rows, idx, k, rows_per_expert, grid_y,
+                                     stream);
   };
   switch (W.fmt) {
-    case WFormat::kAffine4: go.template operator()<4>(); break;
-    case WFormat::kAffine8: go.template operator()<8>(); break;
-    default: go.template operator()<16>(); break;
+    case WFormat::kAffine4:
+      go.template operator()<4>();
+      break;
+    case WFormat::kAffine8:
+      go.template operator()<8>();
+      break;
+    default:
+      go.template operator()<16>();
+      break;
   }
 }
 
 void check_x(const bf16* X, int64_t ldx, int n, int in, const char* what) {
   TANSY_CHECK(n >= 1, "{}: no token rows", what);
-  TANSY_CHECK(X && aligned16(X) && ldx % 8 == 0 && ldx >= in, "{}: X must be 16-byte aligned rows (ldx {} >= in {})",
-              what, ldx, in);
+  TANSY_CHECK(X && aligned16(X) && ldx % 8 == 0 && ldx >= in,
+              "{}: X must be 16-byte aligned rows (ldx {} >= in {})", what, ldx, in);
 }
 
 // ---- routed experts: down projections + weighted combine ----
@@ -795,11 +833,10 @@ void check_x(const bf16* X, int64_t ldx, int n, int in, const char* what) {
 // G lanes per output row: in = I is small (512 on the real model: 16 chunks of 4-bit), so a warp
 // works on 32/G rows at once instead of leaving lanes idle.
 template <int BITS, int G, bool SMEM>
-__global__ void __launch_bounds__(kThreads, 3) moe_down_kernel(DevLinear Wd, int H, const int* __restrict__ idx,
-                                                            const float* __restrict__ wts, const bf16* __restrict__ act,
-                                                            int k, const bf16* shared, const float* sh_logit,
-                                                            int64_t sh_ld, bf16* out, ResidualOut res,
-                                                            int bulk_copies) {
+__global__ void __launch_bounds__(kThreads, 3)
+    moe_down_kernel(DevLinear Wd, int H, const int* __restrict__ idx, const float* __restrict__ wts,
+                    const bf16* __restrict__ act, int k, const bf16* shared, const float* sh_logit,
+                    int64_t sh_ld, bf16* out, ResidualOut res, int bulk_copies) {
   extern __shared__ float4 smem4[];
   __shared__ alignas(8) uint64_t wbar;  // bulk copies (SMEM): the slots' rows have landed
   float* xs = reinterpret_cast<float*>(smem4);
@@ -835,8 +872,10 @@ __global__ void __launch_bounds__(kThreads, 3) moe_down_kernel(DevLinear Wd, int
                                      : reinterpret_cast<const uint8_t*>(Wd.q) + g0 * row_bytes;
       bulk::copy(wsm + int64_t(j) * R * row_bytes, gw, unsigned(rows * row_bytes), &wbar);
       if constexpr (BITS != 16) {
-        bulk::copy(ssm + int64_t(j) * R * groups, Wd.scales + g0 * groups, unsigned(rows * groups * 2), &wbar);
-        bulk::copy(bsm + int64_t(j) * R * groups, Wd.biases + g0 * groups, unsigned(rows * groups * 2), &wbar);
+        bulk::copy(ssm + int64_t(j) * R * groups, Wd.scales + g0 * groups, unsigned(rows * groups * 2),
+                   &wbar);
+        bulk::copy(bsm + int64_t(j) * R * groups, Wd.biases + g0 * groups, unsigned(rows * groups * 2),
+                   &wbar);
       }
     }
   }
@@ -864,7 +903,8 @@ __global__ void __launch_bounds__(kThreads, 3) moe_down_kernel(DevLinear Wd, int
         const uint8_t* gw = BITS == 16 ? reinterpret_cast<const uint8_t*>(Wd.w + g0 * Wd.in)
                                        : reinterpret_cast<const uint8_t*>(Wd.q) + g0 * row_bytes;
         uint8_t* dw = wsm + int64_t(j) * R * row_bytes;
-        for (int64_t o = int64_t(threadIdx.x) * 16; o < rows * row_bytes; o += kThreads * 16) cp_async16(dw + o, gw + o);
+        for (int64_t o = int64_t(threadIdx.x) * 16; o < rows * row_bytes; o += kThreads * 16)
+          cp_async16(dw + o, gw + o);
         if constexpr (BITS != 16) {
           const uint8_t* gs = reinterpret_cast<const uint8_t*>(Wd.scales + g0 * groups);
           const uint8_t* gb = reinterpret_cast<const uint8_t*>(Wd.biases + g0 * groups);
@@ -949,7 +989,6 @@ int sm_count() {
   return sms;
 }
 
-
 void matvec(const DevLinear& W, const bf16* X, int64_t ldx, int n, const MatvecOut& Y, cudaStream_t stream) {
   W.check("matvec");
   check_x(X, ldx, n, W.in, "matvec");
@@ -961,8 +1000,8 @@ void matvec_residual(const DevLinear& W, const bf16* X, const ResidualOut& out, 
   W.check("matvec_residual");
   check_x(X, W.in, 1, W.in, "matvec_residual");
   TANSY_CHECK(out.h && out.ss, "matvec_residual: missing h or ss");
-  TANSY_CHECK(ceil_div(W.out, kWarps) <= kNormParts, "matvec_residual: {} rows need more than {} partial sums", W.out,
-              kNormParts);
+  TANSY_CHECK(ceil_div(W.out, kWarps) <= kNormParts,
+              "matvec_residual: {} rows need more than {} partial sums", W.out, kNormParts);
   Fusion fz;
   fz.epi = Epi::kResidual;
   fz.resid = out;
@@ -992,13 +1031,14 @@ void matvec_norm_route(const DevLinear& W, const NormIn& x, float* logits, const
   launch_fused(W, nullptr, fz, logits, W.out, true, stream);
 }
 
-void matvec_norm_gdn(const DevLinear& W, const NormIn& x, bf16* Y, const GdnInEpilogue& g, cudaStream_t stream) {
+void matvec_norm_gdn(const DevLinear& W, const NormIn& x, bf16* Y, const GdnInEpilogue& g,
+                     cudaStream_t stream) {
   W.check("matvec_norm_gdn");
   TANSY_CHECK(g.kernel >= 2 && g.kernel <= 32, "matvec_norm_gdn: conv kernel {} outside 2..32", g.kernel);
   TANSY_CHECK(g.conv_dim > 0 && g.value_dim >= 0 && g.n_v_heads > 0 &&
                   W.out >= g.conv_dim + g.value_dim + 2 * g.n_v_heads,
-              "matvec_norm_gdn: {} rows cannot hold conv {} + z {} + 2 x {} gate rows", W.out, g.conv_dim, g.value_dim,
-              g.n_v_heads);
+              "matvec_norm_gdn: {} rows cannot hold conv {} + z {} + 2 x {} gate rows", W.out, g.conv_dim,
+              g.value_dim, g.n_v_heads);
   TANSY_CHECK(g.conv_w && g.window && g.A_log && g.dt_bias && g.conv_out && g.beta && g.g,
               "matvec_norm_gdn: missing buffers");
   Fusion fz;
@@ -1008,7 +1048,8 @@ void matvec_norm_gdn(const DevLinear& W, const NormIn& x, bf16* Y, const GdnInEp
   launch_fused(W, nullptr, fz, Y, W.out, false, stream);
 }
 
-void matvec_swiglu(const DevLinear& W, const bf16* X, int64_t ldx, int n, bf16* Y, int64_t ldy, cudaStream_t stream) {
+void matvec_swiglu(const DevLinear& W, const bf16* X, int64_t ldx, int n, bf16* Y, int64_t ldy,
+                   cudaStream_t stream) {
   W.check("matvec_swiglu");
   check_x(X, ldx, n, W.in, "matvec_swiglu");
   TANSY_CHECK(W.out % 2 == 0, "matvec_swiglu: {} rows are not gate/up pairs", W.out);
@@ -1020,24 +1061,28 @@ void matvec_swiglu_experts(const DevLinear& W, int n_experts, const int* idx, in
                            int64_t ldx, bf16* act, cudaStream_t stream) {
   W.check("matvec_swiglu_experts");
   check_x(X, ldx, n, W.in, "matvec_swiglu_experts");
-  TANSY_CHECK(n_experts > 0 && W.out % (2 * n_experts) == 0, "matvec_swiglu_experts: {} rows over {} experts", W.out,
-              n_experts);
-  TANSY_CHECK(k >= 1 && k <= kMaxTopK && idx && act, "matvec_swiglu_experts: k = {} outside 1..{}", k, kMaxTopK);
+  TANSY_CHECK(n_experts > 0 && W.out % (2 * n_experts) == 0, "matvec_swiglu_experts: {} rows over {} experts",
+              W.out, n_experts);
+  TANSY_CHECK(k >= 1 && k <= kMaxTopK && idx && act, "matvec_swiglu_experts: k = {} outside 1..{}", k,
+              kMaxTopK);
   const int rows_per_expert = W.out / n_experts;
-  launch_matvec<2>(W, X, ldx, n, act, rows_per_expert / 2, false, rows_per_expert / 2, idx, k, rows_per_expert,
-                   stream);
+  launch_matvec<2>(W, X, ldx, n, act, rows_per_expert / 2, false, rows_per_expert / 2, idx, k,
+                   rows_per_expert, stream);
 }
 
 namespace {
-void launch_moe_down(const DevLinear& Wd, int n_experts, const int* idx, const float* wts, const bf16* act, int n,
-                     int k, const bf16* shared, const float* sh_logit, int64_t sh_ld, bf16* out, const ResidualOut& res,
-                     cudaStream_t stream) {
+void launch_moe_down(const DevLinear& Wd, int n_experts, const int* idx, const float* wts, const bf16* act,
+                     int n, int k, const bf16* shared, const float* sh_logit, int64_t sh_ld, bf16* out,
+                     const ResidualOut& res, cudaStream_t stream) {
   Wd.check("moe_down_combine");
-  TANSY_CHECK(n_experts > 0 && Wd.out % n_experts == 0, "moe_down_combine: {} rows over {} experts", Wd.out, n_experts);
+  TANSY_CHECK(n_experts > 0 && Wd.out % n_experts == 0, "moe_down_combine: {} rows over {} experts", Wd.out,
+              n_experts);
   TANSY_CHECK(k >= 1 && k <= kMaxTopK, "moe_down_combine: k = {} outside 1..{}", k, kMaxTopK);
   TANSY_CHECK(n >= 1 && n <= 65535, "moe_down_combine: {} tokens outside the grid limit", n);
-  TANSY_CHECK(idx && wts && act && (out || res.h) && aligned16(act), "moe_down_combine: missing or misaligned buffers");
-  TANSY_CHECK(!res.h || (n == 1 && res.ss), "moe_down_combine: the residual output takes one token and its ss");
+  TANSY_CHECK(idx && wts && act && (out || res.h) && aligned16(act),
+              "moe_down_combine: missing or misaligned buffers");
+  TANSY_CHECK(!res.h || (n == 1 && res.ss),
+              "moe_down_combine: the residual output takes one token and its ss");
   TANSY_CHECK(!shared || sh_logit, "moe_down_combine: shared expert output without its gate logit");
   const int H = Wd.out / n_experts;
   auto go = [&]<int BITS>() {
@@ -1050,8 +1095,8 @@ void launch_moe_down(const DevLinear& Wd, int n_experts, const int* idx, const f
       auto run = [&]<bool STAGED>(size_t bytes) {
         constexpr auto kern = moe_down_kernel<BITS, G, STAGED>;
         allow_smem<kern>(bytes, "moe_down_combine");
-        pdl_launch(kern, dim3(ceil_div(H, R), n), dim3(kThreads), bytes, stream, Wd, H, idx, wts, act, k, shared,
-                   sh_logit, sh_ld, out, res, bulk_copies_on() ? 1 : 0);
+        pdl_launch(kern, dim3(ceil_div(H, R), n), dim3(kThreads), bytes, stream, Wd, H, idx, wts, act, k,
+                   shared, sh_logit, sh_ld, out, res, bulk_copies_on() ? 1 : 0);
       };
       // Shared-memory staging of the slots' rows when they fit (and scales come in 16-byte pieces).
       const size_t big = align16(smem) + size_t(k) * R * Wd.in * BITS / 8 +
@@ -1061,26 +1106,37 @@ void launch_moe_down(const DevLinear& Wd, int n_experts, const int* idx, const f
       else
         run.template operator()<false>(smem);
     };
-    if (cpr >= 32) launch.template operator()<32>();
-    else if (cpr >= 16) launch.template operator()<16>();
-    else launch.template operator()<8>();
+    if (cpr >= 32)
+      launch.template operator()<32>();
+    else if (cpr >= 16)
+      launch.template operator()<16>();
+    else
+      launch.template operator()<8>();
   };
   switch (Wd.fmt) {
-    case WFormat::kAffine4: go.template operator()<4>(); break;
-    case WFormat::kAffine8: go.template operator()<8>(); break;
-    default: go.template operator()<16>(); break;
+    case WFormat::kAffine4:
+      go.template operator()<4>();
+      break;
+    case WFormat::kAffine8:
+      go.template operator()<8>();
+      break;
+    default:
+      go.template operator()<16>();
+      break;
   }
 }
 }  // namespace
 
-void moe_down_combine(const DevLinear& Wd, int n_experts, const int* idx, const float* wts, const bf16* act, int n,
-                      int k, const bf16* shared, const float* sh_logit, int64_t sh_ld, bf16* out, cudaStream_t stream) {
+void moe_down_combine(const DevLinear& Wd, int n_experts, const int* idx, const float* wts, const bf16* act,
+                      int n, int k, const bf16* shared, const float* sh_logit, int64_t sh_ld, bf16* out,
+                      cudaStream_t stream) {
   TANSY_CHECK(out, "moe_down_combine: no output");
   launch_moe_down(Wd, n_experts, idx, wts, act, n, k, shared, sh_logit, sh_ld, out, ResidualOut{}, stream);
 }
 
-void moe_down_residual(const DevLinear& Wd, int n_experts, const int* idx, const float* wts, const bf16* act, int k,
-                       const bf16* shared, const float* sh_logit, const ResidualOut& out, cudaStream_t stream) {
+void moe_down_residual(const DevLinear& Wd, int n_experts, const int* idx, const float* wts, const bf16* act,
+                       int k, const bf16* shared, const float* sh_logit, const ResidualOut& out,
+                       cudaStream_t stream) {
   TANSY_CHECK(out.h && out.ss, "moe_down_residual: missing h or ss");
   launch_moe_down(Wd, n_experts, idx, wts, act, 1, k, shared, sh_logit, 0, nullptr, out, stream);
 }

@@ -9,7 +9,7 @@
 
 namespace tansy::cuda {
 
-constexpr int kQuantGroup = 64;      // affine group size along `in` (MLX's only group size here)
+constexpr int kQuantGroup = 64;     // affine group size along `in` (MLX's only group size here)
 constexpr int kMatvecMaxIn = 8192;  // up to 4 x rows are staged in shared memory as f32
 
 // Device view of a weight matrix [out, in] in its checkpoint layout (as tansy::Linear):
@@ -103,14 +103,16 @@ void matvec_norm(const DevLinear& W, const NormIn& x, const MatvecOut& Y, cudaSt
 void matvec_norm_route(const DevLinear& W, const NormIn& x, float* logits, const RouteEpilogue& route,
                        cudaStream_t stream);
 // GDN in_proj (bf16 Y, W.out rows) + the conv/gates epilogue.
-void matvec_norm_gdn(const DevLinear& W, const NormIn& x, bf16* Y, const GdnInEpilogue& gdn, cudaStream_t stream);
+void matvec_norm_gdn(const DevLinear& W, const NormIn& x, bf16* Y, const GdnInEpilogue& gdn,
+                     cudaStream_t stream);
 
 // Y[t, r] = Σ_i W[r, i]·X[t, i] for t < n (any n >= 1; rows of X `ldx` elements apart, 16-byte aligned).
 void matvec(const DevLinear& W, const bf16* X, int64_t ldx, int n, const MatvecOut& Y, cudaStream_t stream);
 
 // Fused SwiGLU pair: W's rows are interleaved (2i = gate_i, 2i+1 = up_i);
 // Y[t, i] = silu(bf16(g_i))·bf16(u_i) for i < W.out/2, bf16.
-void matvec_swiglu(const DevLinear& W, const bf16* X, int64_t ldx, int n, bf16* Y, int64_t ldy, cudaStream_t stream);
+void matvec_swiglu(const DevLinear& W, const bf16* X, int64_t ldx, int n, bf16* Y, int64_t ldy,
+                   cudaStream_t stream);
 
 // Routed experts' gate|up for decode: W stacks n_experts interleaved gate|up matrices of
 // rows_per_expert = 2*I rows. For each slot s = t*k + j: act[s, i] = swiglu of expert idx[s]
@@ -122,10 +124,12 @@ void matvec_swiglu_experts(const DevLinear& W, int n_experts, const int* idx, in
 // out[t, r] = Σ_j wts[t, j]·(Wd_{idx[t,j]}[r]·act[t*k+j]) + sigmoid(sh_logit[t*sh_ld])·shared[t, r]
 // Wd stacks n_experts matrices [H, I]; shared bf16 [n, H] (the shared expert's output, may alias out);
 // out bf16 [n, H].
-void moe_down_combine(const DevLinear& Wd, int n_experts, const int* idx, const float* wts, const bf16* act, int n,
-                      int k, const bf16* shared, const float* sh_logit, int64_t sh_ld, bf16* out, cudaStream_t stream);
+void moe_down_combine(const DevLinear& Wd, int n_experts, const int* idx, const float* wts, const bf16* act,
+                      int n, int k, const bf16* shared, const float* sh_logit, int64_t sh_ld, bf16* out,
+                      cudaStream_t stream);
 // The same for one token, added to the residual stream instead (ResidualOut; `shared` as above).
-void moe_down_residual(const DevLinear& Wd, int n_experts, const int* idx, const float* wts, const bf16* act, int k,
-                       const bf16* shared, const float* sh_logit, const ResidualOut& out, cudaStream_t stream);
+void moe_down_residual(const DevLinear& Wd, int n_experts, const int* idx, const float* wts, const bf16* act,
+                       int k, const bf16* shared, const float* sh_logit, const ResidualOut& out,
+                       cudaStream_t stream);
 
 }  // namespace tansy::cuda

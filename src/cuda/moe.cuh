@@ -11,6 +11,7 @@ constexpr int kRouteMaxTopK = 16;
 
 // For each token t < n: softmax (f32) over logits[t*ld .. t*ld+E), top-k (ties to the lower
 // index), renormalised. idx int32 [n, k], w f32 [n, k], in descending weight order.
-void route_topk(const float* logits, int64_t ld, int n, int E, int k, int* idx, float* w, cudaStream_t stream);
+void route_topk(const float* logits, int64_t ld, int n, int E, int k, int* idx, float* w,
+                cudaStream_t stream);
 
 }  // namespace tansy::cuda

@@ -1,5 +1,4 @@
 #include "cuda/norm.cuh"
-
 #include "cuda/pdl.cuh"
 
 namespace tansy::cuda {
@@ -22,8 +21,9 @@ __device__ float block_sum(float v, float* red) {
 // The row is held in registers (PER values per thread), so every load is issued before the
 // first store and the block pays one memory latency instead of one per loop trip.
 template <int PER>
-__global__ void __launch_bounds__(kThreads) add_rmsnorm_kernel(float* h, const bf16* r, const float* __restrict__ w,
-                                                               int dim, float eps, bf16* __restrict__ xn) {
+__global__ void __launch_bounds__(kThreads)
+    add_rmsnorm_kernel(float* h, const bf16* r, const float* __restrict__ w, int dim, float eps,
+                       bf16* __restrict__ xn) {
   __shared__ float red[kThreads / 32];
   pdl_wait();
   pdl_launch_dependents();
@@ -57,9 +57,9 @@ __global__ void __launch_bounds__(kThreads) add_rmsnorm_kernel(float* h, const b
 }
 
 // One block per (head, token); blockDim = head_dim.
-__global__ void gated_rmsnorm_kernel(const float* __restrict__ o, int64_t ldo, const bf16* __restrict__ z, int64_t ldz,
-                                     const float* __restrict__ w, int head_dim, float eps, bf16* __restrict__ y,
-                                     int64_t ldy) {
+__global__ void gated_rmsnorm_kernel(const float* __restrict__ o, int64_t ldo, const bf16* __restrict__ z,
+                                     int64_t ldz, const float* __restrict__ w, int head_dim, float eps,
+                                     bf16* __restrict__ y, int64_t ldy) {
   __shared__ float red[32];
   pdl_wait();
   pdl_launch_dependents();
@@ -74,29 +74,34 @@ __global__ void gated_rmsnorm_kernel(const float* __restrict__ o, int64_t ldo, c
   for (int i = 0; i < head_dim / 32; ++i) tot += red[i];
   const float zz = __bfloat162float(z[int64_t(t) * ldz + int64_t(j) * head_dim + d]);
   const float g = zz / (1.f + __expf(-zz));
-  y[int64_t(t) * ldy + int64_t(j) * head_dim + d] = __float2bfloat16(w[d] * v * rsqrtf(tot / float(head_dim) + eps) * g);
+  y[int64_t(t) * ldy + int64_t(j) * head_dim + d] =
+      __float2bfloat16(w[d] * v * rsqrtf(tot / float(head_dim) + eps) * g);
 }
 
 }  // namespace
 
-void add_rmsnorm(float* h, const bf16* r, const float* w, int n, int dim, float eps, bf16* xn, cudaStream_t stream) {
+void add_rmsnorm(float* h, const bf16* r, const float* w, int n, int dim, float eps, bf16* xn,
+                 cudaStream_t stream) {
   TANSY_CHECK(n >= 1 && dim >= 1 && dim <= kNormMaxDim, "add_rmsnorm: n {} dim {} outside limits", n, dim);
   TANSY_CHECK(h && w && xn, "add_rmsnorm: missing buffers");
   // One register per value for the model's hidden sizes; wider rows take the 64-per-thread variant.
   constexpr int kSmall = 8;
   static_assert(kNormMaxDim <= 64 * kThreads);
-  if (dim <= kSmall * kThreads) pdl_launch(add_rmsnorm_kernel<kSmall>, dim3(n), dim3(kThreads), 0, stream, h, r, w, dim, eps, xn);
-  else pdl_launch(add_rmsnorm_kernel<64>, dim3(n), dim3(kThreads), 0, stream, h, r, w, dim, eps, xn);
+  if (dim <= kSmall * kThreads)
+    pdl_launch(add_rmsnorm_kernel<kSmall>, dim3(n), dim3(kThreads), 0, stream, h, r, w, dim, eps, xn);
+  else
+    pdl_launch(add_rmsnorm_kernel<64>, dim3(n), dim3(kThreads), 0, stream, h, r, w, dim, eps, xn);
 }
 
-void gated_rmsnorm(const float* o, int64_t ldo, const bf16* z, int64_t ldz, const float* w, int n, int n_heads,
-                   int head_dim, float eps, bf16* y, int64_t ldy, cudaStream_t stream) {
-  TANSY_CHECK(head_dim % 32 == 0 && head_dim <= 1024, "gated_rmsnorm: head_dim {} must be a multiple of 32, <= 1024",
-              head_dim);
-  TANSY_CHECK(n >= 1 && n <= 65535 && n_heads >= 1, "gated_rmsnorm: n {} heads {} outside limits", n, n_heads);
+void gated_rmsnorm(const float* o, int64_t ldo, const bf16* z, int64_t ldz, const float* w, int n,
+                   int n_heads, int head_dim, float eps, bf16* y, int64_t ldy, cudaStream_t stream) {
+  TANSY_CHECK(head_dim % 32 == 0 && head_dim <= 1024,
+              "gated_rmsnorm: head_dim {} must be a multiple of 32, <= 1024", head_dim);
+  TANSY_CHECK(n >= 1 && n <= 65535 && n_heads >= 1, "gated_rmsnorm: n {} heads {} outside limits", n,
+              n_heads);
   TANSY_CHECK(o && z && w && y, "gated_rmsnorm: missing buffers");
-  pdl_launch(gated_rmsnorm_kernel, dim3(n_heads, n), dim3(head_dim), 0, stream, o, ldo, z, ldz, w, head_dim, eps, y,
-             ldy);
+  pdl_launch(gated_rmsnorm_kernel, dim3(n_heads, n), dim3(head_dim), 0, stream, o, ldo, z, ldz, w, head_dim,
+             eps, y, ldy);
 }
 
 }  // namespace tansy::cuda

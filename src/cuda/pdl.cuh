@@ -51,7 +51,8 @@ void allow_smem(size_t smem, const char* what) {
 }
 
 template <typename... Params, typename... Args>
-void pdl_launch(void (*kern)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Args&&... args) {
+void pdl_launch(void (*kern)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                Args&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;

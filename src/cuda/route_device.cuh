@@ -53,7 +53,8 @@ __device__ __forceinline__ void route_warp(const float* l, int E, int k, int* id
       if (p[j] > c.v) c = RouteArgMax{p[j], lane + 32 * j};
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1)
-      c = route_better(c, RouteArgMax{__shfl_xor_sync(0xffffffffu, c.v, o), __shfl_xor_sync(0xffffffffu, c.i, o)});
+      c = route_better(
+          c, RouteArgMax{__shfl_xor_sync(0xffffffffu, c.v, o), __shfl_xor_sync(0xffffffffu, c.i, o)});
     const float pw = c.v * inv;
     chosen_sum += pw;
     if (lane == r) {

@@ -15,10 +15,14 @@ namespace tansy {
 
 const char* finish_name(Finish f) {
   switch (f) {
-    case Finish::kStop: return "stop";
-    case Finish::kLength: return "length";
-    case Finish::kCancelled: return "cancelled";
-    case Finish::kTimeout: return "timeout";
+    case Finish::kStop:
+      return "stop";
+    case Finish::kLength:
+      return "length";
+    case Finish::kCancelled:
+      return "cancelled";
+    case Finish::kTimeout:
+      return "timeout";
   }
   return "?";
 }
@@ -63,8 +67,9 @@ GenerationDefaults load_generation_defaults(const std::filesystem::path& model_d
     s.temperature = 0;
     used.push_back("do_sample false (greedy)");
   }
-  d.source = used.empty() ? "OpenAI defaults (generation_config.json sets no sampling fields): temperature 1, top_p 1"
-                          : fmt::format("{}: {}", path.string(), fmt::join(used, ", "));
+  d.source = used.empty()
+                 ? "OpenAI defaults (generation_config.json sets no sampling fields): temperature 1, top_p 1"
+                 : fmt::format("{}: {}", path.string(), fmt::join(used, ", "));
   return d;
 }
 
@@ -123,8 +128,10 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
   if (!state) {
     // A state the cache let go of is emptied and reused: no allocation (and on CUDA no graph
     // capture) on the request's path.
-    if (spare_ && model_->reset_state(*spare_)) state = std::move(spare_);
-    else state = model_->new_state(opt_.max_seq);
+    if (spare_ && model_->reset_state(*spare_))
+      state = std::move(spare_);
+    else
+      state = model_->new_state(opt_.max_seq);
   }
   res.cached_tokens = hit.n_tokens;
   cached_tokens_total_ += uint64_t(hit.n_tokens);
@@ -157,8 +164,10 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
     int end = std::min(n_prompt, pos + opt_.prefill_chunk);
     if (cut > size_t(pos) && cut < size_t(end)) end = int(cut);
     const std::span<const int32_t> piece(req.prompt.data() + pos, size_t(end - pos));
-    if (greedy_fast && end == n_prompt) next_greedy = model_->greedy_step(*state, piece, int(n_real));
-    else forward(piece);
+    if (greedy_fast && end == n_prompt)
+      next_greedy = model_->greedy_step(*state, piece, int(n_real));
+    else
+      forward(piece);
     fed.insert(fed.end(), req.prompt.begin() + pos, req.prompt.begin() + end);
     pos = end;
     if (size_t(pos) == cut && pos < n_prompt) {
@@ -171,7 +180,7 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
   StreamDecoder decoder(tok_);
   StopMatcher stops(req.stop);
   std::vector<float> raw;
-  bool ended = false;  // by a stop string or an end-of-sequence token
+  bool ended = false;            // by a stop string or an end-of-sequence token
   std::vector<int32_t> pending;  // forced tokens still to emit, in reverse order
   bool armed = false;            // forcing happens once per request
   auto arm_forcing = [&] {

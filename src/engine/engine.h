@@ -21,9 +21,9 @@
 namespace tansy {
 
 struct EngineOptions {
-  int max_seq = 32768;           // tokens per sequence (prompt + generated)
+  int max_seq = 32768;  // tokens per sequence (prompt + generated)
   size_t prefix_cache_entries = 4;
-  int prefill_chunk = 256;       // cancellation is checked between chunks of this many prompt tokens
+  int prefill_chunk = 256;  // cancellation is checked between chunks of this many prompt tokens
   // Plain greedy requests (is_plain_greedy, no logprobs) decode through Model::greedy_step, which
   // a backend may run without moving the logits to the host. Off: every token goes through
   // forward() and the host sampler (tests compare the two paths).
@@ -41,9 +41,9 @@ struct GenRequest {
   std::vector<int32_t> prompt;
   SamplingParams sampling;
   int max_tokens = 16;
-  std::vector<std::string> stop;     // stop strings
+  std::vector<std::string> stop;  // stop strings
   bool ignore_eos = false;
-  int logprobs = -1;                 // -1: none; k >= 0: chosen token's logprob and k alternatives
+  int logprobs = -1;  // -1: none; k >= 0: chosen token's logprob and k alternatives
   // Also keep the state after this many prompt tokens in the prefix cache (0: only the final
   // state). The server passes the start of the assistant turn, which the next turn's prompt
   // shares even when the template rewrites the answer it generated.
@@ -54,23 +54,23 @@ struct GenRequest {
   std::optional<int32_t> force_trigger;
   std::vector<int32_t> forced;
   std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
-  std::function<bool()> cancelled;   // polled once per step; true stops the computation
+  std::function<bool()> cancelled;  // polled once per step; true stops the computation
 };
 
 struct GenStep {
-  int32_t token = -1;                // -1: end-of-generation flush (text only)
-  bool forced = false;               // emitted by GenRequest::forced, not sampled
-  std::string text;                  // text that became safe to emit (complete UTF-8, not part of a stop string)
+  int32_t token = -1;   // -1: end-of-generation flush (text only)
+  bool forced = false;  // emitted by GenRequest::forced, not sampled
+  std::string text;     // text that became safe to emit (complete UTF-8, not part of a stop string)
   std::optional<LogprobInfo> logprobs;
 };
 
 struct GenResult {
   int prompt_tokens = 0;
-  int cached_tokens = 0;             // prompt tokens restored from the prefix cache
-  int completion_tokens = 0;         // sampled tokens, including a final end-of-sequence token
+  int cached_tokens = 0;      // prompt tokens restored from the prefix cache
+  int completion_tokens = 0;  // sampled tokens, including a final end-of-sequence token
   Finish finish = Finish::kLength;
-  std::string stop_string;           // the stop string that matched, when one did
-  std::optional<int32_t> stop_token; // the end-of-sequence token that ended it, when one did
+  std::string stop_string;            // the stop string that matched, when one did
+  std::optional<int32_t> stop_token;  // the end-of-sequence token that ended it, when one did
 };
 
 // Sampling defaults read from DIR/generation_config.json, else OpenAI's (temperature 1, top_p 1).

@@ -22,8 +22,8 @@ PrefixCache::Hit PrefixCache::lookup(Model& model, std::span<const int32_t> toke
   return {model.clone_state(*best->state), int(best->tokens.size())};
 }
 
-std::unique_ptr<SequenceState> PrefixCache::insert(std::vector<int32_t> tokens, std::unique_ptr<SequenceState> state,
-                                                   bool cold) {
+std::unique_ptr<SequenceState> PrefixCache::insert(std::vector<int32_t> tokens,
+                                                   std::unique_ptr<SequenceState> state, bool cold) {
   if (capacity_ == 0 || tokens.empty()) return state;
   std::unique_ptr<SequenceState> freed;
   auto drop = [&](std::list<Entry>::iterator it) {
@@ -40,8 +40,10 @@ std::unique_ptr<SequenceState> PrefixCache::insert(std::vector<int32_t> tokens, 
     else
       ++it;
   }
-  if (cold) entries_.push_back({std::move(tokens), std::move(state)});
-  else entries_.push_front({std::move(tokens), std::move(state)});
+  if (cold)
+    entries_.push_back({std::move(tokens), std::move(state)});
+  else
+    entries_.push_front({std::move(tokens), std::move(state)});
   while (entries_.size() > capacity_) drop(std::prev(entries_.end()));
   return freed;
 }

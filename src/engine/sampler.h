@@ -20,7 +20,7 @@ struct SamplingParams {
   double frequency_penalty = 0.0;   // OpenAI: on generated tokens, per occurrence
   double repetition_penalty = 1.0;  // HF/vLLM: on prompt and generated tokens
   std::map<int32_t, double> logit_bias;
-  std::optional<uint64_t> seed;     // absent: nondeterministic
+  std::optional<uint64_t> seed;  // absent: nondeterministic
 };
 
 struct TokenLogprob {
@@ -31,8 +31,8 @@ struct TokenLogprob {
 // Log-probabilities of the model's own distribution (raw logits, before penalties and
 // temperature): what vLLM reports by default, and the only choice independent of sampling settings.
 struct LogprobInfo {
-  float logprob = 0;                // of the chosen token
-  std::vector<TokenLogprob> top;    // best first
+  float logprob = 0;              // of the chosen token
+  std::vector<TokenLogprob> top;  // best first
 };
 
 class Sampler {

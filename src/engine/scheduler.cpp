@@ -33,8 +33,10 @@ bool Scheduler::wait_turn(Ticket& t, const std::function<bool()>& give_up, std::
 void Scheduler::release(uint64_t id) {
   {
     std::lock_guard lk(mu_);
-    if (running_ == id) running_ = 0;
-    else line_.erase(std::remove(line_.begin(), line_.end(), id), line_.end());
+    if (running_ == id)
+      running_ = 0;
+    else
+      line_.erase(std::remove(line_.begin(), line_.end(), id), line_.end());
   }
   cv_.notify_all();
 }

@@ -22,7 +22,8 @@ std::string StopMatcher::push(std::string_view text) {
   size_t best = std::string::npos;
   for (size_t i = 0; i < stops_.size(); ++i) {
     size_t p = held_.find(stops_[i]);
-    if (p != std::string::npos && (p < best || (p == best && stops_[i].size() > stops_[size_t(matched_)].size()))) {
+    if (p != std::string::npos &&
+        (p < best || (p == best && stops_[i].size() > stops_[size_t(matched_)].size()))) {
       best = p;
       matched_ = int(i);
     }

@@ -1,10 +1,9 @@
 // The model description read from config.json: Qwen3.5/3.6 MoE text architecture
 // (MODEL.md §1), validated field by field.
 #pragma once
-#include <nlohmann/json_fwd.hpp>
-
 #include <filesystem>
 #include <map>
+#include <nlohmann/json_fwd.hpp>
 #include <optional>
 #include <string>
 #include <vector>

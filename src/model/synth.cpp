@@ -4,8 +4,8 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <chrono>
 #include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -139,8 +139,8 @@ class SpecBuilder {
     int bits = cfg_.quant ? cfg_.quant->bits_for(module) : 4;
     int group = cfg_.quant ? cfg_.quant->group_size : 64;
     TANSY_CHECK(bits == 4 || bits == 8, "synth: {} has {} bits; only 4 and 8 are supported", module, bits);
-    TANSY_CHECK(in % group == 0 && (in * bits) % 32 == 0, "synth: {} input size {} is not a multiple of group {}",
-                module, in, group);
+    TANSY_CHECK(in % group == 0 && (in * bits) % 32 == 0,
+                "synth: {} input size {} is not a multiple of group {}", module, in, group);
     const double levels = double(1 << bits);
     const float code_std = float(std::sqrt((levels * levels - 1) / 12.0));
     const float base = sigma / code_std, mid = float((levels - 1) / 2);
@@ -351,7 +351,8 @@ SynthResult write_synthetic_checkpoint(const nlohmann::json& config_in, const st
   std::error_code ec;
   if (fs::exists(dir, ec)) {
     if (!fs::is_directory(dir, ec)) fail("synth: {} exists and is not a directory", dir.string());
-    if (!fs::is_empty(dir, ec)) fail("synth: {} is not empty (synth writes only into a new or empty directory)", dir.string());
+    if (!fs::is_empty(dir, ec))
+      fail("synth: {} is not empty (synth writes only into a new or empty directory)", dir.string());
   } else if (!fs::create_directories(dir, ec) || ec) {
     fail("synth: cannot create {}: {}", dir.string(), ec.message());
   }
@@ -376,7 +377,8 @@ SynthResult write_synthetic_checkpoint(const nlohmann::json& config_in, const st
     size_t off = 0;
     for (size_t i : sh.specs) {
       const Spec& s = specs[i];
-      hdr[s.name] = {{"dtype", dtype_name(s.dtype)}, {"shape", s.shape}, {"data_offsets", {off, off + s.nbytes()}}};
+      hdr[s.name] = {
+          {"dtype", dtype_name(s.dtype)}, {"shape", s.shape}, {"data_offsets", {off, off + s.nbytes()}}};
       off += s.nbytes();
       weight_map[s.name] = sh.file;
     }
@@ -468,8 +470,9 @@ SynthResult write_synthetic_checkpoint(const nlohmann::json& config_in, const st
 
   nlohmann::json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
   write_text(dir / "model.safetensors.index.json", index.dump(2) + "\n");
-  write_text(dir / "tansy_synth.json",
-             nlohmann::json{{"generator", "tansy synth"}, {"seed", opt.seed}, {"model", cfg.name}}.dump(2) + "\n");
+  write_text(
+      dir / "tansy_synth.json",
+      nlohmann::json{{"generator", "tansy synth"}, {"seed", opt.seed}, {"model", cfg.name}}.dump(2) + "\n");
   SynthResult result{total, int(specs.size()), n_shards};
   if (opt.tokenizer) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -500,11 +503,14 @@ CostModel cost_model(const ModelConfig& c) {
   auto bits_of = [&](const std::string& module) { return c.quant ? c.quant->bits_for(module) : 16; };
   auto group = c.quant ? c.quant->group_size : 64;
   // Stored bytes of an [out, in] matrix: codes plus a bf16 scale and bias per group (or bf16 dense).
-  auto mat = [&](double out, double in, int bits) { return bits == 16 ? out * in * 2 : out * in * (bits / 8.0 + 4.0 / group); };
+  auto mat = [&](double out, double in, int bits) {
+    return bits == 16 ? out * in * 2 : out * in * (bits / 8.0 + 4.0 / group);
+  };
   CostModel m;
   const double H = c.hidden_size;
   const std::string P = kPrefix;
-  double bytes = mat(1, H, bits_of(P + "embed_tokens")) + mat(c.vocab_size, H, bits_of("language_model.lm_head"));
+  double bytes =
+      mat(1, H, bits_of(P + "embed_tokens")) + mat(c.vocab_size, H, bits_of("language_model.lm_head"));
   double params = double(c.vocab_size) * H;
   for (int i = 0; i < c.num_layers; ++i) {
     const std::string L = P + "layers." + std::to_string(i) + ".";
@@ -519,7 +525,8 @@ CostModel cost_model(const ModelConfig& c) {
       params += rows * H + H * c.q_dim();
     }
     const double expert = 3.0 * c.moe_intermediate * H, shared = 3.0 * c.shared_intermediate * H;
-    bytes += mat(c.num_experts, H, bits_of(L + "mlp.gate")) + mat(1, H, bits_of(L + "mlp.shared_expert_gate")) +
+    bytes += mat(c.num_experts, H, bits_of(L + "mlp.gate")) +
+             mat(1, H, bits_of(L + "mlp.shared_expert_gate")) +
              mat(1, (c.experts_per_tok * expert + shared), 4);
     params += (c.num_experts + 1.0) * H + c.experts_per_tok * expert + shared;
   }
@@ -529,7 +536,8 @@ CostModel cost_model(const ModelConfig& c) {
   m.attn_heads = c.num_heads;
   m.head_dim = c.head_dim;
   m.kv_bytes_per_context_token = double(m.attn_layers) * 2 * c.kv_dim() * 2;
-  m.gdn_state_bytes = double(c.num_linear_layers()) * c.lin_num_v_heads * c.lin_k_head_dim * c.lin_v_head_dim * 4;
+  m.gdn_state_bytes =
+      double(c.num_linear_layers()) * c.lin_num_v_heads * c.lin_k_head_dim * c.lin_v_head_dim * 4;
   return m;
 }
 

@@ -3,11 +3,10 @@
 // values at scales that keep hidden states of order 1, so that benchmarks and full-size tests
 // run the real code paths without the real weights (BENCHMARK.md "The weights").
 #pragma once
-#include <nlohmann/json.hpp>
-
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <span>
 #include <string>
 #include <vector>
@@ -26,18 +25,18 @@ nlohmann::json complete_synth_config(nlohmann::json config);
 
 struct SynthOptions {
   uint64_t seed = 0;
-  int threads = 0;                              // 0: hardware concurrency
-  size_t shard_bytes = size_t(5) << 30;         // start a new shard past this many data bytes
-  size_t chunk_bytes = size_t(32) << 20;        // unit of work per thread and per write
-  bool tokenizer = false;                       // also write_synthetic_tokenizer (before config.json)
+  int threads = 0;                        // 0: hardware concurrency
+  size_t shard_bytes = size_t(5) << 30;   // start a new shard past this many data bytes
+  size_t chunk_bytes = size_t(32) << 20;  // unit of work per thread and per write
+  bool tokenizer = false;                 // also write_synthetic_tokenizer (before config.json)
 };
 
 struct SynthResult {
   size_t data_bytes = 0;  // tensor bytes over all shards
   int tensors = 0;
   int shards = 0;
-  int tokenizer_ids = 0;     // with SynthOptions::tokenizer: the tokenizer's vocab_size()
-  double tokenizer_s = 0;    // time spent writing it
+  int tokenizer_ids = 0;   // with SynthOptions::tokenizer: the tokenizer's vocab_size()
+  double tokenizer_s = 0;  // time spent writing it
 };
 
 // Writes DIR/config.json, DIR/model-0000k-of-0000N.safetensors and
@@ -59,9 +58,9 @@ struct SynthToken {
   bool special = false;
 };
 struct SynthTokenizerLayout {
-  int n_ordinary = 0;            // ids [0, n_ordinary): byte tokens and merges
-  std::vector<SynthToken> added; // ids at or above n_ordinary
-  int vocab_size() const;        // highest id + 1
+  int n_ordinary = 0;             // ids [0, n_ordinary): byte tokens and merges
+  std::vector<SynthToken> added;  // ids at or above n_ordinary
+  int vocab_size() const;         // highest id + 1
 };
 // For the real configuration (ModelConfig::is_qwen36_35b_a3b): the real special-token ids
 // (MODEL.md §9; see the source for which are UNVERIFIED) and 248070 ids in all, below the
@@ -83,10 +82,10 @@ uint64_t fnv1a64_ids(std::span<const int32_t> ids);
 // The benchmark's floors (BENCHMARK.md "The limits"), computed from the configuration's shapes
 // and the stored format (MODEL.md §10): 4-bit/8-bit affine with bf16 scale+bias per group of 64.
 struct CostModel {
-  double weight_bytes_per_token = 0;  // decode, batch 1: every weight a token touches, read once
+  double weight_bytes_per_token = 0;      // decode, batch 1: every weight a token touches, read once
   double kv_bytes_per_context_token = 0;  // bf16 K and V of every attention layer
   double gdn_state_bytes = 0;             // f32 recurrent state of every GDN layer
-  double active_params = 0;               // weights a token multiplies (mixers, router, top-k + shared experts, lm_head)
+  double active_params = 0;  // weights a token multiplies (mixers, router, top-k + shared experts, lm_head)
   int attn_layers = 0, attn_heads = 0, head_dim = 0;
 
   // Bytes one decode step moves at context `ctx`: weights + KV read + GDN state read and written.

@@ -43,8 +43,8 @@ std::array<std::string, 256> byte_spellings() {
 constexpr int kAlphabet = 96;
 inline uint8_t alpha(int i) { return i == 95 ? uint8_t('\n') : uint8_t(0x20 + i); }
 
-constexpr size_t kPairs = size_t(kAlphabet) * kAlphabet;                 // 9,216
-constexpr size_t kTwoByteChars = 0x800 - 0x80;                           // 1,920
+constexpr size_t kPairs = size_t(kAlphabet) * kAlphabet;                // 9,216
+constexpr size_t kTwoByteChars = 0x800 - 0x80;                          // 1,920
 constexpr size_t kTriples = size_t(kAlphabet) * kAlphabet * kAlphabet;  // 884,736
 // 2654435761 is odd and not a multiple of 3, so i -> i * M mod 96^3 permutes the triples.
 constexpr uint64_t kTriplePermute = 2654435761ULL;
@@ -81,9 +81,10 @@ SynthTokenizerLayout synth_tokenizer_layout(const ModelConfig& cfg) {
   const int V = cfg.vocab_size;
   const int n_added = 5;
   if (V < 256 + n_added)
-    fail("synth: vocab_size {} leaves no room for a byte-level tokenizer (at least {} ids; tansy synth "
-         "--no-tokenizer writes the weights alone)",
-         V, 256 + n_added);
+    fail(
+        "synth: vocab_size {} leaves no room for a byte-level tokenizer (at least {} ids; tansy synth "
+        "--no-tokenizer writes the weights alone)",
+        V, 256 + n_added);
   l.n_ordinary = V - n_added;
   l.added = {{"<|endoftext|>", V - 5, true},
              {"<|im_start|>", V - 4, true},
@@ -101,7 +102,8 @@ int SynthTokenizerLayout::vocab_size() const {
 
 std::string synthetic_tokenizer_json(const SynthTokenizerLayout& layout) {
   const size_t n_merges = size_t(layout.n_ordinary) - 256;
-  if (layout.n_ordinary < 256) fail("synth tokenizer: {} ordinary ids cannot hold the 256 byte tokens", layout.n_ordinary);
+  if (layout.n_ordinary < 256)
+    fail("synth tokenizer: {} ordinary ids cannot hold the 256 byte tokens", layout.n_ordinary);
   if (n_merges > kPairs + kTwoByteChars + kTriples)
     fail("synth tokenizer: {} ordinary ids exceed what the generator makes ({})", layout.n_ordinary,
          256 + kPairs + kTwoByteChars + kTriples);
@@ -136,7 +138,8 @@ std::string synthetic_tokenizer_json(const SynthTokenizerLayout& layout) {
     const int a = int(t / kPairs), b = int(t / kAlphabet % kAlphabet), c = int(t % kAlphabet);
     add_merge(sp[alpha(a)] + sp[alpha(b)], sp[alpha(c)]);
   }
-  if (next_id != layout.n_ordinary) fail("synth tokenizer: generated {} ordinary ids, expected {}", next_id, layout.n_ordinary);
+  if (next_id != layout.n_ordinary)
+    fail("synth tokenizer: generated {} ordinary ids, expected {}", next_id, layout.n_ordinary);
 
   std::string added;
   for (auto& a : layout.added) {
@@ -146,17 +149,20 @@ std::string synthetic_tokenizer_json(const SynthTokenizerLayout& layout) {
         R"({{"id":{},"content":{},"single_word":false,"lstrip":false,"rstrip":false,"normalized":false,"special":{}}})",
         a.id, json_str(a.content), a.special ? "true" : "false");
   }
-  const std::string byte_level = R"({"type":"ByteLevel","add_prefix_space":false,"trim_offsets":false,"use_regex":false})";
+  const std::string byte_level =
+      R"({"type":"ByteLevel","add_prefix_space":false,"trim_offsets":false,"use_regex":false})";
   std::string out;
   out.reserve(vocab.size() + merges.size() + added.size() + 1024);
   out += R"({"version":"1.0","truncation":null,"padding":null,"added_tokens":[)";
   out += added;
-  out += R"(],"normalizer":{"type":"NFC"},"pre_tokenizer":{"type":"Sequence","pretokenizers":[{"type":"Split","pattern":{"Regex":)";
+  out +=
+      R"(],"normalizer":{"type":"NFC"},"pre_tokenizer":{"type":"Sequence","pretokenizers":[{"type":"Split","pattern":{"Regex":)";
   out += json_str(kSplitRegex);
   out += R"(},"behavior":"Isolated","invert":false},)" + byte_level + "]},";
   out += R"("post_processor":)" + byte_level + R"(,"decoder":)" + byte_level + ",";
-  out += R"("model":{"type":"BPE","dropout":null,"unk_token":null,"continuing_subword_prefix":"","end_of_word_suffix":"",)"
-         R"("fuse_unk":false,"byte_fallback":false,"ignore_merges":false,"vocab":{)";
+  out +=
+      R"("model":{"type":"BPE","dropout":null,"unk_token":null,"continuing_subword_prefix":"","end_of_word_suffix":"",)"
+      R"("fuse_unk":false,"byte_fallback":false,"ignore_merges":false,"vocab":{)";
   out += vocab;
   out += R"(},"merges":[)";
   out += merges;
@@ -179,21 +185,22 @@ void write_synthetic_tokenizer(const ModelConfig& cfg, const std::filesystem::pa
   // What transformers reads besides tokenizer.json: no BOS (MODEL.md §9), <|im_end|> ends a turn.
   nlohmann::ordered_json decoder = nlohmann::ordered_json::object();
   for (auto& a : layout.added)
-    decoder[std::to_string(a.id)] = {{"content", a.content}, {"lstrip", false}, {"normalized", false},
+    decoder[std::to_string(a.id)] = {{"content", a.content}, {"lstrip", false},      {"normalized", false},
                                      {"rstrip", false},      {"single_word", false}, {"special", a.special}};
-  nlohmann::ordered_json tc = {{"add_bos_token", false},
-                               {"add_prefix_space", false},
-                               {"added_tokens_decoder", decoder},
-                               {"bos_token", nullptr},
-                               {"clean_up_tokenization_spaces", false},
-                               {"eos_token", "<|im_end|>"},
-                               {"errors", "replace"},
-                               {"model_max_length", cfg.max_position},
-                               {"pad_token", "<|endoftext|>"},
-                               {"split_special_tokens", false},
-                               {"tokenizer_class", "Qwen2Tokenizer"},
-                               {"unk_token", nullptr},
-                               {"tansy_synthetic", "byte-level BPE generated by tansy synth: not the real vocabulary"}};
+  nlohmann::ordered_json tc = {
+      {"add_bos_token", false},
+      {"add_prefix_space", false},
+      {"added_tokens_decoder", decoder},
+      {"bos_token", nullptr},
+      {"clean_up_tokenization_spaces", false},
+      {"eos_token", "<|im_end|>"},
+      {"errors", "replace"},
+      {"model_max_length", cfg.max_position},
+      {"pad_token", "<|endoftext|>"},
+      {"split_special_tokens", false},
+      {"tokenizer_class", "Qwen2Tokenizer"},
+      {"unk_token", nullptr},
+      {"tansy_synthetic", "byte-level BPE generated by tansy synth: not the real vocabulary"}};
   write("tokenizer_config.json", tc.dump(2) + "\n");
   // The one template tansy renders (the server refuses any other).
   write("chat_template.jinja", text::implemented_template());

@@ -10,10 +10,14 @@ namespace tansy {
 
 const char* wformat_name(WFormat f) {
   switch (f) {
-    case WFormat::kAffine4: return "affine4";
-    case WFormat::kAffine8: return "affine8";
-    case WFormat::kBF16: return "bf16";
-    case WFormat::kF32: return "f32";
+    case WFormat::kAffine4:
+      return "affine4";
+    case WFormat::kAffine8:
+      return "affine8";
+    case WFormat::kBF16:
+      return "bf16";
+    case WFormat::kF32:
+      return "f32";
   }
   return "?";
 }
@@ -41,8 +45,10 @@ void Linear::row(int r, float* out_row) const {
     case WFormat::kAffine8: {
       const size_t words = size_t(in) * bits() / 32, groups = size_t(in / group);
       const uint32_t* qr = q + size_t(r) * words;
-      if (fmt == WFormat::kAffine4) dequant_row<4>(qr, scales + r * groups, biases + r * groups, in, group, out_row);
-      else dequant_row<8>(qr, scales + r * groups, biases + r * groups, in, group, out_row);
+      if (fmt == WFormat::kAffine4)
+        dequant_row<4>(qr, scales + r * groups, biases + r * groups, in, group, out_row);
+      else
+        dequant_row<8>(qr, scales + r * groups, biases + r * groups, in, group, out_row);
       break;
     }
     case WFormat::kBF16:
@@ -57,9 +63,12 @@ void Linear::row(int r, float* out_row) const {
 size_t Linear::stored_bytes() const {
   switch (fmt) {
     case WFormat::kAffine4:
-    case WFormat::kAffine8: return size_t(out) * (size_t(in) * bits() / 8 + size_t(in / group) * 4);
-    case WFormat::kBF16: return size_t(out) * in * 2;
-    case WFormat::kF32: return size_t(out) * in * 4;
+    case WFormat::kAffine8:
+      return size_t(out) * (size_t(in) * bits() / 8 + size_t(in / group) * 4);
+    case WFormat::kBF16:
+      return size_t(out) * in * 2;
+    case WFormat::kF32:
+      return size_t(out) * in * 4;
   }
   return 0;
 }
@@ -89,9 +98,11 @@ std::string shape_str(const std::vector<int64_t>& s) {
 // Records every tensor it hands out; finish() rejects whatever was left over.
 class Loader {
  public:
-  Loader(const ModelConfig& cfg, const TensorStore& st, CheckpointFormat fmt) : cfg_(cfg), st_(st), fmt_(fmt) {}
+  Loader(const ModelConfig& cfg, const TensorStore& st, CheckpointFormat fmt)
+      : cfg_(cfg), st_(st), fmt_(fmt) {}
 
-  const TensorView& take(const std::string& name, const std::vector<int64_t>& shape, std::initializer_list<DType> dtypes) {
+  const TensorView& take(const std::string& name, const std::vector<int64_t>& shape,
+                         std::initializer_list<DType> dtypes) {
     const TensorView* t = st_.find(name);
     if (!t) fail("checkpoint is missing tensor '{}' (expected {})", name, shape_str(shape));
     if (used_.count(name)) fail("tensor '{}' consumed twice (loader bug)", name);
@@ -102,7 +113,8 @@ class Loader {
       for (auto d : dtypes) want += std::string(want.empty() ? "" : " or ") + dtype_name(d);
       fail("tensor '{}' has dtype {}, expected {}", name, dtype_name(t->dtype), want);
     }
-    if (t->shape != shape) fail("tensor '{}' has shape {}, expected {}", name, t->shape_str(), shape_str(shape));
+    if (t->shape != shape)
+      fail("tensor '{}' has shape {}, expected {}", name, t->shape_str(), shape_str(shape));
     used_.insert(name);
     return *t;
   }
@@ -123,22 +135,25 @@ class Loader {
       const std::string wname = base + ".weight";
       const TensorView* w = st_.find(wname);
       if (!w) fail("checkpoint is missing tensor '{}'", wname);
-      if (w->dtype != DType::U32) fail("tensor '{}' has dtype {}, expected U32 (MLX affine-quantized)", wname, dtype_name(w->dtype));
+      if (w->dtype != DType::U32)
+        fail("tensor '{}' has dtype {}, expected U32 (MLX affine-quantized)", wname, dtype_name(w->dtype));
       if (w->shape.size() != pre.size() + 2 || w->shape.back() <= 0)
         fail("tensor '{}' has shape {}, expected {}", wname, w->shape_str(), shape_str(with({out, in / 8})));
       const int64_t packed = w->shape.back();
       // Bits follow from the shapes: in * bits / 32 packed words per row.
-      if ((packed * 32) % in != 0) fail("tensor '{}': {} packed columns do not fit {} inputs", wname, packed, in);
+      if ((packed * 32) % in != 0)
+        fail("tensor '{}': {} packed columns do not fit {} inputs", wname, packed, in);
       const int bits = int(packed * 32 / in);
       if (bits != 4 && bits != 8)
-        fail("tensor '{}' has shape {}: that is {}-bit codes for {} inputs; only 4 and 8 bits are supported", wname,
-             w->shape_str(), bits, in);
+        fail("tensor '{}' has shape {}: that is {}-bit codes for {} inputs; only 4 and 8 bits are supported",
+             wname, w->shape_str(), bits, in);
       const int declared = declared_bits(base);
       if (declared != bits)
-        fail("tensor '{}' holds {}-bit codes but config.json's quantization declares {} bits for '{}'", wname, bits,
-             declared, base);
+        fail("tensor '{}' holds {}-bit codes but config.json's quantization declares {} bits for '{}'", wname,
+             bits, declared, base);
       const int group = cfg_.quant->group_size;
-      if (in % group != 0) fail("tensor '{}': input dimension {} is not a multiple of the group size {}", wname, in, group);
+      if (in % group != 0)
+        fail("tensor '{}': input dimension {} is not a multiple of the group size {}", wname, in, group);
       auto& q = take(wname, with({out, packed}), {DType::U32});
       auto& s = take(base + ".scales", with({out, in / group}), {DType::BF16});
       auto& b = take(base + ".biases", with({out, in / group}), {DType::BF16});
@@ -179,7 +194,7 @@ class Loader {
     auto& t = take(name, shape, {DType::BF16, DType::F32, DType::F16});
     std::vector<float> v(size_t(t.numel()));
     for (size_t i = 0; i < v.size(); ++i) {
-      float x = t.dtype == DType::F32 ? t.as<float>()[i]
+      float x = t.dtype == DType::F32    ? t.as<float>()[i]
                 : t.dtype == DType::BF16 ? bf16_to_f32(t.as<uint16_t>()[i])
                                          : f16_to_f32(t.as<uint16_t>()[i]);
       v[i] = add_one ? 1.0f + x : x;
@@ -194,7 +209,9 @@ class Loader {
       if (used_.count(name)) continue;
       bool skipped = false;
       for (auto& p : skip_prefixes) skipped |= name.rfind(p, 0) == 0;
-      if (!skipped) fail("unexpected tensor '{}' {} {} (not part of the {} text model)", name, t.shape_str(), dtype_name(t.dtype), cfg_.name);
+      if (!skipped)
+        fail("unexpected tensor '{}' {} {} (not part of the {} text model)", name, t.shape_str(),
+             dtype_name(t.dtype), cfg_.name);
     }
   }
 
@@ -242,15 +259,17 @@ ModelWeights load_weights(const ModelConfig& cfg, const TensorStore& st) {
     head = "lm_head";
     skip = {"mtp.", "model.mtp."};
   } else {
-    fail("checkpoint has no embedding tensor (looked for language_model.model.embed_tokens.weight, "
-         "model.language_model.embed_tokens.weight, model.embed_tokens.weight)");
+    fail(
+        "checkpoint has no embedding tensor (looked for language_model.model.embed_tokens.weight, "
+        "model.language_model.embed_tokens.weight, model.embed_tokens.weight)");
   }
   W.format = cfg.quant ? CheckpointFormat::kMlxAffine : CheckpointFormat::kHfBf16;
   const bool mlx = W.format == CheckpointFormat::kMlxAffine;
   {
     const TensorView* e = st.find(P + "embed_tokens.weight");
     if (mlx && e->dtype != DType::U32)
-      fail("config.json declares MLX quantization but tensor '{}' is {} (expected U32 codes)", e->name, dtype_name(e->dtype));
+      fail("config.json declares MLX quantization but tensor '{}' is {} (expected U32 codes)", e->name,
+           dtype_name(e->dtype));
     if (!mlx && e->dtype == DType::U32)
       fail("tensor '{}' is quantized (U32) but config.json has no 'quantization' block", e->name);
   }
@@ -276,8 +295,10 @@ ModelWeights load_weights(const ModelConfig& cfg, const TensorStore& st) {
       g.in_a = L.linear1(a + "in_proj_a", NV, H);
       g.out = L.linear1(a + "out_proj", H, VD);
       // MLX stores conv1d as [C, K, 1], Hugging Face as [C, 1, K]: both are [C][K] in memory.
-      g.conv = L.vec(a + "conv1d.weight", mlx ? std::vector<int64_t>{C, cfg.conv_kernel, 1}
-                                              : std::vector<int64_t>{C, 1, cfg.conv_kernel}, false);
+      g.conv = L.vec(
+          a + "conv1d.weight",
+          mlx ? std::vector<int64_t>{C, cfg.conv_kernel, 1} : std::vector<int64_t>{C, 1, cfg.conv_kernel},
+          false);
       g.A_log = L.vec(a + "A_log", {NV}, false);
       g.dt_bias = L.vec(a + "dt_bias", {NV}, false);
       g.norm = L.vec(a + "norm.weight", {cfg.lin_v_head_dim}, false);

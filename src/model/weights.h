@@ -36,11 +36,11 @@ struct Linear {
 };
 
 struct GdnWeights {
-  Linear in_qkv;  // [conv_dim, hidden]: rows q (key_dim) | k (key_dim) | v (value_dim)
-  Linear in_z;    // [value_dim, hidden]
-  Linear in_b;    // [n_v_heads, hidden]
-  Linear in_a;    // [n_v_heads, hidden]
-  Linear out;     // [hidden, value_dim]
+  Linear in_qkv;               // [conv_dim, hidden]: rows q (key_dim) | k (key_dim) | v (value_dim)
+  Linear in_z;                 // [value_dim, hidden]
+  Linear in_b;                 // [n_v_heads, hidden]
+  Linear in_a;                 // [n_v_heads, hidden]
+  Linear out;                  // [hidden, value_dim]
   std::vector<float> conv;     // [conv_dim, kernel]; tap kernel-1 multiplies the current token
   std::vector<float> A_log;    // [n_v_heads]
   std::vector<float> dt_bias;  // [n_v_heads]
@@ -50,18 +50,18 @@ struct GdnWeights {
 struct AttnWeights {
   Linear q;  // [n_heads*2*head_dim, hidden]: per head [q (head_dim) | gate (head_dim)]
   Linear k, v;
-  Linear o;                    // [hidden, n_heads*head_dim]
-  std::vector<float> q_norm;   // [head_dim] multiplier (1 + w)
-  std::vector<float> k_norm;   // [head_dim] multiplier (1 + w)
+  Linear o;                   // [hidden, n_heads*head_dim]
+  std::vector<float> q_norm;  // [head_dim] multiplier (1 + w)
+  std::vector<float> k_norm;  // [head_dim] multiplier (1 + w)
 };
 
 struct MoeWeights {
-  Linear router;                   // [n_experts, hidden]
-  std::vector<Linear> gate, up;    // n_experts x [moe_inter, hidden]
-  std::vector<Linear> down;        // n_experts x [hidden, moe_inter]
-  Linear sh_gate, sh_up;           // [shared_inter, hidden]
-  Linear sh_down;                  // [hidden, shared_inter]
-  Linear sh_router;                // [1, hidden] scalar gate of the shared expert
+  Linear router;                 // [n_experts, hidden]
+  std::vector<Linear> gate, up;  // n_experts x [moe_inter, hidden]
+  std::vector<Linear> down;      // n_experts x [hidden, moe_inter]
+  Linear sh_gate, sh_up;         // [shared_inter, hidden]
+  Linear sh_down;                // [hidden, shared_inter]
+  Linear sh_router;              // [1, hidden] scalar gate of the shared expert
 };
 
 struct LayerWeights {
@@ -76,7 +76,7 @@ enum class CheckpointFormat { kMlxAffine, kHfBf16 };
 
 struct ModelWeights {
   CheckpointFormat format = CheckpointFormat::kMlxAffine;
-  Linear embed;                   // [vocab, hidden]; a lookup dequantizes one row
+  Linear embed;  // [vocab, hidden]; a lookup dequantizes one row
   std::vector<LayerWeights> layers;
   std::vector<float> final_norm;  // [hidden] multiplier (1 + w)
   Linear lm_head;                 // [vocab, hidden]

@@ -18,7 +18,8 @@ struct ChatOutput::Impl {
   std::string tail;  // the last bytes given to the parser, to see a "</think>" split across pushes
 
   Impl(bool starts_in_reasoning, const Json& tools, std::string prefix)
-      : parser(starts_in_reasoning, tools, std::move(prefix)), passthrough(tools.is_null() && !starts_in_reasoning) {}
+      : parser(starts_in_reasoning, tools, std::move(prefix)),
+        passthrough(tools.is_null() && !starts_in_reasoning) {}
 
   std::vector<Json> push(std::string_view text, bool parse_tools) {
     if (parse_tools) return convert(parser.push(text));
@@ -85,7 +86,8 @@ struct ChatOutput::Impl {
 };
 
 ChatOutput::ChatOutput(bool starts_in_reasoning, const Json& tools, std::string id_prefix)
-    : impl_(std::make_unique<Impl>(starts_in_reasoning, tools, "call_" + id_prefix.substr(id_prefix.find('-') + 1) + "_")),
+    : impl_(std::make_unique<Impl>(starts_in_reasoning, tools,
+                                   "call_" + id_prefix.substr(id_prefix.find('-') + 1) + "_")),
       parse_tools_(!tools.is_null()) {}
 
 ChatOutput::~ChatOutput() = default;
@@ -110,7 +112,8 @@ Json ChatOutput::message() const {
   if (calls) {
     Json a = Json::array();
     for (auto& c : impl_->calls)
-      a.push_back({{"id", c.id}, {"type", "function"}, {"function", {{"name", c.name}, {"arguments", c.arguments}}}});
+      a.push_back(
+          {{"id", c.id}, {"type", "function"}, {"function", {{"name", c.name}, {"arguments", c.arguments}}}});
     m["tool_calls"] = a;
   }
   return m;

@@ -55,8 +55,10 @@ std::string Metrics::render(const Snapshot& s) const {
     o += fmt::format("# HELP {} {}\n# TYPE {} {}\n", name, help, name, type);
   };
   head("tansy_requests_total", "counter", "HTTP requests answered, by endpoint and status code.");
-  for (auto& [k, n] : requests_) o += fmt::format("tansy_requests_total{{endpoint=\"{}\",status=\"{}\"}} {}\n", k.first, k.second, n);
-  head("tansy_prompt_tokens_total", "counter", "Prompt tokens of completed generations (cached ones included).");
+  for (auto& [k, n] : requests_)
+    o += fmt::format("tansy_requests_total{{endpoint=\"{}\",status=\"{}\"}} {}\n", k.first, k.second, n);
+  head("tansy_prompt_tokens_total", "counter",
+       "Prompt tokens of completed generations (cached ones included).");
   o += fmt::format("tansy_prompt_tokens_total {}\n", prompt_tokens_);
   head("tansy_generation_tokens_total", "counter", "Tokens sampled.");
   o += fmt::format("tansy_generation_tokens_total {}\n", generated_tokens_);
@@ -74,7 +76,8 @@ std::string Metrics::render(const Snapshot& s) const {
   o += fmt::format("tansy_prefix_cache_entries {}\n", s.cache_entries);
   head("tansy_prefix_cache_capacity", "gauge", "Most sequence states the prefix cache holds.");
   o += fmt::format("tansy_prefix_cache_capacity {}\n", s.cache_capacity);
-  head("tansy_time_to_first_token_seconds", "histogram", "From request arrival to the first generated token.");
+  head("tansy_time_to_first_token_seconds", "histogram",
+       "From request arrival to the first generated token.");
   ttft_.render(o, "tansy_time_to_first_token_seconds");
   head("tansy_inter_token_latency_seconds", "histogram", "Between consecutive generated tokens.");
   itl_.render(o, "tansy_inter_token_latency_seconds");

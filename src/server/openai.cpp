@@ -11,16 +11,24 @@
 namespace tansy::server {
 
 ApiError::ApiError(int status_, std::string message, std::string param_, std::string code_)
-    : std::runtime_error(std::move(message)), status(status_), param(std::move(param_)), code(std::move(code_)) {}
+    : std::runtime_error(std::move(message)),
+      status(status_),
+      param(std::move(param_)),
+      code(std::move(code_)) {}
 
 std::string ApiError::type() const {
   switch (status) {
-    case 401: return "authentication_error";
-    case 404: return "not_found_error";
-    case 413: return "invalid_request_error";
+    case 401:
+      return "authentication_error";
+    case 404:
+      return "not_found_error";
+    case 413:
+      return "invalid_request_error";
     case 429:
-    case 503: return "server_overloaded";
-    default: return status >= 500 ? "server_error" : "invalid_request_error";
+    case 503:
+      return "server_overloaded";
+    default:
+      return status >= 500 ? "server_error" : "invalid_request_error";
   }
 }
 
@@ -50,7 +58,8 @@ const char* type_name(const Json& v) {
 class Fields {
  public:
   explicit Fields(const Json& body) : b_(body) {
-    if (!body.is_object()) api_fail(400, "", fmt::format("the request body must be a JSON object, got {}", type_name(body)));
+    if (!body.is_object())
+      api_fail(400, "", fmt::format("the request body must be a JSON object, got {}", type_name(body)));
   }
   bool has(const char* k) const { return b_.contains(k) && !b_.at(k).is_null(); }
   const Json& at(const char* k) const { return b_.at(k); }
@@ -64,7 +73,8 @@ class Fields {
     if (!has(k)) return fallback;
     const Json& v = at(k);
     if (!v.is_number_integer()) bad_type(k, "an integer");
-    if (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(std::numeric_limits<int64_t>::max())) out_of_range(k, lo, hi);
+    if (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(std::numeric_limits<int64_t>::max()))
+      out_of_range(k, lo, hi);
     int64_t x = v.get<int64_t>();
     if (x < lo || x > hi) out_of_range(k, lo, hi);
     return x;
@@ -95,21 +105,28 @@ class Fields {
 
 // Fields of OpenAI's schema that tansy accepts and ignores: they change nothing about what a
 // single local model generates.
-const std::set<std::string> kIgnoredOpenAI = {"user", "metadata", "store", "service_tier", "prompt_cache_key",
-                                              "safety_identifier", "parallel_tool_calls"};
+const std::set<std::string> kIgnoredOpenAI = {"user",
+                                              "metadata",
+                                              "store",
+                                              "service_tier",
+                                              "prompt_cache_key",
+                                              "safety_identifier",
+                                              "parallel_tool_calls"};
 
 void check_unsupported(const Fields& f, bool chat) {
-  // Present and not the value that means "off": tansy would otherwise silently ignore a request it cannot honour.
+  // Present and not the value that means "off": tansy would otherwise silently ignore a request it cannot
+  // honour.
   if (f.has("n") && !(f.at("n").is_number_integer() && f.at("n").get<int64_t>() == 1))
     api_fail(400, "n", "'n' must be 1: tansy generates one choice per request");
   if (chat) {
     if (f.has("response_format") &&
         !(f.at("response_format").is_object() && f.at("response_format").value("type", "") == "text"))
-      api_fail(400, "response_format", "'response_format' is not supported (structured output is not implemented)");
+      api_fail(400, "response_format",
+               "'response_format' is not supported (structured output is not implemented)");
     if (f.has("modalities") && f.at("modalities") != Json::array({"text"}))
       api_fail(400, "modalities", "'modalities' other than [\"text\"] is not supported");
-    for (const char* k : {"audio", "prediction", "web_search_options", "functions", "function_call", "reasoning_effort",
-                          "verbosity"})
+    for (const char* k : {"audio", "prediction", "web_search_options", "functions", "function_call",
+                          "reasoning_effort", "verbosity"})
       if (f.has(k)) api_fail(400, k, fmt::format("'{}' is not supported by tansy", k));
   } else {
     if (f.has("best_of") && !(f.at("best_of").is_number_integer() && f.at("best_of").get<int64_t>() == 1))
@@ -143,9 +160,11 @@ void parse_common(const Fields& f, ApiRequest& r, const SamplingParams& defaults
   s.presence_penalty = f.number("presence_penalty", s.presence_penalty, -2, 2);
   s.frequency_penalty = f.number("frequency_penalty", s.frequency_penalty, -2, 2);
   s.repetition_penalty = f.number("repetition_penalty", s.repetition_penalty, 0, 100);
-  if (s.repetition_penalty <= 0) api_fail(400, "repetition_penalty", "'repetition_penalty' must be greater than 0");
+  if (s.repetition_penalty <= 0)
+    api_fail(400, "repetition_penalty", "'repetition_penalty' must be greater than 0");
   if (f.has("seed"))
-    s.seed = uint64_t(f.integer("seed", 0, std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max()));
+    s.seed = uint64_t(
+        f.integer("seed", 0, std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max()));
   if (f.has("logit_bias")) {
     const Json& lb = f.at("logit_bias");
     if (!lb.is_object()) f.bad_type("logit_bias", "an object mapping token ids to biases");
@@ -154,9 +173,11 @@ void parse_common(const Fields& f, ApiRequest& r, const SamplingParams& defaults
       errno = 0;
       long id = std::strtol(k.c_str(), &end, 10);
       if (k.empty() || *end != '\0' || errno != 0 || id < 0 || id >= vocab_size)
-        api_fail(400, "logit_bias", fmt::format("logit_bias key '{}' is not a token id in [0, {})", k, vocab_size));
+        api_fail(400, "logit_bias",
+                 fmt::format("logit_bias key '{}' is not a token id in [0, {})", k, vocab_size));
       if (!v.is_number() || !(v.get<double>() >= -100 && v.get<double>() <= 100))
-        api_fail(400, "logit_bias", fmt::format("logit_bias value for '{}' must be a number in [-100, 100]", k));
+        api_fail(400, "logit_bias",
+                 fmt::format("logit_bias value for '{}' must be a number in [-100, 100]", k));
       s.logit_bias[int32_t(id)] = v.get<double>();
     }
   }
@@ -181,7 +202,8 @@ void parse_common(const Fields& f, ApiRequest& r, const SamplingParams& defaults
 
 void validate_content(const Json& content, const std::string& where) {
   if (content.is_null() || content.is_string()) return;
-  if (!content.is_array()) api_fail(400, where, fmt::format("'{}' must be a string, an array of parts or null", where));
+  if (!content.is_array())
+    api_fail(400, where, fmt::format("'{}' must be a string, an array of parts or null", where));
   for (size_t i = 0; i < content.size(); ++i) {
     const Json& p = content[i];
     std::string w = fmt::format("{}[{}]", where, i);
@@ -189,9 +211,12 @@ void validate_content(const Json& content, const std::string& where) {
     std::string type = p.contains("type") && p["type"].is_string() ? p["type"].get<std::string>() : "";
     if (type != "text")
       api_fail(400, w + ".type",
-               type.empty() ? fmt::format("'{}.type' must be a string", w)
-                            : fmt::format("content part type '{}' is not supported (tansy serves a text-only model)", type));
-    if (!p.contains("text") || !p["text"].is_string()) api_fail(400, w + ".text", fmt::format("'{}.text' must be a string", w));
+               type.empty()
+                   ? fmt::format("'{}.type' must be a string", w)
+                   : fmt::format("content part type '{}' is not supported (tansy serves a text-only model)",
+                                 type));
+    if (!p.contains("text") || !p["text"].is_string())
+      api_fail(400, w + ".text", fmt::format("'{}.text' must be a string", w));
   }
 }
 
@@ -205,18 +230,24 @@ void validate_messages(const Fields& f) {
     const Json& msg = m[i];
     std::string w = fmt::format("messages[{}]", i);
     if (!msg.is_object()) api_fail(400, w, fmt::format("'{}' must be an object", w));
-    if (!msg.contains("role") || !msg["role"].is_string()) api_fail(400, w + ".role", fmt::format("'{}.role' must be a string", w));
+    if (!msg.contains("role") || !msg["role"].is_string())
+      api_fail(400, w + ".role", fmt::format("'{}.role' must be a string", w));
     std::string role = msg["role"].get<std::string>();
     if (!roles.count(role))
-      api_fail(400, w + ".role", fmt::format("role '{}' is not supported (system, user, assistant, tool)", role));
-    if (msg.contains("content")) validate_content(msg["content"], w + ".content");
-    else if (role != "assistant") api_fail(400, w + ".content", fmt::format("'{}.content' is required", w));
-    if (msg.contains("reasoning_content") && !msg["reasoning_content"].is_null() && !msg["reasoning_content"].is_string())
+      api_fail(400, w + ".role",
+               fmt::format("role '{}' is not supported (system, user, assistant, tool)", role));
+    if (msg.contains("content"))
+      validate_content(msg["content"], w + ".content");
+    else if (role != "assistant")
+      api_fail(400, w + ".content", fmt::format("'{}.content' is required", w));
+    if (msg.contains("reasoning_content") && !msg["reasoning_content"].is_null() &&
+        !msg["reasoning_content"].is_string())
       api_fail(400, w + ".reasoning_content", fmt::format("'{}.reasoning_content' must be a string", w));
     if (msg.contains("tool_calls") && !msg["tool_calls"].is_null()) {
       const Json& tc = msg["tool_calls"];
       if (role != "assistant" || !tc.is_array())
-        api_fail(400, w + ".tool_calls", fmt::format("'{}.tool_calls' must be an array on an assistant message", w));
+        api_fail(400, w + ".tool_calls",
+                 fmt::format("'{}.tool_calls' must be an array on an assistant message", w));
       for (size_t j = 0; j < tc.size(); ++j) {
         std::string wj = fmt::format("{}.tool_calls[{}]", w, j);
         const Json& c = tc[j];
@@ -226,7 +257,8 @@ void validate_messages(const Fields& f) {
         if (!fn.contains("name") || !fn["name"].is_string())
           api_fail(400, wj + ".function.name", fmt::format("'{}.function.name' must be a string", wj));
         if (fn.contains("arguments") && !fn["arguments"].is_string() && !fn["arguments"].is_object())
-          api_fail(400, wj + ".function.arguments", fmt::format("'{}.function.arguments' must be a JSON string", wj));
+          api_fail(400, wj + ".function.arguments",
+                   fmt::format("'{}.function.arguments' must be a JSON string", wj));
       }
     }
   }
@@ -240,7 +272,8 @@ std::set<std::string> validate_tools(const Fields& f) {
   for (size_t i = 0; i < t.size(); ++i) {
     std::string w = fmt::format("tools[{}]", i);
     const Json& x = t[i];
-    if (!x.is_object() || x.value("type", "") != "function" || !x.contains("function") || !x["function"].is_object())
+    if (!x.is_object() || x.value("type", "") != "function" || !x.contains("function") ||
+        !x["function"].is_object())
       api_fail(400, w, fmt::format("'{}' must be {{\"type\": \"function\", \"function\": {{...}}}}", w));
     const Json& fn = x["function"];
     if (!fn.contains("name") || !fn["name"].is_string() || fn["name"].get<std::string>().empty())
@@ -269,8 +302,10 @@ ApiRequest parse_chat_request(const Json& body, const SamplingParams& defaults, 
     r.max_tokens = int(f.integer("max_completion_tokens", 0, 1, std::numeric_limits<int32_t>::max()));
   else if (f.has("max_tokens"))
     r.max_tokens = int(f.integer("max_tokens", 0, 1, std::numeric_limits<int32_t>::max()));
-  if (f.boolean("logprobs", false)) r.logprobs = int(f.integer("top_logprobs", 0, 0, 20));
-  else if (f.has("top_logprobs")) api_fail(400, "top_logprobs", "'top_logprobs' needs 'logprobs': true");
+  if (f.boolean("logprobs", false))
+    r.logprobs = int(f.integer("top_logprobs", 0, 0, 20));
+  else if (f.has("top_logprobs"))
+    api_fail(400, "top_logprobs", "'top_logprobs' needs 'logprobs': true");
 
   validate_messages(f);
   std::set<std::string> tool_names = validate_tools(f);
@@ -282,18 +317,27 @@ ApiRequest parse_chat_request(const Json& body, const SamplingParams& defaults, 
     const Json& tc = f.at("tool_choice");
     if (tc.is_string()) {
       std::string s = tc.get<std::string>();
-      if (s == "none") r.tool_choice = ToolChoice::kNone;
-      else if (s == "auto") r.tool_choice = ToolChoice::kAuto;
-      else if (s == "required") r.tool_choice = ToolChoice::kRequired;
-      else api_fail(400, "tool_choice", fmt::format("'tool_choice' must be none, auto, required or a named function, got '{}'", s));
+      if (s == "none")
+        r.tool_choice = ToolChoice::kNone;
+      else if (s == "auto")
+        r.tool_choice = ToolChoice::kAuto;
+      else if (s == "required")
+        r.tool_choice = ToolChoice::kRequired;
+      else
+        api_fail(400, "tool_choice",
+                 fmt::format("'tool_choice' must be none, auto, required or a named function, got '{}'", s));
     } else if (tc.is_object() && tc.value("type", "") == "function" && tc.contains("function") &&
-               tc["function"].is_object() && tc["function"].contains("name") && tc["function"]["name"].is_string()) {
+               tc["function"].is_object() && tc["function"].contains("name") &&
+               tc["function"]["name"].is_string()) {
       r.tool_choice = ToolChoice::kNamed;
       r.tool_name = tc["function"]["name"].get<std::string>();
       if (!tool_names.count(r.tool_name))
-        api_fail(400, "tool_choice", fmt::format("tool_choice names function '{}', which is not in 'tools'", r.tool_name));
+        api_fail(400, "tool_choice",
+                 fmt::format("tool_choice names function '{}', which is not in 'tools'", r.tool_name));
     } else {
-      f.bad_type("tool_choice", "\"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}");
+      f.bad_type(
+          "tool_choice",
+          "\"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}");
     }
     if ((r.tool_choice == ToolChoice::kRequired) && tool_names.empty())
       api_fail(400, "tool_choice", "tool_choice 'required' needs at least one tool in 'tools'");
@@ -307,11 +351,34 @@ ApiRequest parse_chat_request(const Json& body, const SamplingParams& defaults, 
   }
   if (r.tool_choice == ToolChoice::kNone) r.render.tools = nullptr;
   collect_ignored(body,
-                  {"model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature",
-                   "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                   "logit_bias", "stop", "logprobs", "top_logprobs", "tools", "tool_choice", "n", "response_format",
-                   "modalities", "chat_template_kwargs", "enable_thinking", "preserve_thinking",
-                   "add_generation_prompt", "ignore_eos"},
+                  {"model",
+                   "messages",
+                   "stream",
+                   "stream_options",
+                   "max_tokens",
+                   "max_completion_tokens",
+                   "temperature",
+                   "top_p",
+                   "top_k",
+                   "min_p",
+                   "seed",
+                   "presence_penalty",
+                   "frequency_penalty",
+                   "repetition_penalty",
+                   "logit_bias",
+                   "stop",
+                   "logprobs",
+                   "top_logprobs",
+                   "tools",
+                   "tool_choice",
+                   "n",
+                   "response_format",
+                   "modalities",
+                   "chat_template_kwargs",
+                   "enable_thinking",
+                   "preserve_thinking",
+                   "add_generation_prompt",
+                   "ignore_eos"},
                   r);
   return r;
 }
@@ -334,18 +401,39 @@ ApiRequest parse_completion_request(const Json& body, const SamplingParams& defa
   } else if (p->is_array() && !p->empty()) {
     for (auto& x : *p) {
       if (!x.is_number_integer())
-        api_fail(400, "prompt", "'prompt' must be a string, an array of token ids, or a batch of one of those");
+        api_fail(400, "prompt",
+                 "'prompt' must be a string, an array of token ids, or a batch of one of those");
       int64_t id = x.get<int64_t>();
-      if (id < 0 || id >= vocab_size) api_fail(400, "prompt", fmt::format("token id {} is outside [0, {})", id, vocab_size));
+      if (id < 0 || id >= vocab_size)
+        api_fail(400, "prompt", fmt::format("token id {} is outside [0, {})", id, vocab_size));
       r.prompt_ids.push_back(int32_t(id));
     }
   } else {
-    api_fail(400, "prompt", "'prompt' must be a non-empty string, an array of token ids, or a batch of one of those");
+    api_fail(400, "prompt",
+             "'prompt' must be a non-empty string, an array of token ids, or a batch of one of those");
   }
   collect_ignored(body,
-                  {"model", "prompt", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p",
-                   "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "stop",
-                   "logprobs", "n", "best_of", "echo", "suffix", "ignore_eos"},
+                  {"model",
+                   "prompt",
+                   "stream",
+                   "stream_options",
+                   "max_tokens",
+                   "temperature",
+                   "top_p",
+                   "top_k",
+                   "min_p",
+                   "seed",
+                   "presence_penalty",
+                   "frequency_penalty",
+                   "repetition_penalty",
+                   "logit_bias",
+                   "stop",
+                   "logprobs",
+                   "n",
+                   "best_of",
+                   "echo",
+                   "suffix",
+                   "ignore_eos"},
                   r);
   return r;
 }

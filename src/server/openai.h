@@ -5,7 +5,6 @@
 // for logging, since clients add their own.
 #pragma once
 #include <nlohmann/json.hpp>
-
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -35,21 +34,21 @@ struct ApiRequest {
   bool chat = true;
   std::string model;
   bool stream = false;
-  bool include_usage = false;         // stream_options.include_usage
-  std::optional<int> max_tokens;      // absent: up to the context limit (chat), 16 (completions)
+  bool include_usage = false;     // stream_options.include_usage
+  std::optional<int> max_tokens;  // absent: up to the context limit (chat), 16 (completions)
   SamplingParams sampling;
   std::vector<std::string> stop;
-  int logprobs = -1;                  // -1 none; else the number of alternatives per token
+  int logprobs = -1;  // -1 none; else the number of alternatives per token
   bool ignore_eos = false;
 
   // chat
-  text::RenderRequest render;         // messages, tools, template switches
+  text::RenderRequest render;  // messages, tools, template switches
   ToolChoice tool_choice = ToolChoice::kAuto;
-  std::string tool_name;              // kNamed
+  std::string tool_name;  // kNamed
 
   // completions
   std::optional<std::string> prompt_text;
-  std::vector<int32_t> prompt_ids;    // when the prompt was given as token ids
+  std::vector<int32_t> prompt_ids;  // when the prompt was given as token ids
 
   std::vector<std::string> ignored_fields;  // outside OpenAI's schema (logged)
 };

@@ -101,9 +101,12 @@ int json_depth(std::string_view s) {
   bool in_str = false, esc = false;
   for (char c : s) {
     if (in_str) {
-      if (esc) esc = false;
-      else if (c == '\\') esc = true;
-      else if (c == '"') in_str = false;
+      if (esc)
+        esc = false;
+      else if (c == '\\')
+        esc = true;
+      else if (c == '"')
+        in_str = false;
     } else if (c == '"') {
       in_str = true;
     } else if (c == '[' || c == '{') {
@@ -134,7 +137,8 @@ std::string random_id(const char* prefix) {
 }
 
 int64_t unix_now() {
-  return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+  return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
 }
 
 bool ends_with(std::string_view s, std::string_view suf) {
@@ -168,13 +172,15 @@ struct Server::Impl {
 
   void check_model(const ApiRequest& r) const {
     if (r.model != opt.model_id)
-      api_fail(404, "model", fmt::format("The model '{}' does not exist (this server serves '{}')", r.model, opt.model_id),
+      api_fail(404, "model",
+               fmt::format("The model '{}' does not exist (this server serves '{}')", r.model, opt.model_id),
                "model_not_found");
   }
 
   void log_ignored(const ApiRequest& r, const std::string& endpoint) const {
     if (!r.ignored_fields.empty())
-      log_line(fmt::format("{}: ignoring fields outside the OpenAI schema: {}", endpoint, fmt::join(r.ignored_fields, ", ")));
+      log_line(fmt::format("{}: ignoring fields outside the OpenAI schema: {}", endpoint,
+                           fmt::join(r.ignored_fields, ", ")));
   }
 
   // Fills max_tokens and checks the context limit.
@@ -183,11 +189,13 @@ struct Server::Impl {
     if (n == 0) api_fail(400, what, "the prompt is empty after tokenization");
     const int64_t want = max_tokens ? *max_tokens : limit - n;
     if (n + std::max<int64_t>(want, 1) > limit)
-      api_fail(400, what,
-               fmt::format("This model's maximum context length is {} tokens. However, you requested {} tokens ({} in "
-                           "the {}, {} in the completion). Please reduce the length of the {} or completion.",
-                           limit, n + std::max<int64_t>(want, 1), n, what, std::max<int64_t>(want, 1), what),
-               "context_length_exceeded");
+      api_fail(
+          400, what,
+          fmt::format(
+              "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in "
+              "the {}, {} in the completion). Please reduce the length of the {} or completion.",
+              limit, n + std::max<int64_t>(want, 1), n, what, std::max<int64_t>(want, 1), what),
+          "context_length_exceeded");
     j.gen.max_tokens = int(want);
   }
 
@@ -229,8 +237,9 @@ struct Server::Impl {
     if (j.api.tool_choice == ToolChoice::kRequired || j.api.tool_choice == ToolChoice::kNamed) {
       // Without constrained decoding, a call is guaranteed by writing its opening ourselves
       // once the reasoning is over; the model fills in the function (name) and arguments.
-      std::string open = j.api.tool_choice == ToolChoice::kNamed ? "<tool_call>\n<function=" + j.api.tool_name + ">\n"
-                                                                 : std::string("<tool_call>\n<function=");
+      std::string open = j.api.tool_choice == ToolChoice::kNamed
+                             ? "<tool_call>\n<function=" + j.api.tool_name + ">\n"
+                             : std::string("<tool_call>\n<function=");
       if (j.starts_in_reasoning) {
         auto end_think = tok.token_id("</think>");
         if (!end_think) api_fail(500, "", "the tokenizer has no </think> token");
@@ -265,15 +274,18 @@ struct Server::Impl {
   // ---- running ---------------------------------------------------------------------------
 
   // Runs a job whose turn has come. on_step sees every step (after metrics are recorded).
-  GenResult execute(Job& j, const ConnectionWatch& watch, const std::function<bool(const GenStep&)>& on_step) {
+  GenResult execute(Job& j, const ConnectionWatch& watch,
+                    const std::function<bool(const GenStep&)>& on_step) {
     j.gen.cancelled = [&watch] { return !watch.alive(); };
     bool first = true;
     Clock::time_point last{};
     GenResult r = engine.generate(j.gen, [&](const GenStep& s) {
       if (s.token >= 0) {
         auto now = Clock::now();
-        if (first) metrics.time_to_first_token(std::chrono::duration<double>(now - j.arrival).count());
-        else metrics.inter_token_latency(std::chrono::duration<double>(now - last).count());
+        if (first)
+          metrics.time_to_first_token(std::chrono::duration<double>(now - j.arrival).count());
+        else
+          metrics.inter_token_latency(std::chrono::duration<double>(now - last).count());
         first = false;
         last = now;
       }
@@ -319,7 +331,10 @@ struct Server::Impl {
     }
     bool empty() const { return tokens.empty(); }
     Json take() {
-      Json j{{"tokens", tokens}, {"token_logprobs", token_logprobs}, {"top_logprobs", top}, {"text_offset", offsets}};
+      Json j{{"tokens", tokens},
+             {"token_logprobs", token_logprobs},
+             {"top_logprobs", top},
+             {"text_offset", offsets}};
       *this = LegacyLogprobs{};
       return j;
     }
@@ -339,13 +354,16 @@ struct Server::Impl {
       return timed_out || !watch.alive();
     });
     if (!ok && timed_out)
-      api_fail(503, "", fmt::format("timed out after {} s waiting for earlier requests", opt.request_timeout_s), "timeout");
+      api_fail(503, "",
+               fmt::format("timed out after {} s waiting for earlier requests", opt.request_timeout_s),
+               "timeout");
     return ok;
   }
 
   void check_outcome(const GenResult& r) const {
     if (r.finish == Finish::kTimeout)
-      api_fail(504, "", fmt::format("the request did not finish within {} s", opt.request_timeout_s), "timeout");
+      api_fail(504, "", fmt::format("the request did not finish within {} s", opt.request_timeout_s),
+               "timeout");
   }
 
   // ---- non-streaming ---------------------------------------------------------------------
@@ -362,12 +380,18 @@ struct Server::Impl {
     if (r.finish == Finish::kCancelled) return nullptr;
     check_outcome(r);
     out.finish();
-    Json choice{{"index", 0}, {"message", out.message()}, {"logprobs", nullptr},
+    Json choice{{"index", 0},
+                {"message", out.message()},
+                {"logprobs", nullptr},
                 {"finish_reason", chat_finish_reason(j, r, out)}};
     if (j.gen.logprobs >= 0) choice["logprobs"] = Json{{"content", lps}, {"refusal", nullptr}};
     if (!r.stop_string.empty()) choice["stop_reason"] = r.stop_string;
-    return Json{{"id", j.id},           {"object", "chat.completion"}, {"created", j.created},
-                {"model", opt.model_id}, {"choices", {choice}},         {"usage", usage(r)},
+    return Json{{"id", j.id},
+                {"object", "chat.completion"},
+                {"created", j.created},
+                {"model", opt.model_id},
+                {"choices", {choice}},
+                {"usage", usage(r)},
                 {"system_fingerprint", fingerprint()}};
   }
 
@@ -382,12 +406,18 @@ struct Server::Impl {
     });
     if (r.finish == Finish::kCancelled) return nullptr;
     check_outcome(r);
-    Json choice{{"index", 0}, {"text", text}, {"logprobs", nullptr},
+    Json choice{{"index", 0},
+                {"text", text},
+                {"logprobs", nullptr},
                 {"finish_reason", r.finish == Finish::kLength ? "length" : "stop"}};
     if (j.gen.logprobs >= 0) choice["logprobs"] = lps.take();
     if (!r.stop_string.empty()) choice["stop_reason"] = r.stop_string;
-    return Json{{"id", j.id},           {"object", "text_completion"}, {"created", j.created},
-                {"model", opt.model_id}, {"choices", {choice}},         {"usage", usage(r)},
+    return Json{{"id", j.id},
+                {"object", "text_completion"},
+                {"created", j.created},
+                {"model", opt.model_id},
+                {"choices", {choice}},
+                {"usage", usage(r)},
                 {"system_fingerprint", fingerprint()}};
   }
 
@@ -407,8 +437,11 @@ struct Server::Impl {
   };
 
   Json chunk_base(const Job& j) const {
-    Json c{{"id", j.id}, {"object", j.api.chat ? "chat.completion.chunk" : "text_completion"}, {"created", j.created},
-           {"model", opt.model_id}, {"system_fingerprint", fingerprint()}};
+    Json c{{"id", j.id},
+           {"object", j.api.chat ? "chat.completion.chunk" : "text_completion"},
+           {"created", j.created},
+           {"model", opt.model_id},
+           {"system_fingerprint", fingerprint()}};
     return c;
   }
 
@@ -439,7 +472,9 @@ struct Server::Impl {
           }
           return true;
         };
-        if (!emit(Json{{"index", 0}, {"delta", {{"role", "assistant"}, {"content", ""}}}, {"logprobs", nullptr},
+        if (!emit(Json{{"index", 0},
+                       {"delta", {{"role", "assistant"}, {"content", ""}}},
+                       {"logprobs", nullptr},
                        {"finish_reason", nullptr}}))
           return;
         r = execute(j, watch, [&](const GenStep& s) {
@@ -452,7 +487,9 @@ struct Server::Impl {
         }
         check_outcome(r);
         if (!send_deltas(out.finish())) return;
-        Json last{{"index", 0}, {"delta", Json::object()}, {"logprobs", nullptr},
+        Json last{{"index", 0},
+                  {"delta", Json::object()},
+                  {"logprobs", nullptr},
                   {"finish_reason", chat_finish_reason(j, r, out)}};
         if (!pending_lps.empty()) last["logprobs"] = Json{{"content", pending_lps}, {"refusal", nullptr}};
         if (!r.stop_string.empty()) last["stop_reason"] = r.stop_string;
@@ -498,8 +535,9 @@ struct Server::Impl {
       w.raw("data: [DONE]\n\n");
     }
     if (!w.ok) status = 499;
-    log_line(fmt::format("{} {} stream status {} prompt {} (cached {}) completion {} finish {}", j.endpoint, j.id, status,
-                         r.prompt_tokens, r.cached_tokens, r.completion_tokens, finish_name(r.finish)));
+    log_line(fmt::format("{} {} stream status {} prompt {} (cached {}) completion {} finish {}", j.endpoint,
+                         j.id, status, r.prompt_tokens, r.cached_tokens, r.completion_tokens,
+                         finish_name(r.finish)));
   }
 
   // ---- HTTP plumbing ---------------------------------------------------------------------
@@ -517,22 +555,22 @@ struct Server::Impl {
       job = std::make_shared<Job>(chat ? prepare_chat(body) : prepare_completion(body));
       std::shared_ptr<Scheduler::Ticket> ticket = sched.enqueue();
       if (!ticket)
-        api_fail(503, "", fmt::format("the server is busy ({} requests are waiting); retry later", opt.max_queue),
+        api_fail(503, "",
+                 fmt::format("the server is busy ({} requests are waiting); retry later", opt.max_queue),
                  "queue_full");
       auto watch = std::make_shared<ConnectionWatch>(req);
       if (job->api.stream) {
         res.set_header("Cache-Control", "no-cache");
         res.set_header("X-Accel-Buffering", "no");
-        res.set_chunked_content_provider(
-            "text/event-stream",
-            [this, job, ticket, watch](size_t, httplib::DataSink& sink) {
-              SseWriter w{sink};
-              int status = 200;
-              stream_job(*job, *ticket, *watch, w, status);
-              metrics.request_done(job->endpoint, status);
-              if (w.ok) sink.done();
-              return w.ok;
-            });
+        res.set_chunked_content_provider("text/event-stream",
+                                         [this, job, ticket, watch](size_t, httplib::DataSink& sink) {
+                                           SseWriter w{sink};
+                                           int status = 200;
+                                           stream_job(*job, *ticket, *watch, w, status);
+                                           metrics.request_done(job->endpoint, status);
+                                           if (w.ok) sink.done();
+                                           return w.ok;
+                                         });
         return;  // counted when the stream ends
       }
       GenResult r;
@@ -544,8 +582,9 @@ struct Server::Impl {
       }
       res.set_content(dump(out), "application/json");
       metrics.request_done(endpoint, 200);
-      log_line(fmt::format("{} {} status 200 prompt {} (cached {}) completion {} finish {}", endpoint, job->id,
-                           r.prompt_tokens, r.cached_tokens, r.completion_tokens, finish_name(r.finish)));
+      log_line(fmt::format("{} {} status 200 prompt {} (cached {}) completion {} finish {}", endpoint,
+                           job->id, r.prompt_tokens, r.cached_tokens, r.completion_tokens,
+                           finish_name(r.finish)));
     } catch (const ApiError& e) {
       send_error(res, e);
       metrics.request_done(endpoint, e.status);
@@ -559,7 +598,8 @@ struct Server::Impl {
     const std::string got = req.get_header_value("Authorization");
     // Constant time in the key's length, so response timing does not reveal a matching prefix.
     unsigned diff = got.size() != want.size();
-    for (size_t i = 0; i < want.size(); ++i) diff |= unsigned(want[i]) ^ unsigned(i < got.size() ? got[i] : 0);
+    for (size_t i = 0; i < want.size(); ++i)
+      diff |= unsigned(want[i]) ^ unsigned(i < got.size() ? got[i] : 0);
     return diff == 0;
   }
 
@@ -574,9 +614,12 @@ struct Server::Impl {
 
   Json sampling_defaults() const {
     const SamplingParams& d = opt.defaults;
-    return {{"temperature", d.temperature},           {"top_p", d.top_p},
-            {"top_k", d.top_k},                       {"min_p", d.min_p},
-            {"presence_penalty", d.presence_penalty}, {"frequency_penalty", d.frequency_penalty},
+    return {{"temperature", d.temperature},
+            {"top_p", d.top_p},
+            {"top_k", d.top_k},
+            {"min_p", d.min_p},
+            {"presence_penalty", d.presence_penalty},
+            {"frequency_penalty", d.frequency_penalty},
             {"repetition_penalty", d.repetition_penalty}};
   }
 
@@ -595,39 +638,43 @@ struct Server::Impl {
     });
     http.set_error_handler([this](const httplib::Request& req, httplib::Response& res) {
       if (!res.body.empty()) return;
-      std::string msg = res.status == 413   ? fmt::format("the request body exceeds {} bytes", opt.max_body_bytes)
-                        : res.status == 404 ? fmt::format("no route for {} {}", req.method, req.path)
-                        : res.status == 405 ? fmt::format("method {} is not allowed on {}", req.method, req.path)
-                                            : fmt::format("HTTP error {}", res.status);
+      std::string msg =
+          res.status == 413   ? fmt::format("the request body exceeds {} bytes", opt.max_body_bytes)
+          : res.status == 404 ? fmt::format("no route for {} {}", req.method, req.path)
+          : res.status == 405 ? fmt::format("method {} is not allowed on {}", req.method, req.path)
+                              : fmt::format("HTTP error {}", res.status);
       res.set_content(ApiError(res.status, msg).body(), "application/json");
       metrics.request_done("other", res.status);
     });
-    http.set_exception_handler([this](const httplib::Request& req, httplib::Response& res, std::exception_ptr ep) {
-      std::string what = "unknown exception";
-      try {
-        std::rethrow_exception(ep);
-      } catch (const std::exception& e) {
-        what = e.what();
-      } catch (...) {
-      }
-      log_line(fmt::format("{} {}: internal error: {}", req.method, req.path, what));
-      res.status = 500;
-      res.set_content(ApiError(500, "internal error: " + what).body(), "application/json");
-      metrics.request_done(req.path, 500);
-    });
+    http.set_exception_handler(
+        [this](const httplib::Request& req, httplib::Response& res, std::exception_ptr ep) {
+          std::string what = "unknown exception";
+          try {
+            std::rethrow_exception(ep);
+          } catch (const std::exception& e) {
+            what = e.what();
+          } catch (...) {
+          }
+          log_line(fmt::format("{} {}: internal error: {}", req.method, req.path, what));
+          res.status = 500;
+          res.set_content(ApiError(500, "internal error: " + what).body(), "application/json");
+          metrics.request_done(req.path, 500);
+        });
 
-    http.Post("/v1/chat/completions",
-              [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, true); });
-    http.Post("/v1/completions",
-              [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, false); });
+    http.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
+      handle_generate(req, res, true);
+    });
+    http.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
+      handle_generate(req, res, false);
+    });
     http.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
       res.set_content(dump(Json{{"object", "list"}, {"data", {model_card()}}}), "application/json");
       metrics.request_done("/v1/models", 200);
     });
     http.Get(R"(/v1/models/(.+))", [this](const httplib::Request& req, httplib::Response& res) {
       if (req.matches[1] != opt.model_id) {
-        send_error(res, ApiError(404, fmt::format("The model '{}' does not exist", req.matches[1].str()), "model",
-                                 "model_not_found"));
+        send_error(res, ApiError(404, fmt::format("The model '{}' does not exist", req.matches[1].str()),
+                                 "model", "model_not_found"));
         metrics.request_done("/v1/models", 404);
         return;
       }
@@ -635,9 +682,10 @@ struct Server::Impl {
       metrics.request_done("/v1/models", 200);
     });
     http.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
-      res.set_content(dump(Json{{"status", "ok"}, {"model", opt.model_id}, {"queue", sched.waiting()},
-                                {"busy", sched.busy()}}),
-                      "application/json");
+      res.set_content(
+          dump(Json{
+              {"status", "ok"}, {"model", opt.model_id}, {"queue", sched.waiting()}, {"busy", sched.busy()}}),
+          "application/json");
     });
     http.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
       Metrics::Snapshot s;
@@ -669,10 +717,11 @@ void Server::run() {
   } else if (!s.http.bind_to_port(s.opt.host, port)) {
     fail("cannot bind {}:{} (in use, or not an address of this machine?)", s.opt.host, port);
   }
-  log_line(fmt::format("tansy serve: listening on http://{}:{} (model '{}', {} backend, context {} tokens, prefix cache "
-                       "{} entries, queue {})",
-                       s.opt.host, port, s.opt.model_id, s.engine.model().backend_plan(), s.engine.options().max_seq,
-                       s.engine.options().prefix_cache_entries, s.opt.max_queue));
+  log_line(fmt::format(
+      "tansy serve: listening on http://{}:{} (model '{}', {} backend, context {} tokens, prefix cache "
+      "{} entries, queue {})",
+      s.opt.host, port, s.opt.model_id, s.engine.model().backend_plan(), s.engine.options().max_seq,
+      s.engine.options().prefix_cache_entries, s.opt.max_queue));
   log_line("tansy serve: sampling defaults: " + s.opt.defaults_source);
   if (!s.http.listen_after_bind()) fail("the HTTP server stopped with an error");
 }

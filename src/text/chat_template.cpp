@@ -200,22 +200,30 @@ size_t decode_utf8(std::string_view s, size_t i, char32_t& cp) {
 }
 
 bool python_isspace(char32_t c) {
-  return (c >= 0x09 && c <= 0x0D) || (c >= 0x1C && c <= 0x20) || c == 0x85 || c == 0xA0 ||
-         c == 0x1680 || (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 ||
-         c == 0x202F || c == 0x205F || c == 0x3000;
+  return (c >= 0x09 && c <= 0x0D) || (c >= 0x1C && c <= 0x20) || c == 0x85 || c == 0xA0 || c == 0x1680 ||
+         (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F ||
+         c == 0x3000;
 }
 
 const char* python_type_name(const Json& v) {
   switch (v.type()) {
-    case Json::value_t::null: return "NoneType";
-    case Json::value_t::boolean: return "bool";
+    case Json::value_t::null:
+      return "NoneType";
+    case Json::value_t::boolean:
+      return "bool";
     case Json::value_t::number_integer:
-    case Json::value_t::number_unsigned: return "int";
-    case Json::value_t::number_float: return "float";
-    case Json::value_t::string: return "str";
-    case Json::value_t::array: return "list";
-    case Json::value_t::object: return "dict";
-    default: return "bytes";
+    case Json::value_t::number_unsigned:
+      return "int";
+    case Json::value_t::number_float:
+      return "float";
+    case Json::value_t::string:
+      return "str";
+    case Json::value_t::array:
+      return "list";
+    case Json::value_t::object:
+      return "dict";
+    default:
+      return "bytes";
   }
 }
 
@@ -232,7 +240,8 @@ bool python_isprintable(std::string_view utf8_char) {
   }();
   if (utf8_char == " ") return true;
   pcre2_match_data* md = pcre2_match_data_create_from_pattern(re, nullptr);
-  int rc = pcre2_match(re, reinterpret_cast<PCRE2_SPTR>(utf8_char.data()), utf8_char.size(), 0, 0, md, nullptr);
+  int rc =
+      pcre2_match(re, reinterpret_cast<PCRE2_SPTR>(utf8_char.data()), utf8_char.size(), 0, 0, md, nullptr);
   pcre2_match_data_free(md);
   return rc < 0;
 }
@@ -276,12 +285,18 @@ std::string python_str_repr(std::string_view s) {
 
 std::string python_repr(const Json& v) {
   switch (v.type()) {
-    case Json::value_t::null: return "None";
-    case Json::value_t::boolean: return v.get<bool>() ? "True" : "False";
-    case Json::value_t::number_integer: return std::to_string(v.get<int64_t>());
-    case Json::value_t::number_unsigned: return std::to_string(v.get<uint64_t>());
-    case Json::value_t::number_float: return python_float_repr(v.get<double>());
-    case Json::value_t::string: return python_str_repr(v.get_ref<const std::string&>());
+    case Json::value_t::null:
+      return "None";
+    case Json::value_t::boolean:
+      return v.get<bool>() ? "True" : "False";
+    case Json::value_t::number_integer:
+      return std::to_string(v.get<int64_t>());
+    case Json::value_t::number_unsigned:
+      return std::to_string(v.get<uint64_t>());
+    case Json::value_t::number_float:
+      return python_float_repr(v.get<double>());
+    case Json::value_t::string:
+      return python_str_repr(v.get_ref<const std::string&>());
     case Json::value_t::array: {
       std::string out = "[";
       for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + python_repr(v[i]);
@@ -296,7 +311,8 @@ std::string python_repr(const Json& v) {
       }
       return out + "}";
     }
-    default: fail("binary JSON values are not supported");
+    default:
+      fail("binary JSON values are not supported");
   }
 }
 
@@ -311,13 +327,27 @@ void append_json_string(std::string& out, std::string_view s) {
   out += '"';
   for (char c : s) {
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      case '\b': out += "\\b"; break;
-      case '\f': out += "\\f"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      case '\b':
+        out += "\\b";
+        break;
+      case '\f':
+        out += "\\f";
+        break;
       default:
         if (static_cast<unsigned char>(c) < 0x20)
           out += fmt::format("\\u{:04x}", static_cast<unsigned>(c));
@@ -330,19 +360,32 @@ void append_json_string(std::string& out, std::string_view s) {
 
 void append_json(std::string& out, const Json& v) {
   switch (v.type()) {
-    case Json::value_t::null: out += "null"; return;
-    case Json::value_t::boolean: out += v.get<bool>() ? "true" : "false"; return;
-    case Json::value_t::number_integer: out += std::to_string(v.get<int64_t>()); return;
-    case Json::value_t::number_unsigned: out += std::to_string(v.get<uint64_t>()); return;
+    case Json::value_t::null:
+      out += "null";
+      return;
+    case Json::value_t::boolean:
+      out += v.get<bool>() ? "true" : "false";
+      return;
+    case Json::value_t::number_integer:
+      out += std::to_string(v.get<int64_t>());
+      return;
+    case Json::value_t::number_unsigned:
+      out += std::to_string(v.get<uint64_t>());
+      return;
     case Json::value_t::number_float: {
       double d = v.get<double>();
       // json.dumps writes non-finite floats as JavaScript literals, not repr's "inf".
-      if (std::isnan(d)) out += "NaN";
-      else if (std::isinf(d)) out += d > 0 ? "Infinity" : "-Infinity";
-      else out += python_float_repr(d);
+      if (std::isnan(d))
+        out += "NaN";
+      else if (std::isinf(d))
+        out += d > 0 ? "Infinity" : "-Infinity";
+      else
+        out += python_float_repr(d);
       return;
     }
-    case Json::value_t::string: append_json_string(out, v.get_ref<const std::string&>()); return;
+    case Json::value_t::string:
+      append_json_string(out, v.get_ref<const std::string&>());
+      return;
     case Json::value_t::array: {
       out += '[';
       for (size_t i = 0; i < v.size(); ++i) {
@@ -365,7 +408,8 @@ void append_json(std::string& out, const Json& v) {
       out += '}';
       return;
     }
-    default: fail("binary JSON values are not supported");
+    default:
+      fail("binary JSON values are not supported");
   }
 }
 
@@ -535,9 +579,12 @@ void render_tool_calls(std::string& out, const Json& tool_calls, const std::stri
     const Json* call = &element;
     if (const Json* fn = attr(call, "function")) call = fn;
     const std::string& name = concat_operand(*call, "name");
-    if (!first) out += "\n<tool_call>\n<function=";
-    else if (!python_strip(content).empty()) out += "\n\n<tool_call>\n<function=";
-    else out += "<tool_call>\n<function=";
+    if (!first)
+      out += "\n<tool_call>\n<function=";
+    else if (!python_strip(content).empty())
+      out += "\n\n<tool_call>\n<function=";
+    else
+      out += "<tool_call>\n<function=";
     first = false;
     out += name;
     out += ">\n";
@@ -545,8 +592,10 @@ void render_tool_calls(std::string& out, const Json& tool_calls, const std::stri
       if (!args->is_object()) fail("Can only get item pairs from a mapping.");
       for (auto& [arg_name, arg_value] : args->items()) {
         out += "<parameter=" + arg_name + ">\n";
-        if (arg_value.is_string()) out += arg_value.get_ref<const std::string&>();
-        else append_json(out, arg_value);
+        if (arg_value.is_string())
+          out += arg_value.get_ref<const std::string&>();
+        else
+          append_json(out, arg_value);
         out += "\n</parameter>\n";
       }
     }
@@ -674,7 +723,8 @@ void read_switches(const Json& obj, TemplateOptions& options) {
 // OpenAI sends tool-call arguments as a JSON string; the template iterates them as a mapping.
 void parse_string_arguments(Json& messages) {
   for (size_t i = 0; i < messages.size(); ++i) {
-    Json* calls = messages[i].is_object() && messages[i].contains("tool_calls") ? &messages[i]["tool_calls"] : nullptr;
+    Json* calls =
+        messages[i].is_object() && messages[i].contains("tool_calls") ? &messages[i]["tool_calls"] : nullptr;
     if (!calls || !calls->is_array()) continue;
     for (size_t j = 0; j < calls->size(); ++j) {
       Json& call = (*calls)[j];
@@ -682,9 +732,10 @@ void parse_string_arguments(Json& messages) {
       Json& target = call.contains("function") ? call["function"] : call;
       if (!target.is_object() || !target.contains("arguments") || !target["arguments"].is_string()) continue;
       const std::string text = target["arguments"].get<std::string>();
-      Json parsed = python_strip(text).empty()
-                        ? Json::object()
-                        : parse_json_exact(text, fmt::format("messages[{}].tool_calls[{}]: function.arguments", i, j));
+      Json parsed =
+          python_strip(text).empty()
+              ? Json::object()
+              : parse_json_exact(text, fmt::format("messages[{}].tool_calls[{}]: function.arguments", i, j));
       if (!parsed.is_object())
         fail("messages[{}].tool_calls[{}]: function.arguments must encode a JSON object, got {}", i, j,
              parsed.type_name());
@@ -775,8 +826,9 @@ TemplateCheck check_checkpoint_template(const std::filesystem::path& model_dir) 
     }
   }
   if (!check.found) {
-    check.description = fmt::format("no chat template in {} (neither chat_template.jinja nor tokenizer_config.json's chat_template)",
-                                    model_dir.string());
+    check.description = fmt::format(
+        "no chat template in {} (neither chat_template.jinja nor tokenizer_config.json's chat_template)",
+        model_dir.string());
     return check;
   }
   // jinja2 drops one trailing newline of a template source (keep_trailing_newline=False), so a

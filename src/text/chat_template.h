@@ -5,9 +5,8 @@
 // JSON values must be nlohmann::ordered_json: the template's `tojson` keeps the caller's key
 // order (Python dicts are insertion-ordered), which plain nlohmann::json would sort.
 #pragma once
-#include <nlohmann/json.hpp>
-
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -60,9 +59,9 @@ std::string render_request(const Json& body);
 std::string_view implemented_template();
 
 struct TemplateCheck {
-  bool found = false;      // the checkpoint has a chat template at all
-  bool identical = false;  // it is the template implemented here
-  std::string description; // one line for the startup log or an error message
+  bool found = false;       // the checkpoint has a chat template at all
+  bool identical = false;   // it is the template implemented here
+  std::string description;  // one line for the startup log or an error message
 };
 
 // Looks for chat_template.jinja (preferred, as transformers does) or tokenizer_config.json's

@@ -11,7 +11,8 @@ namespace tansy {
 
 class StreamDecoder {
  public:
-  explicit StreamDecoder(const Tokenizer& tok, bool skip_special = false) : tok_(tok), skip_special_(skip_special) {}
+  explicit StreamDecoder(const Tokenizer& tok, bool skip_special = false)
+      : tok_(tok), skip_special_(skip_special) {}
   std::string push(int32_t id);  // text that became complete with this token (often empty)
   std::string flush();           // whatever is left, incomplete bytes as U+FFFD; resets the state
 

@@ -37,7 +37,9 @@ size_t held_tag_prefix(std::string_view s, std::initializer_list<std::string_vie
 }
 
 // True when s is a proper prefix of tag (more text could still make it the tag).
-bool may_become(std::string_view s, std::string_view tag) { return s.size() < tag.size() && tag.starts_with(s); }
+bool may_become(std::string_view s, std::string_view tag) {
+  return s.size() < tag.size() && tag.starts_with(s);
+}
 
 std::string_view strip_ascii(std::string_view s) {
   while (!s.empty() && is_space(s.front())) s.remove_prefix(1);
@@ -63,8 +65,11 @@ bool all_finite(const Json& v) {
 
 }  // namespace
 
-StreamingOutputParser::StreamingOutputParser(bool starts_in_reasoning, const Json& tools, std::string call_id_prefix)
-    : tools_(tools), id_prefix_(std::move(call_id_prefix)), state_(starts_in_reasoning ? State::Reasoning : State::Start),
+StreamingOutputParser::StreamingOutputParser(bool starts_in_reasoning, const Json& tools,
+                                             std::string call_id_prefix)
+    : tools_(tools),
+      id_prefix_(std::move(call_id_prefix)),
+      state_(starts_in_reasoning ? State::Reasoning : State::Start),
       skip_newlines_(starts_in_reasoning) {}
 
 std::vector<Delta> StreamingOutputParser::push(std::string_view text) {
@@ -96,17 +101,21 @@ bool StreamingOutputParser::is_string_parameter(const std::string& param) const 
     if (!tool.is_object()) continue;
     const Json& fn = tool.contains("function") ? tool["function"] : tool;
     if (!fn.is_object() || fn.value("name", Json()) != Json(function_)) continue;
-    const Json* props = fn.contains("parameters") && fn["parameters"].is_object() && fn["parameters"].contains("properties")
-                            ? &fn["parameters"]["properties"]
-                            : nullptr;
-    if (!props || !props->is_object() || !props->contains(param) || !(*props)[param].is_object()) return false;
+    const Json* props =
+        fn.contains("parameters") && fn["parameters"].is_object() && fn["parameters"].contains("properties")
+            ? &fn["parameters"]["properties"]
+            : nullptr;
+    if (!props || !props->is_object() || !props->contains(param) || !(*props)[param].is_object())
+      return false;
     const Json type = (*props)[param].value("type", Json());
     if (type.is_string()) return type == "string";
     if (type.is_array()) {
       bool has_string = false;
       for (const Json& t : type) {
-        if (t == "string") has_string = true;
-        else if (t != "null") return false;
+        if (t == "string")
+          has_string = true;
+        else if (t != "null")
+          return false;
       }
       return has_string;
     }
@@ -165,7 +174,8 @@ bool StreamingOutputParser::step(std::vector<Delta>& out, bool at_end) {
         buf_.clear();
         return false;
       }
-      size_t decided = close != std::string::npos ? close : buf_.size() - held_tag_prefix(buf_, {kThinkClose});
+      size_t decided =
+          close != std::string::npos ? close : buf_.size() - held_tag_prefix(buf_, {kThinkClose});
       // Newlines just before "</think>" are not reasoning, so a trailing run waits to see what follows.
       std::string text = pending_newlines_ + buf_.substr(0, decided);
       size_t keep = text.find_last_not_of('\n') + 1;  // npos + 1 == 0: all newlines
@@ -209,7 +219,8 @@ bool StreamingOutputParser::step(std::vector<Delta>& out, bool at_end) {
         size_t gt = buf_.find('>');
         size_t bad = buf_.find_first_of("<\n", kFunctionOpen.size());
         if (gt != std::string::npos && (bad == std::string::npos || gt < bad)) {
-          function_ = std::string(strip_ascii(std::string_view(buf_).substr(kFunctionOpen.size(), gt - kFunctionOpen.size())));
+          function_ = std::string(
+              strip_ascii(std::string_view(buf_).substr(kFunctionOpen.size(), gt - kFunctionOpen.size())));
           consume(gt + 1);
           ++call_index_;
           arguments_emitted_ = 0;
@@ -237,7 +248,8 @@ bool StreamingOutputParser::step(std::vector<Delta>& out, bool at_end) {
         size_t gt = buf_.find('>');
         size_t bad = buf_.find_first_of("<\n", kParameterOpen.size());
         if (gt != std::string::npos && (bad == std::string::npos || gt < bad)) {
-          parameter_ = std::string(strip_ascii(std::string_view(buf_).substr(kParameterOpen.size(), gt - kParameterOpen.size())));
+          parameter_ = std::string(
+              strip_ascii(std::string_view(buf_).substr(kParameterOpen.size(), gt - kParameterOpen.size())));
           consume(gt + 1);
           state_ = State::Parameter;
           return true;
@@ -274,7 +286,8 @@ bool StreamingOutputParser::step(std::vector<Delta>& out, bool at_end) {
     case State::Parameter: {
       // The value ends at "</parameter>", or, when the model leaves that out, before the next
       // parameter or the end of the function.
-      size_t end = std::min({buf_.find(kParameterClose), buf_.find(kParameterOpen), buf_.find(kFunctionClose)});
+      size_t end =
+          std::min({buf_.find(kParameterClose), buf_.find(kParameterOpen), buf_.find(kFunctionClose)});
       if (end == std::string::npos) {
         if (!at_end) return false;
         buf_.clear();  // an unfinished value is dropped
@@ -282,7 +295,8 @@ bool StreamingOutputParser::step(std::vector<Delta>& out, bool at_end) {
         return true;
       }
       add_argument(out, std::string_view(buf_).substr(0, end));
-      consume(buf_.compare(end, kParameterClose.size(), kParameterClose) == 0 ? end + kParameterClose.size() : end);
+      consume(buf_.compare(end, kParameterClose.size(), kParameterClose) == 0 ? end + kParameterClose.size()
+                                                                              : end);
       state_ = State::FunctionBody;
       return true;
     }
@@ -299,7 +313,8 @@ bool StreamingOutputParser::step(std::vector<Delta>& out, bool at_end) {
         state_ = State::ToolCallOpen;
         return true;
       }
-      if ((buf_.empty() || may_become(buf_, kCallClose) || may_become(buf_, kFunctionOpen)) && !at_end) return false;
+      if ((buf_.empty() || may_become(buf_, kCallClose) || may_become(buf_, kFunctionOpen)) && !at_end)
+        return false;
       if (at_end && may_become(buf_, kCallClose)) buf_.clear();
       state_ = State::AfterToolCall;
       return true;
@@ -316,7 +331,8 @@ bool StreamingOutputParser::step(std::vector<Delta>& out, bool at_end) {
 Json ParsedOutput::tool_calls_json() const {
   Json calls = Json::array();
   for (const ToolCall& c : tool_calls)
-    calls.push_back({{"id", c.id}, {"type", "function"}, {"function", {{"name", c.name}, {"arguments", c.arguments}}}});
+    calls.push_back(
+        {{"id", c.id}, {"type", "function"}, {"function", {{"name", c.name}, {"arguments", c.arguments}}}});
   return calls;
 }
 
@@ -328,10 +344,18 @@ ParsedOutput parse_output(std::string_view text, bool starts_in_reasoning, const
   ParsedOutput result;
   for (const Delta& d : deltas) {
     switch (d.kind) {
-      case Delta::Kind::Reasoning: result.reasoning += d.text; break;
-      case Delta::Kind::Content: result.content += d.text; break;
-      case Delta::Kind::ToolCallStart: result.tool_calls.push_back({d.id, d.name, ""}); break;
-      case Delta::Kind::ToolCallArguments: result.tool_calls.at(static_cast<size_t>(d.index)).arguments += d.text; break;
+      case Delta::Kind::Reasoning:
+        result.reasoning += d.text;
+        break;
+      case Delta::Kind::Content:
+        result.content += d.text;
+        break;
+      case Delta::Kind::ToolCallStart:
+        result.tool_calls.push_back({d.id, d.name, ""});
+        break;
+      case Delta::Kind::ToolCallArguments:
+        result.tool_calls.at(static_cast<size_t>(d.index)).arguments += d.text;
+        break;
     }
   }
   return result;

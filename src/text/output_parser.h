@@ -63,7 +63,16 @@ class StreamingOutputParser {
   std::vector<Delta> finish();
 
  private:
-  enum class State { Start, Reasoning, Content, ToolCallOpen, FunctionBody, Parameter, AfterFunction, AfterToolCall };
+  enum class State {
+    Start,
+    Reasoning,
+    Content,
+    ToolCallOpen,
+    FunctionBody,
+    Parameter,
+    AfterFunction,
+    AfterToolCall
+  };
 
   // Consumes as much of buf_ as can be decided; returns false when more text is needed.
   bool step(std::vector<Delta>& out, bool at_end);
@@ -75,10 +84,10 @@ class StreamingOutputParser {
   Json tools_;
   std::string id_prefix_;
   State state_;
-  std::string buf_;              // undecided text
-  bool skip_newlines_ = false;   // drop leading '\n' (start of reasoning, after "</think>")
-  std::string pending_newlines_; // reasoning newlines that vanish if "</think>" follows
-  std::string call_text_;        // raw text of a tool call not yet known to be one
+  std::string buf_;               // undecided text
+  bool skip_newlines_ = false;    // drop leading '\n' (start of reasoning, after "</think>")
+  std::string pending_newlines_;  // reasoning newlines that vanish if "</think>" follows
+  std::string call_text_;         // raw text of a tool call not yet known to be one
   int call_index_ = -1;
   std::string function_;
   std::string parameter_;

@@ -36,15 +36,34 @@ U8 utf8_step(const uint8_t* p, size_t n, size_t& len) {
   uint8_t b = p[0];
   size_t need;
   uint8_t lo = 0x80, hi = 0xBF;
-  if (b < 0x80) { len = 1; return U8::ok; }
-  if (b >= 0xC2 && b <= 0xDF) need = 2;
-  else if (b >= 0xE0 && b <= 0xEF) { need = 3; if (b == 0xE0) lo = 0xA0; if (b == 0xED) hi = 0x9F; }
-  else if (b >= 0xF0 && b <= 0xF4) { need = 4; if (b == 0xF0) lo = 0x90; if (b == 0xF4) hi = 0x8F; }
-  else { len = 1; return U8::invalid; }
+  if (b < 0x80) {
+    len = 1;
+    return U8::ok;
+  }
+  if (b >= 0xC2 && b <= 0xDF)
+    need = 2;
+  else if (b >= 0xE0 && b <= 0xEF) {
+    need = 3;
+    if (b == 0xE0) lo = 0xA0;
+    if (b == 0xED) hi = 0x9F;
+  } else if (b >= 0xF0 && b <= 0xF4) {
+    need = 4;
+    if (b == 0xF0) lo = 0x90;
+    if (b == 0xF4) hi = 0x8F;
+  } else {
+    len = 1;
+    return U8::invalid;
+  }
   for (size_t i = 1; i < need; ++i) {
-    if (i >= n) { len = i; return U8::truncated; }
+    if (i >= n) {
+      len = i;
+      return U8::truncated;
+    }
     uint8_t c = p[i];
-    if (c < (i == 1 ? lo : 0x80) || c > (i == 1 ? hi : 0xBF)) { len = i; return U8::invalid; }
+    if (c < (i == 1 ? lo : 0x80) || c > (i == 1 ? hi : 0xBF)) {
+      len = i;
+      return U8::invalid;
+    }
   }
   len = need;
   return U8::ok;
@@ -55,7 +74,10 @@ size_t first_invalid_utf8(std::string_view s) {
   auto p = reinterpret_cast<const uint8_t*>(s.data());
   size_t i = 0, n = s.size(), len;
   while (i < n) {
-    if (p[i] < 0x80) { ++i; continue; }
+    if (p[i] < 0x80) {
+      ++i;
+      continue;
+    }
     if (utf8_step(p + i, n - i, len) != U8::ok) return i;
     i += len;
   }
@@ -86,10 +108,21 @@ size_t prev_cp_start(std::string_view s, size_t end) {
 }
 
 void append_cp(std::string& out, uint32_t c) {
-  if (c < 0x80) out += char(c);
-  else if (c < 0x800) { out += char(0xC0 | (c >> 6)); out += char(0x80 | (c & 0x3F)); }
-  else if (c < 0x10000) { out += char(0xE0 | (c >> 12)); out += char(0x80 | ((c >> 6) & 0x3F)); out += char(0x80 | (c & 0x3F)); }
-  else { out += char(0xF0 | (c >> 18)); out += char(0x80 | ((c >> 12) & 0x3F)); out += char(0x80 | ((c >> 6) & 0x3F)); out += char(0x80 | (c & 0x3F)); }
+  if (c < 0x80)
+    out += char(c);
+  else if (c < 0x800) {
+    out += char(0xC0 | (c >> 6));
+    out += char(0x80 | (c & 0x3F));
+  } else if (c < 0x10000) {
+    out += char(0xE0 | (c >> 12));
+    out += char(0x80 | ((c >> 6) & 0x3F));
+    out += char(0x80 | (c & 0x3F));
+  } else {
+    out += char(0xF0 | (c >> 18));
+    out += char(0x80 | ((c >> 12) & 0x3F));
+    out += char(0x80 | ((c >> 6) & 0x3F));
+    out += char(0x80 | (c & 0x3F));
+  }
 }
 
 // HF checks lstrip/rstrip/single_word with the Rust regex crate's Unicode \s and \w.
@@ -109,9 +142,14 @@ std::string utf8_lossy(std::string_view bytes) {
   auto p = reinterpret_cast<const uint8_t*>(bytes.data());
   size_t i = 0, n = bytes.size(), len;
   while (i < n) {
-    if (p[i] < 0x80) { out += char(p[i++]); continue; }
-    if (utf8_step(p + i, n - i, len) == U8::ok) out.append(bytes.substr(i, len));
-    else out += "\xEF\xBF\xBD";
+    if (p[i] < 0x80) {
+      out += char(p[i++]);
+      continue;
+    }
+    if (utf8_step(p + i, n - i, len) == U8::ok)
+      out.append(bytes.substr(i, len));
+    else
+      out += "\xEF\xBF\xBD";
     i += len;
   }
   return out;
@@ -174,11 +212,14 @@ std::string onig_to_pcre2(std::string_view pat) {
     if (c == '\\') {
       if (i + 1 >= pat.size()) fail("tokenizer.json: pre-tokenizer regex ends with a lone backslash");
       char e = pat[++i];
-      if (e == 's') out += in_class ? "\\s\\x{85}" : "[\\s\\x{85}]";
+      if (e == 's')
+        out += in_class ? "\\s\\x{85}" : "[\\s\\x{85}]";
       else if (e == 'S') {
-        if (in_class) fail("tokenizer.json: pre-tokenizer regex: \\S inside a character class is not supported");
+        if (in_class)
+          fail("tokenizer.json: pre-tokenizer regex: \\S inside a character class is not supported");
         out += "[^\\s\\x{85}]";
-      } else if (e == 'h' || e == 'H' || e == 'A' || e == 'z' || e == 'Z' || e == 'G' || e == 'K' || e == 'R' || e == 'X') {
+      } else if (e == 'h' || e == 'H' || e == 'A' || e == 'z' || e == 'Z' || e == 'G' || e == 'K' ||
+                 e == 'R' || e == 'X') {
         fail("tokenizer.json: pre-tokenizer regex: \\{} is not supported (Oniguruma and PCRE2 differ)", e);
       } else {
         out += c;
@@ -192,7 +233,10 @@ std::string onig_to_pcre2(std::string_view pat) {
       out += c;
       continue;
     }
-    if (c == '^' || c == '$') fail("tokenizer.json: pre-tokenizer regex: anchors ^ and $ are not supported (Oniguruma treats them as line anchors)");
+    if (c == '^' || c == '$')
+      fail(
+          "tokenizer.json: pre-tokenizer regex: anchors ^ and $ are not supported (Oniguruma treats them as "
+          "line anchors)");
     if (c == '[') {
       in_class = true;
       out += c;
@@ -217,7 +261,8 @@ class Regex {
     if (!code_) {
       PCRE2_UCHAR msg[256];
       pcre2_get_error_message(err, msg, sizeof msg);
-      fail("tokenizer.json: pre-tokenizer regex does not compile at offset {}: {}", off, reinterpret_cast<char*>(msg));
+      fail("tokenizer.json: pre-tokenizer regex does not compile at offset {}: {}", off,
+           reinterpret_cast<char*>(msg));
     }
     // JIT is the fast path the speed target depends on: refuse to run without it.
     int rc = pcre2_jit_compile(code_, PCRE2_JIT_COMPLETE);
@@ -252,7 +297,8 @@ class Matcher {
   }
   // Next match at or after `from`; false when none.
   bool find(const Regex& re, std::string_view s, size_t from, size_t& b, size_t& e) {
-    int rc = pcre2_jit_match(re.code(), reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(), from, 0, data_, mctx_);
+    int rc =
+        pcre2_jit_match(re.code(), reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(), from, 0, data_, mctx_);
     if (rc == PCRE2_ERROR_NOMATCH) return false;
     if (rc < 0) {
       PCRE2_UCHAR msg[256];
@@ -280,14 +326,19 @@ class Normalizer {
     std::string type = n.value("type", "");
     UErrorCode st = U_ZERO_ERROR;
     const icu::Normalizer2* f = nullptr;
-    if (type == "NFC") f = icu::Normalizer2::getNFCInstance(st);
-    else if (type == "NFD") f = icu::Normalizer2::getNFDInstance(st);
-    else if (type == "NFKC") f = icu::Normalizer2::getNFKCInstance(st);
-    else if (type == "NFKD") f = icu::Normalizer2::getNFKDInstance(st);
+    if (type == "NFC")
+      f = icu::Normalizer2::getNFCInstance(st);
+    else if (type == "NFD")
+      f = icu::Normalizer2::getNFDInstance(st);
+    else if (type == "NFKC")
+      f = icu::Normalizer2::getNFKCInstance(st);
+    else if (type == "NFKD")
+      f = icu::Normalizer2::getNFKDInstance(st);
     else if (type == "Sequence") {
       for (auto& sub : n.at("normalizers")) add(sub);
       return;
-    } else fail("tokenizer.json: normalizer '{}' is not supported", type);
+    } else
+      fail("tokenizer.json: normalizer '{}' is not supported", type);
     if (U_FAILURE(st)) fail("ICU: cannot load the {} normalizer: {}", type, u_errorName(st));
     forms_.push_back(f);
   }
@@ -325,7 +376,8 @@ class AddedMatcher {
     toks_.push_back(std::move(t));
   }
   void finish() {
-    std::stable_sort(toks_.begin(), toks_.end(), [](auto& a, auto& b) { return a.content.size() > b.content.size(); });
+    std::stable_sort(toks_.begin(), toks_.end(),
+                     [](auto& a, auto& b) { return a.content.size() > b.content.size(); });
   }
   bool empty() const { return toks_.empty(); }
   const AddedToken* find(std::string_view s, size_t from, size_t& at) const {
@@ -383,9 +435,19 @@ struct Tokenizer::Impl {
 
 void Tokenizer::Impl::bpe(std::string_view piece, std::vector<int32_t>& out) const {
   // HF's Word::merge_all: a heap of candidate merges by (rank, position), skipping stale ones.
-  struct Sym { int32_t id; int32_t prev, next; uint32_t len; };
-  struct Cand { int32_t rank; int32_t pos; int32_t merged; };
-  auto worse = [](const Cand& a, const Cand& b) { return a.rank != b.rank ? a.rank > b.rank : a.pos > b.pos; };
+  struct Sym {
+    int32_t id;
+    int32_t prev, next;
+    uint32_t len;
+  };
+  struct Cand {
+    int32_t rank;
+    int32_t pos;
+    int32_t merged;
+  };
+  auto worse = [](const Cand& a, const Cand& b) {
+    return a.rank != b.rank ? a.rank > b.rank : a.pos > b.pos;
+  };
   std::vector<Sym> sym(piece.size());
   for (size_t i = 0; i < piece.size(); ++i)
     sym[i] = {byte_id[uint8_t(piece[i])], int32_t(i) - 1, i + 1 < piece.size() ? int32_t(i + 1) : -1, 1};
@@ -447,7 +509,8 @@ void Tokenizer::Impl::model_encode(std::string_view piece, std::vector<int32_t>&
   cache.emplace(std::string(piece), std::vector<int32_t>(out.begin() + start, out.end()));
 }
 
-void Tokenizer::Impl::pretokenize(std::string_view s, size_t stage, Matcher& m, std::vector<int32_t>& out) const {
+void Tokenizer::Impl::pretokenize(std::string_view s, size_t stage, Matcher& m,
+                                  std::vector<int32_t>& out) const {
   if (s.empty()) return;
   if (stage == splits.size()) {
     model_encode(s, out);
@@ -536,7 +599,8 @@ bool null_or_empty_string(const json& obj, const char* key) {
 }
 
 void check_byte_level(const json& b, const char* where) {
-  if (flag(b, "add_prefix_space", false)) fail("tokenizer.json: {} ByteLevel with add_prefix_space=true is not supported", where);
+  if (flag(b, "add_prefix_space", false))
+    fail("tokenizer.json: {} ByteLevel with add_prefix_space=true is not supported", where);
 }
 
 }  // namespace
@@ -578,21 +642,28 @@ Tokenizer Tokenizer::from_json(std::string_view text) {
     const json& pt = j.at("pre_tokenizer");
     std::vector<json> pts;
     if (pt.is_null()) fail("tokenizer.json: no pre_tokenizer; a ByteLevel pre-tokenizer is required");
-    if (pt.at("type") == "Sequence") for (auto& p : pt.at("pretokenizers")) pts.push_back(p);
-    else pts.push_back(pt);
+    if (pt.at("type") == "Sequence")
+      for (auto& p : pt.at("pretokenizers")) pts.push_back(p);
+    else
+      pts.push_back(pt);
     int byte_levels = 0;
     for (auto& p : pts) {
       std::string type = p.at("type");
       if (type == "Split") {
         check_only(p, "Split pre-tokenizer", {"type", "pattern", "behavior", "invert"});
-        if (p.at("behavior") != "Isolated") fail("tokenizer.json: Split behavior '{}' is not supported", p.at("behavior").get<std::string>());
+        if (p.at("behavior") != "Isolated")
+          fail("tokenizer.json: Split behavior '{}' is not supported", p.at("behavior").get<std::string>());
         if (flag(p, "invert", false)) fail("tokenizer.json: Split with invert=true is not supported");
         const json& pat = p.at("pattern");
-        if (pat.contains("Regex")) impl->splits.push_back(std::make_unique<Regex>(pat["Regex"].get<std::string>(), false));
-        else if (pat.contains("String")) impl->splits.push_back(std::make_unique<Regex>(pat["String"].get<std::string>(), true));
-        else fail("tokenizer.json: Split pattern must be Regex or String");
+        if (pat.contains("Regex"))
+          impl->splits.push_back(std::make_unique<Regex>(pat["Regex"].get<std::string>(), false));
+        else if (pat.contains("String"))
+          impl->splits.push_back(std::make_unique<Regex>(pat["String"].get<std::string>(), true));
+        else
+          fail("tokenizer.json: Split pattern must be Regex or String");
       } else if (type == "ByteLevel") {
-        if (byte_levels++ || &p != &pts.back()) fail("tokenizer.json: ByteLevel must be the last pre-tokenizer, once");
+        if (byte_levels++ || &p != &pts.back())
+          fail("tokenizer.json: ByteLevel must be the last pre-tokenizer, once");
         check_byte_level(p, "pre-tokenizer");
         if (flag(p, "use_regex", true))  // HF's built-in GPT-2 split
           impl->splits.push_back(std::make_unique<Regex>(
@@ -601,21 +672,29 @@ Tokenizer Tokenizer::from_json(std::string_view text) {
         fail("tokenizer.json: pre-tokenizer '{}' is not supported", type);
       }
     }
-    if (!byte_levels) fail("tokenizer.json: the pre-tokenizer has no ByteLevel step; only byte-level BPE is supported");
+    if (!byte_levels)
+      fail("tokenizer.json: the pre-tokenizer has no ByteLevel step; only byte-level BPE is supported");
 
     const json& dec = j.at("decoder");
-    if (dec.is_null() || dec.at("type") != "ByteLevel") fail("tokenizer.json: decoder '{}' is not supported (ByteLevel only)", dec.is_null() ? "null" : dec.at("type").get<std::string>());
+    if (dec.is_null() || dec.at("type") != "ByteLevel")
+      fail("tokenizer.json: decoder '{}' is not supported (ByteLevel only)",
+           dec.is_null() ? "null" : dec.at("type").get<std::string>());
     if (j.contains("post_processor") && !j["post_processor"].is_null()) {
       const json& pp = j["post_processor"];
-      if (pp.at("type") != "ByteLevel") fail("tokenizer.json: post_processor '{}' is not supported", pp.at("type").get<std::string>());
+      if (pp.at("type") != "ByteLevel")
+        fail("tokenizer.json: post_processor '{}' is not supported", pp.at("type").get<std::string>());
     }
 
     // Model.
     const json& m = j.at("model");
-    if (m.value("type", "BPE") != "BPE") fail("tokenizer.json: model type '{}' is not supported (BPE only)", m.value("type", ""));
-    if (m.contains("dropout") && !m["dropout"].is_null()) fail("tokenizer.json: BPE dropout is not supported");
-    if (!null_or_empty_string(m, "continuing_subword_prefix")) fail("tokenizer.json: BPE continuing_subword_prefix is not supported");
-    if (!null_or_empty_string(m, "end_of_word_suffix")) fail("tokenizer.json: BPE end_of_word_suffix is not supported");
+    if (m.value("type", "BPE") != "BPE")
+      fail("tokenizer.json: model type '{}' is not supported (BPE only)", m.value("type", ""));
+    if (m.contains("dropout") && !m["dropout"].is_null())
+      fail("tokenizer.json: BPE dropout is not supported");
+    if (!null_or_empty_string(m, "continuing_subword_prefix"))
+      fail("tokenizer.json: BPE continuing_subword_prefix is not supported");
+    if (!null_or_empty_string(m, "end_of_word_suffix"))
+      fail("tokenizer.json: BPE end_of_word_suffix is not supported");
     if (flag(m, "byte_fallback", false)) fail("tokenizer.json: BPE byte_fallback is not supported");
     impl->ignore_merges = flag(m, "ignore_merges", false);
 
@@ -626,10 +705,15 @@ Tokenizer Tokenizer::from_json(std::string_view text) {
       impl->vocab.emplace(tok, int32_t(id));
       max_id = std::max(max_id, int32_t(id));
     }
-    struct Added { std::string content; int32_t id; bool special; };
+    struct Added {
+      std::string content;
+      int32_t id;
+      bool special;
+    };
     std::vector<Added> added;
     for (auto& a : j.at("added_tokens")) {
-      check_only(a, "added token", {"id", "content", "single_word", "lstrip", "rstrip", "normalized", "special"});
+      check_only(a, "added token",
+                 {"id", "content", "single_word", "lstrip", "rstrip", "normalized", "special"});
       int64_t id = a.at("id").get<int64_t>();
       std::string content = a.at("content");
       if (id < 0 || id > INT32_MAX / 2) fail("tokenizer.json: added token id {} out of range", id);
@@ -637,7 +721,12 @@ Tokenizer Tokenizer::from_json(std::string_view text) {
       if (v != impl->vocab.end() && v->second != id)
         fail("tokenizer.json: added token '{}' has id {} but the vocab gives it {}", content, id, v->second);
       bool special = flag(a, "special", false), normalized = flag(a, "normalized", !special);
-      AddedToken t{content, int32_t(id), flag(a, "single_word", false), flag(a, "lstrip", false), flag(a, "rstrip", false), special};
+      AddedToken t{content,
+                   int32_t(id),
+                   flag(a, "single_word", false),
+                   flag(a, "lstrip", false),
+                   flag(a, "rstrip", false),
+                   special};
       if (normalized && !impl->normalizer.empty()) t.content = impl->normalizer.apply(content);
       (normalized ? impl->normalized_added : impl->raw_added).add(std::move(t));
       impl->added_by_content[content] = int32_t(id);
@@ -663,7 +752,8 @@ Tokenizer Tokenizer::from_json(std::string_view text) {
       std::string s;
       append_cp(s, cps[b]);
       auto it = impl->vocab.find(s);
-      if (it == impl->vocab.end()) fail("tokenizer.json: the vocab lacks the byte-level token for byte 0x{:02X}", b);
+      if (it == impl->vocab.end())
+        fail("tokenizer.json: the vocab lacks the byte-level token for byte 0x{:02X}", b);
       impl->byte_id[b] = it->second;
     }
 
@@ -675,7 +765,8 @@ Tokenizer Tokenizer::from_json(std::string_view text) {
       if (mg.is_string()) {
         std::string s = mg;
         auto sp = s.find(' ');
-        if (sp == std::string::npos || s.find(' ', sp + 1) != std::string::npos) fail("tokenizer.json: malformed merge '{}'", s);
+        if (sp == std::string::npos || s.find(' ', sp + 1) != std::string::npos)
+          fail("tokenizer.json: malformed merge '{}'", s);
         a = s.substr(0, sp);
         b = s.substr(sp + 1);
       } else if (mg.is_array() && mg.size() == 2) {

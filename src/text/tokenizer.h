@@ -35,7 +35,7 @@ class Tokenizer {
 
   std::optional<int32_t> token_id(std::string_view token) const;  // as spelled in tokenizer.json
   std::string token_bytes(int32_t id) const;  // raw bytes this token decodes to (maybe partial UTF-8)
-  int vocab_size() const;                      // highest defined id + 1
+  int vocab_size() const;                     // highest defined id + 1
   bool is_special(int32_t id) const;
   bool is_valid(int32_t id) const;
 

@@ -126,11 +126,11 @@ inline float runner_up(std::span<const float> row, int top) {
   return second;
 }
 
-#define EXPECT_REL(out, ref, tol, label)                                                   \
-  do {                                                                                     \
-    const double e_ = ::tansy::gpu_test::rel_err(out, ref);                                \
+#define EXPECT_REL(out, ref, tol, label)                                                           \
+  do {                                                                                             \
+    const double e_ = ::tansy::gpu_test::rel_err(out, ref);                                        \
     std::printf("  %-48s rel err %.3e (tol %.0e)\n", std::string(label).c_str(), e_, double(tol)); \
-    EXPECT_LE(e_, tol) << label;                                                           \
+    EXPECT_LE(e_, tol) << label;                                                                   \
   } while (0)
 
 }  // namespace tansy::gpu_test

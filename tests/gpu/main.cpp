@@ -14,8 +14,8 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop{};
   if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess)
-    std::printf("GPU: %s, sm_%d%d, %d SMs, %.1f GiB\n", prop.name, prop.major, prop.minor, prop.multiProcessorCount,
-                double(prop.totalGlobalMem) / (1 << 30));
+    std::printf("GPU: %s, sm_%d%d, %d SMs, %.1f GiB\n", prop.name, prop.major, prop.minor,
+                prop.multiProcessorCount, double(prop.totalGlobalMem) / (1 << 30));
   testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();
 }

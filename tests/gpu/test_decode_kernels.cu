@@ -3,8 +3,8 @@
 // same values; tolerances: f32 outputs ~1e-5 (accumulation order only), bf16 outputs 1e-2 (one
 // rounding of the result), as METHOD.md gives for bf16 operands.
 #include <algorithm>
-#include <cstdlib>
 #include <cmath>
+#include <cstdlib>
 #include <numeric>
 #include <string>
 
@@ -118,9 +118,7 @@ TEST(DecodeKernels, Matvec) {
       {WFormat::kAffine4, 1, 64, 1},         // smallest
       {WFormat::kAffine4, 37, 192, 3},       // odd rows, 3 tokens (one partial 4-token pass)
       {WFormat::kAffine4, 300, 2048, 9},     // 3 passes, the last partial
-      {WFormat::kAffine8, 70, 128, 5},
-      {WFormat::kBF16, 513, 2048, 1},
-      {WFormat::kBF16, 65, 64, 6},
+      {WFormat::kAffine8, 70, 128, 5},      {WFormat::kBF16, 513, 2048, 1}, {WFormat::kBF16, 65, 64, 6},
   };
   for (const auto& c : cases) {
     TestMatrix W = make_matrix(c.fmt, c.out, c.in);
@@ -138,8 +136,8 @@ TEST(DecodeKernels, Matvec) {
     std::vector<float> got(ref.size());
     for (int t = 0; t < c.n; ++t)
       for (int r = 0; r < c.out; ++r) got[size_t(t) * c.out + r] = h32[size_t(t) * ld + r];
-    const std::string label = std::string("matvec f32 ") + fmt_name(c.fmt) + " [" + std::to_string(c.out) + "x" +
-                              std::to_string(c.in) + "] n=" + std::to_string(c.n);
+    const std::string label = std::string("matvec f32 ") + fmt_name(c.fmt) + " [" + std::to_string(c.out) +
+                              "x" + std::to_string(c.in) + "] n=" + std::to_string(c.n);
     // Summation-order error scales with the terms, not with their sum: against ||ref|| where the
     // outputs are of the terms' size, against the terms' root-sum-square where they cancel (one
     // output of 64 terms can come out near zero and make any relative error large).
@@ -179,8 +177,10 @@ std::vector<float> swiglu_ref(const std::vector<float>& gu_rows, int n, int pair
 }
 
 TEST(DecodeKernels, MatvecSwiglu) {
-  const MatvecCase cases[] = {{WFormat::kAffine4, 1024, 2048, 1}, {WFormat::kAffine4, 128, 64, 5},
-                              {WFormat::kAffine8, 64, 256, 2}, {WFormat::kBF16, 256, 2048, 1}};
+  const MatvecCase cases[] = {{WFormat::kAffine4, 1024, 2048, 1},
+                              {WFormat::kAffine4, 128, 64, 5},
+                              {WFormat::kAffine8, 64, 256, 2},
+                              {WFormat::kBF16, 256, 2048, 1}};
   for (const auto& c : cases) {
     TestMatrix W = make_matrix(c.fmt, c.out, c.in);  // rows interleaved gate/up
     auto x = randn(size_t(c.n) * c.in);
@@ -242,7 +242,8 @@ void check_experts(WFormat fmt, int E, int H, int I, int k, int n) {
   cuda::matvec_swiglu_experts(GU.dev, E, didx.get(), n, k, dx.get(), H, act.get(), 0);
   const auto act_got = from_device_bf16(act.get(), act.size());
   EXPECT_REL(act_got, act_ref, kTolBf16,
-             std::string("experts gate|up ") + fmt_name(fmt) + " E=" + std::to_string(E) + " n=" + std::to_string(n));
+             std::string("experts gate|up ") + fmt_name(fmt) + " E=" + std::to_string(E) +
+                 " n=" + std::to_string(n));
   for (int t = 0; t < n; ++t) {
     const float sg = 1.f / (1.f + std::exp(-logits[size_t(t) * ld + 3]));
     for (int r = 0; r < H; ++r) out_ref[size_t(t) * H + r] = sg * shared[size_t(t) * H + r];
@@ -254,7 +255,8 @@ void check_experts(WFormat fmt, int E, int H, int I, int k, int n) {
     }
   }
   auto dout = to_device_bf16(shared);  // shared output aliases out, as in the backend
-  cuda::moe_down_combine(D.dev, E, didx.get(), dw.get(), act.get(), n, k, dout.get(), dlog.get() + 3, ld, dout.get(), 0);
+  cuda::moe_down_combine(D.dev, E, didx.get(), dw.get(), act.get(), n, k, dout.get(), dlog.get() + 3, ld,
+                         dout.get(), 0);
   EXPECT_REL(from_device_bf16(dout.get(), dout.size()), out_ref, kTolBf16, "  experts down + combine");
 }
 
@@ -337,7 +339,8 @@ TEST(DecodeKernels, AddRmsnorm) {
     cuda::add_rmsnorm(dh.get(), dr.get(), dw.get(), n, dim, 1e-6f, xn.get(), 0);
     std::vector<float> hs(h.size()), ref(h.size());
     for (size_t i = 0; i < h.size(); ++i) hs[i] = h[i] + r[i];
-    for (int t = 0; t < n; ++t) cpu::rmsnorm(&hs[size_t(t) * dim], w.data(), dim, 1e-6f, &ref[size_t(t) * dim]);
+    for (int t = 0; t < n; ++t)
+      cpu::rmsnorm(&hs[size_t(t) * dim], w.data(), dim, 1e-6f, &ref[size_t(t) * dim]);
     EXPECT_LE(max_abs_diff(from_device(dh.get(), h.size()), hs), 1e-5) << "residual sum is f32 h + r";
     EXPECT_REL(from_device_bf16(xn.get(), xn.size()), ref, kTolBf16, "add_rmsnorm n=" + std::to_string(n));
     // no residual: plain norm of h
@@ -355,12 +358,13 @@ TEST(DecodeKernels, GatedRmsnorm) {
   auto dz = to_device_bf16(z);
   DeviceBuffer<bf16> y(size_t(n) * heads * dim);
   poison(y);
-  cuda::gated_rmsnorm(dout.get(), heads * dim, dz.get(), ldz, dw.get(), n, heads, dim, 1e-6f, y.get(), heads * dim, 0);
+  cuda::gated_rmsnorm(dout.get(), heads * dim, dz.get(), ldz, dw.get(), n, heads, dim, 1e-6f, y.get(),
+                      heads * dim, 0);
   std::vector<float> ref(y.size());
   for (int t = 0; t < n; ++t)
     for (int j = 0; j < heads; ++j)
-      cpu::rmsnorm_gated(&o[(size_t(t) * heads + j) * dim], &z[size_t(t) * ldz + size_t(j) * dim], w.data(), dim, 1e-6f,
-                         &ref[(size_t(t) * heads + j) * dim]);
+      cpu::rmsnorm_gated(&o[(size_t(t) * heads + j) * dim], &z[size_t(t) * ldz + size_t(j) * dim], w.data(),
+                         dim, 1e-6f, &ref[(size_t(t) * heads + j) * dim]);
   EXPECT_REL(from_device_bf16(y.get(), y.size()), ref, kTolBf16, "gated_rmsnorm");
 }
 
@@ -432,7 +436,8 @@ TEST(DecodeKernels, QkNormRope) {
                      &got_rows[size_t(t) * L.ld + size_t(h) * 2 * hd + hd]);
         // the gate half is untouched
         for (int d = 0; d < hd; ++d)
-          ASSERT_EQ(got_rows[size_t(t) * L.ld + size_t(h) * 2 * hd + hd + d], row[size_t(h) * 2 * hd + hd + d]);
+          ASSERT_EQ(got_rows[size_t(t) * L.ld + size_t(h) * 2 * hd + hd + d],
+                    row[size_t(h) * 2 * hd + hd + d]);
       }
       for (int j = 0; j < NKV; ++j) {
         std::vector<float> k(hd);
@@ -473,8 +478,8 @@ void check_attention(int NH, int NKV, int ctx, int n, int splits) {
   for (int t = 0; t < n; ++t) {
     std::vector<float> q(size_t(NH) * hd);
     for (int h = 0; h < NH; ++h)
-      std::copy(&rows[size_t(t) * L.ld + size_t(h) * 2 * hd], &rows[size_t(t) * L.ld + size_t(h) * 2 * hd + hd],
-                &q[size_t(h) * hd]);
+      std::copy(&rows[size_t(t) * L.ld + size_t(h) * 2 * hd],
+                &rows[size_t(t) * L.ld + size_t(h) * 2 * hd + hd], &q[size_t(h) * hd]);
     float* o = &ref[size_t(t) * NH * hd];
     cpu::attention(q.data(), K.data(), V.data(), ctx + t + 1, NH, NKV, hd, o);
     for (int h = 0; h < NH; ++h)
@@ -484,8 +489,8 @@ void check_attention(int NH, int NKV, int ctx, int n, int splits) {
       }
   }
   EXPECT_REL(from_device_bf16(out.get(), out.size()), ref, kTolBf16,
-             "attention_decode heads " + std::to_string(NH) + "/" + std::to_string(NKV) + " ctx " + std::to_string(ctx) +
-                 " n " + std::to_string(n) + " splits " + std::to_string(splits));
+             "attention_decode heads " + std::to_string(NH) + "/" + std::to_string(NKV) + " ctx " +
+                 std::to_string(ctx) + " n " + std::to_string(n) + " splits " + std::to_string(splits));
 }
 
 TEST(DecodeKernels, AttentionDecode) {
@@ -524,8 +529,8 @@ void check_attention_fused(int NH, int NKV, int ctx, int splits) {
   DeviceBuffer<bf16> out(size_t(NH) * hd);
   poison(out);
   poison(scratch);
-  cuda::attention_decode_fused(L, dpos.get(), dqn.get(), dkn.get(), eps, rot, theta, dK.get(), dV.get(), splits,
-                               scratch.get(), out.get(), NH * hd, 0);
+  cuda::attention_decode_fused(L, dpos.get(), dqn.get(), dkn.get(), eps, rot, theta, dK.get(), dV.get(),
+                               splits, scratch.get(), out.get(), NH * hd, 0);
   // reference: the new k/v at row ctx, then attention over ctx + 1 keys
   std::vector<float> q(size_t(NH) * hd);
   for (int h = 0; h < NH; ++h) {
@@ -538,20 +543,22 @@ void check_attention_fused(int NH, int NKV, int ctx, int splits) {
     cpu::rmsnorm(&row[L.k_off() + size_t(j) * hd], kn.data(), hd, eps, k);
     cpu::rope(k, rot, ctx, theta);
     for (int d = 0; d < hd; ++d) k[d] = round_bf16(k[d]);
-    std::copy(&row[L.v_off() + size_t(j) * hd], &row[L.v_off() + size_t(j + 1) * hd], &V[(size_t(ctx) * NKV + j) * hd]);
+    std::copy(&row[L.v_off() + size_t(j) * hd], &row[L.v_off() + size_t(j + 1) * hd],
+              &V[(size_t(ctx) * NKV + j) * hd]);
   }
   std::vector<float> ref(size_t(NH) * hd);
   cpu::attention(q.data(), K.data(), V.data(), ctx + 1, NH, NKV, hd, ref.data());
   for (int h = 0; h < NH; ++h)
-    for (int d = 0; d < hd; ++d) ref[size_t(h) * hd + d] *= 1.f / (1.f + std::exp(-row[size_t(h) * 2 * hd + hd + d]));
-  const std::string what = "attention_decode_fused heads " + std::to_string(NH) + "/" + std::to_string(NKV) + " ctx " +
-                           std::to_string(ctx) + " splits " + std::to_string(splits);
+    for (int d = 0; d < hd; ++d)
+      ref[size_t(h) * hd + d] *= 1.f / (1.f + std::exp(-row[size_t(h) * 2 * hd + hd + d]));
+  const std::string what = "attention_decode_fused heads " + std::to_string(NH) + "/" + std::to_string(NKV) +
+                           " ctx " + std::to_string(ctx) + " splits " + std::to_string(splits);
   EXPECT_REL(from_device_bf16(out.get(), out.size()), ref, kTolBf16, what);
   // the cache: row ctx holds the new k (bf16-rounded, as the reference) and v exactly; the rest is untouched
   const auto gK = from_device_bf16(dK.get(), K.size()), gV = from_device_bf16(dV.get(), V.size());
   const size_t r0 = size_t(ctx) * NKV * hd, r1 = r0 + size_t(NKV) * hd;
-  EXPECT_REL(std::vector<float>(gK.begin() + r0, gK.begin() + r1), std::vector<float>(K.begin() + r0, K.begin() + r1),
-             kTolBf16, "  new k in the cache");
+  EXPECT_REL(std::vector<float>(gK.begin() + r0, gK.begin() + r1),
+             std::vector<float>(K.begin() + r0, K.begin() + r1), kTolBf16, "  new k in the cache");
   for (size_t i = 0; i < K.size(); ++i) {
     if (i >= r0 && i < r1) {
       ASSERT_EQ(gV[i], V[i]) << what << ": new v at " << i - r0;
@@ -568,10 +575,10 @@ TEST(DecodeKernels, AttentionDecodeFused) {
     check_attention_fused(16, 2, ctx, 64);
   check_attention_fused(16, 2, 40000, 64);
   for (int splits : {1, 2, 7, 128, 256}) check_attention_fused(16, 2, 1000, splits);  // many tiles per split
-  check_attention_fused(8, 2, 300, 64);   // 4 heads per kv head
-  check_attention_fused(4, 2, 300, 64);   // 2: the demo model
-  check_attention_fused(2, 1, 10, 4);     // 2: tiny goldens
-  check_attention_fused(4, 4, 300, 64);   // 1
+  check_attention_fused(8, 2, 300, 64);                                               // 4 heads per kv head
+  check_attention_fused(4, 2, 300, 64);                                               // 2: the demo model
+  check_attention_fused(2, 1, 10, 4);                                                 // 2: tiny goldens
+  check_attention_fused(4, 4, 300, 64);                                               // 1
 }
 
 TEST(DecodeKernels, AttentionDecodeFusedRejectsBadShapes) {
@@ -583,18 +590,18 @@ TEST(DecodeKernels, AttentionDecodeFusedRejectsBadShapes) {
   DeviceBuffer<float> w(256), scratch(cuda::attn_scratch_floats(1, 16, 4));
   DeviceBuffer<int> pos = to_device(std::vector<int>{0});
   L.base = rows.get();
-  EXPECT_THROW(cuda::attention_decode_fused(L, pos.get(), w.get(), w.get(), 1e-6f, 64, 1e7, K.get(), V.get(), 4,
-                                            scratch.get(), out.get(), 16 * 256, 0),
+  EXPECT_THROW(cuda::attention_decode_fused(L, pos.get(), w.get(), w.get(), 1e-6f, 64, 1e7, K.get(), V.get(),
+                                            4, scratch.get(), out.get(), 16 * 256, 0),
                Error);
   L.n_kv = 2;
   L.ld = L.v_off() + 512;
   DeviceBuffer<bf16> rows2(L.ld);
   L.base = rows2.get();
-  EXPECT_THROW(cuda::attention_decode_fused(L, pos.get(), w.get(), w.get(), 1e-6f, 40, 1e7, K.get(), V.get(), 4,
-                                            scratch.get(), out.get(), 16 * 256, 0),
+  EXPECT_THROW(cuda::attention_decode_fused(L, pos.get(), w.get(), w.get(), 1e-6f, 40, 1e7, K.get(), V.get(),
+                                            4, scratch.get(), out.get(), 16 * 256, 0),
                Error);  // rotary_dim not a multiple of 16
-  EXPECT_THROW(cuda::attention_decode_fused(L, pos.get(), w.get(), w.get(), 1e-6f, 64, 1e7, K.get(), V.get(), 0,
-                                            scratch.get(), out.get(), 16 * 256, 0),
+  EXPECT_THROW(cuda::attention_decode_fused(L, pos.get(), w.get(), w.get(), 1e-6f, 64, 1e7, K.get(), V.get(),
+                                            0, scratch.get(), out.get(), 16 * 256, 0),
                Error);  // no split
 }
 
@@ -605,7 +612,8 @@ struct GdnSetup {
 };
 
 TEST(DecodeKernels, GdnConvAndRecurrence) {
-  for (auto [NK, NV, n] : {GdnSetup{16, 32, 1}, GdnSetup{16, 32, 40}, GdnSetup{2, 4, 3}, GdnSetup{2, 4, 65}}) {
+  for (auto [NK, NV, n] :
+       {GdnSetup{16, 32, 1}, GdnSetup{16, 32, 40}, GdnSetup{2, 4, 3}, GdnSetup{2, 4, 65}}) {
     const int D = 128, KD = NK * D, VD = NV * D, C = 2 * KD + VD, Kc = 4;
     const int64_t ld = C + VD + 2 * NV + 8;  // proj rows: qkv | z | a | b
     auto proj = randn(size_t(n) * ld);
@@ -646,15 +654,17 @@ TEST(DecodeKernels, GdnConvAndRecurrence) {
       cpu::conv1d_step(&proj[size_t(t) * ld], win.data(), convw.data(), C, Kc, yt);
       cpu::l2norm_heads(yt, NK, D, 1.f / std::sqrt(float(D)));
       cpu::l2norm_heads(yt + KD, NK, D, 1.f);
-      cpu::gdn_gates(&proj[size_t(t) * ld + C + VD], &proj[size_t(t) * ld + C + VD + NV], A_log.data(), dt_bias.data(), NV,
-                     &beta_ref[size_t(t) * NV], &g_ref[size_t(t) * NV]);
+      cpu::gdn_gates(&proj[size_t(t) * ld + C + VD], &proj[size_t(t) * ld + C + VD + NV], A_log.data(),
+                     dt_bias.data(), NV, &beta_ref[size_t(t) * NV], &g_ref[size_t(t) * NV]);
     }
-    const std::string tag = " heads " + std::to_string(NK) + "/" + std::to_string(NV) + " n " + std::to_string(n);
+    const std::string tag =
+        " heads " + std::to_string(NK) + "/" + std::to_string(NV) + " n " + std::to_string(n);
     const auto y_got = from_device_bf16(y.get(), y.size());
     EXPECT_REL(y_got, y_ref, kTolBf16, "gdn_conv (conv+silu+l2norm)" + tag);
     EXPECT_REL(from_device(beta.get(), beta.size()), beta_ref, kTolF32 * 10, "  beta");
     EXPECT_REL(from_device(g.get(), g.size()), g_ref, kTolF32 * 10, "  g");
-    EXPECT_EQ(max_abs_diff(from_device_bf16(dwin.get(), win.size()), win), 0.0) << "conv window advanced" << tag;
+    EXPECT_EQ(max_abs_diff(from_device_bf16(dwin.get(), win.size()), win), 0.0)
+        << "conv window advanced" << tag;
 
     // recurrence from a random state, fed the kernel's own conv output
     auto S0 = randn(size_t(NV) * D * D, 0.1f);
@@ -678,8 +688,8 @@ TEST(DecodeKernels, GdnConvAndRecurrence) {
     std::vector<float> S = S0, o_ref(size_t(n) * VD);
     for (int t = 0; t < n; ++t) {
       const float* yt = &y_got[size_t(t) * C];
-      cpu::gdn_recurrent_step(yt, yt + KD, yt + 2 * KD, &beta_got[size_t(t) * NV], &g_got[size_t(t) * NV], NK, NV, D, D,
-                              S.data(), &o_ref[size_t(t) * VD]);
+      cpu::gdn_recurrent_step(yt, yt + KD, yt + 2 * KD, &beta_got[size_t(t) * NV], &g_got[size_t(t) * NV], NK,
+                              NV, D, D, S.data(), &o_ref[size_t(t) * VD]);
     }
     EXPECT_REL(from_device(o.get(), o.size()), o_ref, 1e-4, "gdn_recurrent output" + tag);
     EXPECT_REL(from_device(dS.get(), S.size()), S, 1e-4, "  state");
@@ -716,7 +726,8 @@ struct NormDev {
   DeviceBuffer<float> h, w, ss;
   DeviceBuffer<bf16> xn;
   cuda::NormIn in;
-  explicit NormDev(const NormCase& c) : h(to_device(c.h)), w(to_device(c.w)), ss(to_device(c.ss)), xn(c.h.size()) {
+  explicit NormDev(const NormCase& c)
+      : h(to_device(c.h)), w(to_device(c.w)), ss(to_device(c.ss)), xn(c.h.size()) {
     poison(xn);
     in.h = h.get();
     in.ss = ss.get();
@@ -743,8 +754,8 @@ TEST(FusedDecode, MatvecNorm) {
     poison(y);
     cuda::matvec_norm(W.dev, d.in, cuda::MatvecOut{y.get(), true, mc.out}, 0);
     auto got = from_device(y.get(), mc.out);
-    const std::string label = std::string("matvec_norm ") + fmt_name(mc.fmt) + " [" + std::to_string(mc.out) + "x" +
-                              std::to_string(mc.in) + "]";
+    const std::string label = std::string("matvec_norm ") + fmt_name(mc.fmt) + " [" + std::to_string(mc.out) +
+                              "x" + std::to_string(mc.in) + "]";
     // x is bf16-rounded on both sides; a rounding that falls the other way moves y by ~1e-3
     EXPECT_REL(got, ref, 3e-3, label);
     EXPECT_REL(from_device_bf16(d.xn.get(), mc.in), c.x, 5e-3, "  xn_out");
@@ -759,8 +770,8 @@ TEST(FusedDecode, MatvecNorm) {
 
 // h += W·x in place, with the partial sums of the new h² for the next norm.
 TEST(FusedDecode, ResidualEpilogues) {
-  for (auto [fmt, out, in] : {std::tuple{WFormat::kAffine4, 2048, 4096}, std::tuple{WFormat::kAffine4, 64, 128},
-                              std::tuple{WFormat::kBF16, 256, 512}}) {
+  for (auto [fmt, out, in] : {std::tuple{WFormat::kAffine4, 2048, 4096},
+                              std::tuple{WFormat::kAffine4, 64, 128}, std::tuple{WFormat::kBF16, 256, 512}}) {
     TestMatrix W = make_matrix(fmt, out, in);
     auto x = randn(in);
     round_bf16_inplace(x);
@@ -776,8 +787,8 @@ TEST(FusedDecode, ResidualEpilogues) {
       want[i] = h[i] + y[i];
       sq += double(want[i]) * want[i];
     }
-    const std::string label = std::string("matvec_residual ") + fmt_name(fmt) + " [" + std::to_string(out) + "x" +
-                              std::to_string(in) + "]";
+    const std::string label = std::string("matvec_residual ") + fmt_name(fmt) + " [" + std::to_string(out) +
+                              "x" + std::to_string(in) + "]";
     EXPECT_REL(from_device(dh.get(), out), want, kTolF32 * 10, label);
     const auto parts = from_device(ss.get(), cuda::kNormParts);
     double got_sq = 0;
@@ -814,8 +825,8 @@ TEST(FusedDecode, ResidualEpilogues) {
 }
 
 TEST(FusedDecode, RouterWithRouting) {
-  for (auto [E, k, H, shared] : {std::tuple{256, 8, 2048, true}, std::tuple{8, 2, 64, true}, std::tuple{16, 4, 128, false},
-                                 std::tuple{512, 10, 256, true}}) {
+  for (auto [E, k, H, shared] : {std::tuple{256, 8, 2048, true}, std::tuple{8, 2, 64, true},
+                                 std::tuple{16, 4, 128, false}, std::tuple{512, 10, 256, true}}) {
     const int rows = E + 2;  // experts | shared gate | pad
     TestMatrix W = make_matrix(WFormat::kAffine8, rows, H);
     const NormCase c = make_norm_case(H);
@@ -874,7 +885,8 @@ TEST(FusedDecode, GdnInProjAndStep) {
     auto gnorm = randn(D, 0.2f, 1.f);
     auto S0 = randn(size_t(NV) * D * D, 0.1f);
     auto dwin = to_device_bf16(window);
-    DeviceBuffer<float> dconvw = to_device(convw), dA = to_device(A_log), ddt = to_device(dt_bias), dgn = to_device(gnorm);
+    DeviceBuffer<float> dconvw = to_device(convw), dA = to_device(A_log), ddt = to_device(dt_bias),
+                        dgn = to_device(gnorm);
     DeviceBuffer<float> dS = to_device(S0), conv_out(C), beta(NV), g(NV), o(VD);
     DeviceBuffer<bf16> P(rows), y(VD);
     DeviceBuffer<unsigned> counters(NV);
@@ -915,26 +927,29 @@ TEST(FusedDecode, GdnInProjAndStep) {
     cpu::matmul(W.host, c.x.data(), 1, proj.data());
     round_bf16_inplace(proj);
     const auto proj_got = from_device_bf16(P.get(), rows);
-    EXPECT_REL(proj_got, proj, 5e-3, "gdn in_proj (bf16 rows) heads " + std::to_string(NK) + "/" + std::to_string(NV));
+    EXPECT_REL(proj_got, proj, 5e-3,
+               "gdn in_proj (bf16 rows) heads " + std::to_string(NK) + "/" + std::to_string(NV));
     // the rest from the kernel's own projection, so that the checks below see the fused ops alone
     std::vector<float> win = window, conv(C), beta_ref(NV), g_ref(NV), S = S0, o_ref(VD), y_ref(VD);
     cpu::conv1d_step(proj_got.data(), win.data(), convw.data(), C, Kc, conv.data());
     EXPECT_REL(from_device(conv_out.get(), C), conv, 1e-5, "  conv + silu");
     EXPECT_EQ(max_abs_diff(from_device_bf16(dwin.get(), win.size()), win), 0.0) << "conv window advanced";
-    cpu::gdn_gates(&proj_got[C + VD], &proj_got[C + VD + NV], A_log.data(), dt_bias.data(), NV, beta_ref.data(),
-                   g_ref.data());
+    cpu::gdn_gates(&proj_got[C + VD], &proj_got[C + VD + NV], A_log.data(), dt_bias.data(), NV,
+                   beta_ref.data(), g_ref.data());
     EXPECT_REL(from_device(beta.get(), NV), beta_ref, 1e-5, "  beta");
     EXPECT_REL(from_device(g.get(), NV), g_ref, 1e-5, "  g");
     const auto conv_got = from_device(conv_out.get(), C);
-    std::vector<float> q(conv_got.begin(), conv_got.begin() + KD), kk(conv_got.begin() + KD, conv_got.begin() + 2 * KD);
+    std::vector<float> q(conv_got.begin(), conv_got.begin() + KD),
+        kk(conv_got.begin() + KD, conv_got.begin() + 2 * KD);
     cpu::l2norm_heads(q.data(), NK, D, 1.f / std::sqrt(float(D)));
     cpu::l2norm_heads(kk.data(), NK, D, 1.f);
-    cpu::gdn_recurrent_step(q.data(), kk.data(), conv_got.data() + 2 * KD, beta_ref.data(), g_ref.data(), NK, NV, D, D,
-                            S.data(), o_ref.data());
+    cpu::gdn_recurrent_step(q.data(), kk.data(), conv_got.data() + 2 * KD, beta_ref.data(), g_ref.data(), NK,
+                            NV, D, D, S.data(), o_ref.data());
     EXPECT_REL(from_device(dS.get(), S.size()), S, 1e-4, "  state");
     EXPECT_REL(from_device(o.get(), VD), o_ref, 1e-4, "  o (before the gated norm)");
     for (int j = 0; j < NV; ++j)
-      cpu::rmsnorm_gated(&o_ref[size_t(j) * D], &proj_got[C + size_t(j) * D], gnorm.data(), D, 1e-6f, &y_ref[size_t(j) * D]);
+      cpu::rmsnorm_gated(&o_ref[size_t(j) * D], &proj_got[C + size_t(j) * D], gnorm.data(), D, 1e-6f,
+                         &y_ref[size_t(j) * D]);
     EXPECT_REL(from_device_bf16(y.get(), VD), y_ref, kTolBf16, "  gated norm output");
     EXPECT_EQ(from_device(counters.get(), NV), std::vector<unsigned>(NV, 0u)) << "counters reset";
   }
@@ -968,8 +983,8 @@ struct HeadCall {
 // shape, at partial tiles (rows not a multiple of 32, a single partial tile) and at the demo
 // model's hidden size 256 (one tensor-copy slab per row, fewer groups than warps).
 TEST(FusedDecode, LmHeadArgmax) {
-  for (auto [out, in] : {std::pair{248320, 2048}, std::pair{4100, 2048}, std::pair{8184, 256}, std::pair{33, 256},
-                         std::pair{7, 1024}}) {
+  for (auto [out, in] : {std::pair{248320, 2048}, std::pair{4100, 2048}, std::pair{8184, 256},
+                         std::pair{33, 256}, std::pair{7, 1024}}) {
     TestMatrix W = make_matrix(WFormat::kAffine4, out, in);
     const NormCase c = make_norm_case(in);
     NormDev d(c);
@@ -981,8 +996,8 @@ TEST(FusedDecode, LmHeadArgmax) {
       poison(h.logits);
       const int id = h.run(limit);
       ++calls;
-      const std::string label = "lm_head_argmax [" + std::to_string(out) + "x" + std::to_string(in) + "] limit " +
-                                std::to_string(limit);
+      const std::string label = "lm_head_argmax [" + std::to_string(out) + "x" + std::to_string(in) +
+                                "] limit " + std::to_string(limit);
       const auto got = from_device(h.logits.get(), out);
       const auto xn = from_device_bf16(d.xn.get(), in);
       EXPECT_REL(xn, c.x, 5e-3, "  xn_out");
@@ -993,11 +1008,13 @@ TEST(FusedDecode, LmHeadArgmax) {
       EXPECT_REL(got, ref, 3e-3, label);
       // on the kernel's own x: f32 accumulation order only (tensor-core adds, per quant group)
       EXPECT_REL(got, ref_own, 1e-4, "  same on the kernel's x");
-      const std::vector<float> head(got.begin(), got.begin() + limit), head_ref(ref_own.begin(), ref_own.begin() + limit);
+      const std::vector<float> head(got.begin(), got.begin() + limit),
+          head_ref(ref_own.begin(), ref_own.begin() + limit);
       EXPECT_EQ(id, tansy::argmax(head)) << label << ": the argmax of the kernel's own logits";
       ASSERT_TRUE(id >= 0 && id < limit) << label;
       const float best = *std::max_element(head_ref.begin(), head_ref.end());
-      EXPECT_GE(ref_own[id], best - 1e-4f * (std::fabs(best) + 1.f)) << label << ": the CPU's best logit is " << best;
+      EXPECT_GE(ref_own[id], best - 1e-4f * (std::fabs(best) + 1.f))
+          << label << ": the CPU's best logit is " << best;
       EXPECT_EQ(from_device(pos.get(), 1)[0], 7 + calls) << label << ": position advanced once per call";
       EXPECT_EQ(from_device(h.counter.get(), 1)[0], 0u) << label << ": counter left zero";
       std::printf("  %s -> id %d\n", label.c_str(), id);
@@ -1069,7 +1086,8 @@ double time_launches(Fn&& fn, int reps = 100) {
 }
 
 double mat_bytes(const cuda::DevLinear& W) {
-  return double(W.out) * W.in * W.bits() / 8 + (W.fmt == WFormat::kBF16 ? 0.0 : double(W.out) * (W.in / 64) * 4);
+  return double(W.out) * W.in * W.bits() / 8 +
+         (W.fmt == WFormat::kBF16 ? 0.0 : double(W.out) * (W.in / 64) * 4);
 }
 
 void report(const char* what, double us, double bytes) {
@@ -1085,7 +1103,8 @@ TEST(DecodeTiming, RealShapes) {
   // GDN in_proj with norm + conv/gates epilogue
   TestMatrix gin = make_matrix(WFormat::kAffine4, C + VD + 2 * NV, H);
   DeviceBuffer<bf16> P(C + VD + 2 * NV), win(3 * C), mix(VD), act((K + 1) * I), r(H);
-  DeviceBuffer<float> convw = to_device(randn(size_t(C) * 4, 0.5f)), A = to_device(randn(NV)), dt = to_device(randn(NV));
+  DeviceBuffer<float> convw = to_device(randn(size_t(C) * 4, 0.5f)), A = to_device(randn(NV)),
+                      dt = to_device(randn(NV));
   DeviceBuffer<float> conv_out(C), beta(NV), g(NV), S = to_device(randn(size_t(NV) * D * D, 0.1f)), o(VD);
   DeviceBuffer<float> gnw = to_device(randn(D, 0.2f, 1.f)), logits(E + 2), y32(248320);
   DeviceBuffer<unsigned> counters(NV), rc(1);
@@ -1107,11 +1126,13 @@ TEST(DecodeTiming, RealShapes) {
   ge.beta = beta.get();
   ge.g = g.get();
   report("gdn in_proj + norm + conv/gates [12352x2048]",
-         time_launches([&](cudaStream_t s) { cuda::matvec_norm_gdn(gin.dev, nd.in, P.get(), ge, s); }), mat_bytes(gin.dev));
+         time_launches([&](cudaStream_t s) { cuda::matvec_norm_gdn(gin.dev, nd.in, P.get(), ge, s); }),
+         mat_bytes(gin.dev));
   auto dxn = to_device_bf16(nc.x);
   report("  same, plain matvec", time_launches([&](cudaStream_t s) {
            cuda::matvec(gin.dev, dxn.get(), H, 1, cuda::MatvecOut{P.get(), false, gin.dev.out}, s);
-         }), mat_bytes(gin.dev));
+         }),
+         mat_bytes(gin.dev));
   cuda::GdnDecodeArgs ga;
   ga.conv = conv_out.get();
   ga.beta = beta.get();
@@ -1130,11 +1151,13 @@ TEST(DecodeTiming, RealShapes) {
   TestMatrix gout = make_matrix(WFormat::kAffine4, H, VD);
   report("gdn out_proj [2048x4096]", time_launches([&](cudaStream_t s) {
            cuda::matvec(gout.dev, mix.get(), VD, 1, cuda::MatvecOut{r.get(), false, H}, s);
-         }), mat_bytes(gout.dev));
+         }),
+         mat_bytes(gout.dev));
   DeviceBuffer<float> hres = to_device(nc.h), ssr(cuda::kNormParts);
   report("  same + residual epilogue", time_launches([&](cudaStream_t s) {
            cuda::matvec_residual(gout.dev, mix.get(), cuda::ResidualOut{hres.get(), ssr.get()}, s);
-         }), mat_bytes(gout.dev));
+         }),
+         mat_bytes(gout.dev));
   TestMatrix router = make_matrix(WFormat::kAffine8, E + 2, H);
   DeviceBuffer<int> idx(K + 1);
   DeviceBuffer<float> wts(K + 1);
@@ -1147,32 +1170,41 @@ TEST(DecodeTiming, RealShapes) {
   re.counter = rc.get();
   report("router + norm + top-k [258x2048 8-bit]", time_launches([&](cudaStream_t s) {
            cuda::matvec_norm_route(router.dev, nd.in, logits.get(), re, s);
-         }), mat_bytes(router.dev));
+         }),
+         mat_bytes(router.dev));
   report("  router plain matvec", time_launches([&](cudaStream_t s) {
            cuda::matvec(router.dev, dxn.get(), H, 1, cuda::MatvecOut{logits.get(), true, E + 2}, s);
-         }), mat_bytes(router.dev));
+         }),
+         mat_bytes(router.dev));
   report("  route_topk alone", time_launches([&](cudaStream_t s) {
            cuda::route_topk(logits.get(), E + 2, 1, E, K, idx.get(), wts.get(), s);
-         }), 0);
+         }),
+         0);
   TestMatrix gu = make_matrix(WFormat::kAffine4, (E + 1) * 2 * I, H);
   TestMatrix dn = make_matrix(WFormat::kAffine4, (E + 1) * H, I);
   report("experts gate|up, 9 slots", time_launches([&](cudaStream_t s) {
            cuda::matvec_swiglu_experts(gu.dev, E + 1, idx.get(), 1, K + 1, dxn.get(), H, act.get(), s);
-         }), 9 * mat_bytes(gu.dev.rows(0, 2 * I)));
+         }),
+         9 * mat_bytes(gu.dev.rows(0, 2 * I)));
   report("experts down + combine, 9 slots", time_launches([&](cudaStream_t s) {
-           cuda::moe_down_combine(dn.dev, E + 1, idx.get(), wts.get(), act.get(), 1, K + 1, nullptr, nullptr, 0, r.get(), s);
-         }), 9 * mat_bytes(dn.dev.rows(0, H)));
+           cuda::moe_down_combine(dn.dev, E + 1, idx.get(), wts.get(), act.get(), 1, K + 1, nullptr, nullptr,
+                                  0, r.get(), s);
+         }),
+         9 * mat_bytes(dn.dev.rows(0, H)));
   report("  same + residual epilogue", time_launches([&](cudaStream_t s) {
            cuda::moe_down_residual(dn.dev, E + 1, idx.get(), wts.get(), act.get(), K + 1, nullptr, nullptr,
                                    cuda::ResidualOut{hres.get(), ssr.get()}, s);
-         }), 9 * mat_bytes(dn.dev.rows(0, H)));
+         }),
+         9 * mat_bytes(dn.dev.rows(0, H)));
   TestMatrix ain = make_matrix(WFormat::kAffine4, 9216, H);
   report("attn in_proj + norm [9216x2048]", time_launches([&](cudaStream_t s) {
            cuda::matvec_norm(ain.dev, nd.in, cuda::MatvecOut{P.get(), false, 9216}, s);
-         }), mat_bytes(ain.dev));
+         }),
+         mat_bytes(ain.dev));
   report("add_rmsnorm", time_launches([&](cudaStream_t s) {
            cuda::add_rmsnorm(hres.get(), r.get(), nd.w.get(), 1, H, 1e-6f, nd.xn.get(), s);
-         }), 0);
+         }),
+         0);
   // attention of one token at the real shapes (16 query heads over 2 kv heads): the unfused
   // qk_norm_rope + split + merge against the fused kernel + merge, at several split counts
   for (int ctx : {256, 4096, 32768, 131071}) {
@@ -1184,7 +1216,8 @@ TEST(DecodeTiming, RealShapes) {
     auto drow = to_device_bf16(randn(size_t(L.ld)));
     L.base = drow.get();
     DeviceBuffer<float> qn = to_device(randn(hd, 0.1f, 1.f)), kn = to_device(randn(hd, 0.1f, 1.f));
-    auto dK = to_device_bf16(randn(size_t(ctx + 1) * NKV * hd)), dV = to_device_bf16(randn(size_t(ctx + 1) * NKV * hd));
+    auto dK = to_device_bf16(randn(size_t(ctx + 1) * NKV * hd)),
+         dV = to_device_bf16(randn(size_t(ctx + 1) * NKV * hd));
     DeviceBuffer<int> dpos = to_device(std::vector<int>{ctx});
     DeviceBuffer<float> scr(cuda::attn_scratch_floats(1, NH, 256));
     DeviceBuffer<bf16> ao(size_t(NH) * hd);
@@ -1193,20 +1226,27 @@ TEST(DecodeTiming, RealShapes) {
     std::snprintf(name, sizeof name, "attn ctx %d: qk_norm_rope + split/merge (128)", ctx);
     report(name, time_launches([&](cudaStream_t s) {
              cuda::qk_norm_rope(L, 1, dpos.get(), qn.get(), kn.get(), 1e-6f, 64, 1e7, dK.get(), dV.get(), s);
-             cuda::attention_decode(L, 1, dpos.get(), dK.get(), dV.get(), 128, scr.get(), ao.get(), NH * hd, s);
-           }), kv_bytes);
+             cuda::attention_decode(L, 1, dpos.get(), dK.get(), dV.get(), 128, scr.get(), ao.get(), NH * hd,
+                                    s);
+           }),
+           kv_bytes);
     for (int splits : {32, 64, 128}) {
       std::snprintf(name, sizeof name, "attn ctx %d: fused + merge (%d)", ctx, splits);
       report(name, time_launches([&](cudaStream_t s) {
-               cuda::attention_decode_fused(L, dpos.get(), qn.get(), kn.get(), 1e-6f, 64, 1e7, dK.get(), dV.get(),
-                                            splits, scr.get(), ao.get(), NH * hd, s);
-             }), kv_bytes);
+               cuda::attention_decode_fused(L, dpos.get(), qn.get(), kn.get(), 1e-6f, 64, 1e7, dK.get(),
+                                            dV.get(), splits, scr.get(), ao.get(), NH * hd, s);
+             }),
+             kv_bytes);
     }
   }
   TestMatrix lm = make_matrix(WFormat::kAffine4, 248320, H);
-  report("lm_head [248320x2048]", time_launches([&](cudaStream_t s) {
-           cuda::matvec(lm.dev, dxn.get(), H, 1, cuda::MatvecOut{y32.get(), true, 248320}, s);
-         }, 20), mat_bytes(lm.dev));
+  report("lm_head [248320x2048]",
+         time_launches(
+             [&](cudaStream_t s) {
+               cuda::matvec(lm.dev, dxn.get(), H, 1, cuda::MatvecOut{y32.get(), true, 248320}, s);
+             },
+             20),
+         mat_bytes(lm.dev));
   {
     DeviceBuffer<unsigned long long> scratch(cuda::lm_head_scratch());
     DeviceBuffer<unsigned> counter(1);
@@ -1221,8 +1261,8 @@ TEST(DecodeTiming, RealShapes) {
     a.pos = pos.get();
     a.scratch = scratch.get();
     a.counter = counter.get();
-    report("lm_head fused: norm + product + argmax + pos", time_launches([&](cudaStream_t s) { cuda::lm_head_argmax(a, s); }, 20),
-           mat_bytes(lm.dev));
+    report("lm_head fused: norm + product + argmax + pos",
+           time_launches([&](cudaStream_t s) { cuda::lm_head_argmax(a, s); }, 20), mat_bytes(lm.dev));
   }
   CUDA_CHECK(cudaDeviceSynchronize());
 }

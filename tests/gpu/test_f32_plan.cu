@@ -12,11 +12,10 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <numeric>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "cpu/backend.h"
 #include "cpu/ops.h"
@@ -91,8 +90,8 @@ struct TestLinear {
 };
 
 // Per output: |got - ref| <= tol * sum_i |W[o,i] X[t,i]| (the size of its terms).
-void expect_products(const std::vector<float>& got, const std::vector<float>& ref, const std::vector<float>& terms,
-                     double tol, const std::string& label) {
+void expect_products(const std::vector<float>& got, const std::vector<float>& ref,
+                     const std::vector<float>& terms, double tol, const std::string& label) {
   ASSERT_EQ(got.size(), ref.size()) << label;
   double worst = 0;
   for (size_t i = 0; i < ref.size(); ++i) {
@@ -202,7 +201,8 @@ TEST(F32Ops, EmbedAndNorms) {
 
   // Each token's k distinct experts in a random order (the sum runs in ascending expert index).
   const int K = 3, HH = 40;
-  const auto D = randn(size_t(n) * K * HH), wt = randn(size_t(n) * K), sd = randn(size_t(n) * HH), gate = randn(n);
+  const auto D = randn(size_t(n) * K * HH), wt = randn(size_t(n) * K), sd = randn(size_t(n) * HH),
+             gate = randn(n);
   std::vector<int32_t> eidx(size_t(n) * K);
   for (int t = 0; t < n; ++t) {
     std::vector<int32_t> perm(16);
@@ -232,7 +232,8 @@ TEST(F32Ops, Conv1d) {
     auto win = randn(size_t(hist) * C);
     auto dwin = to_device(win);
     std::vector<float> y(size_t(n) * C);
-    for (int t = 0; t < n; ++t) cpu::conv1d_step(&x[size_t(t) * C], win.data(), w.data(), C, kernel, &y[size_t(t) * C]);
+    for (int t = 0; t < n; ++t)
+      cpu::conv1d_step(&x[size_t(t) * C], win.data(), w.data(), C, kernel, &y[size_t(t) * C]);
     auto dx = to_device(x), dw = to_device(w);
     cuda::DeviceBuffer<float> dy(y.size());
     poison(dy);
@@ -260,18 +261,20 @@ TEST(F32Ops, GdnCore) {
       float* v = q + 2 * KD;
       cpu::l2norm_heads(q, c.nk, c.dk, 1.0f / std::sqrt(float(c.dk)));
       cpu::l2norm_heads(k, c.nk, c.dk, 1.0f);
-      cpu::gdn_gates(&a[size_t(t) * c.nv], &b[size_t(t) * c.nv], A_log.data(), dt.data(), c.nv, beta.data(), g.data());
+      cpu::gdn_gates(&a[size_t(t) * c.nv], &b[size_t(t) * c.nv], A_log.data(), dt.data(), c.nv, beta.data(),
+                     g.data());
       cpu::gdn_recurrent_step(q, k, v, beta.data(), g.data(), c.nk, c.nv, c.dk, c.dv, S.data(), o.data());
       for (int h = 0; h < c.nv; ++h)
-        cpu::rmsnorm_gated(&o[size_t(h) * c.dv], &z[size_t(t) * VD + size_t(h) * c.dv], norm.data(), c.dv, 1e-6f,
-                           &out[size_t(t) * VD + size_t(h) * c.dv]);
+        cpu::rmsnorm_gated(&o[size_t(h) * c.dv], &z[size_t(t) * VD + size_t(h) * c.dv], norm.data(), c.dv,
+                           1e-6f, &out[size_t(t) * VD + size_t(h) * c.dv]);
     }
     auto dy = to_device(y), dz = to_device(z), da = to_device(a), db = to_device(b), dA = to_device(A_log),
          ddt = to_device(dt), dn = to_device(norm);
     cuda::DeviceBuffer<float> dout(out.size());
     poison(dout);
-    cuda::f32::GdnCoreArgs args{dy.get(), dz.get(), da.get(), db.get(), dA.get(), ddt.get(), dn.get(), dS.get(),
-                                dout.get(), c.n, c.nk, c.nv, c.dk, c.dv, 1e-6f};
+    cuda::f32::GdnCoreArgs args{dy.get(),  dz.get(), da.get(), db.get(),   dA.get(),
+                                ddt.get(), dn.get(), dS.get(), dout.get(), c.n,
+                                c.nk,      c.nv,     c.dk,     c.dv,       1e-6f};
     cuda::f32::gdn_core(args);
     const std::string label = "gdn_core " + std::to_string(c.nk) + "/" + std::to_string(c.nv) + " heads, " +
                               std::to_string(c.dk) + "x" + std::to_string(c.dv);
@@ -303,25 +306,29 @@ TEST(F32Ops, Attention) {
         cpu::rope(kt + size_t(j) * c.hd, c.rot, pos, theta);
       }
       for (int h = 0; h < c.nh; ++h) {
-        cpu::rmsnorm(&qg[size_t(t) * 2 * QD + size_t(h) * 2 * c.hd], qn.data(), c.hd, eps, &q[size_t(t) * QD + size_t(h) * c.hd]);
+        cpu::rmsnorm(&qg[size_t(t) * 2 * QD + size_t(h) * 2 * c.hd], qn.data(), c.hd, eps,
+                     &q[size_t(t) * QD + size_t(h) * c.hd]);
         cpu::rope(&q[size_t(t) * QD + size_t(h) * c.hd], c.rot, pos, theta);
       }
       float* ot = &o[size_t(t) * QD];
       cpu::attention(&q[size_t(t) * QD], K.data(), V.data(), pos + 1, c.nh, c.nkv, c.hd, ot);
       for (int h = 0; h < c.nh; ++h)
         for (int d = 0; d < c.hd; ++d)
-          ot[size_t(h) * c.hd + d] *= 1.0f / (1.0f + std::exp(-qg[size_t(t) * 2 * QD + size_t(h) * 2 * c.hd + c.hd + d]));
+          ot[size_t(h) * c.hd + d] *=
+              1.0f / (1.0f + std::exp(-qg[size_t(t) * 2 * QD + size_t(h) * 2 * c.hd + c.hd + d]));
     }
     auto dqg = to_device(qg), dk = to_device(k), dv = to_device(v), dqn = to_device(qn), dkn = to_device(kn);
     cuda::DeviceBuffer<float> dq(q.size()), dout(o.size());
     poison(dq);
     poison(dout);
-    cuda::f32::AttnPrepArgs p{dqg.get(), dk.get(), dv.get(), dqn.get(), dkn.get(), dq.get(), dK.get(), dV.get(),
-                              c.n, c.pos0, c.nh, c.nkv, c.hd, c.rot, eps, theta};
+    cuda::f32::AttnPrepArgs p{dqg.get(), dk.get(), dv.get(), dqn.get(), dkn.get(), dq.get(),
+                              dK.get(),  dV.get(), c.n,      c.pos0,    c.nh,      c.nkv,
+                              c.hd,      c.rot,    eps,      theta};
     cuda::f32::attention_prep(p);
     cuda::f32::attention(dq.get(), dqg.get(), dK.get(), dV.get(), c.n, c.pos0, c.nh, c.nkv, c.hd, dout.get());
-    const std::string label = "attention " + std::to_string(c.nh) + "/" + std::to_string(c.nkv) + " heads hd " +
-                              std::to_string(c.hd) + " at " + std::to_string(c.pos0) + "+" + std::to_string(c.n);
+    const std::string label = "attention " + std::to_string(c.nh) + "/" + std::to_string(c.nkv) +
+                              " heads hd " + std::to_string(c.hd) + " at " + std::to_string(c.pos0) + "+" +
+                              std::to_string(c.n);
     EXPECT_REL(run_to_host(dq), q, 1e-6, label + " q");
     EXPECT_REL(run_to_host(dK), K, 1e-6, label + " K cache");
     EXPECT_REL(run_to_host(dV), V, 0, label + " V cache");
@@ -337,14 +344,16 @@ TEST(F32Ops, RouteTopK) {
     logits[stride + 1] = logits[stride + 0] = 50.f;
     std::vector<int32_t> idx(size_t(n) * k);
     std::vector<float> w(size_t(n) * k);
-    for (int t = 0; t < n; ++t) cpu::route_topk(&logits[size_t(t) * stride], E, k, &idx[size_t(t) * k], &w[size_t(t) * k]);
+    for (int t = 0; t < n; ++t)
+      cpu::route_topk(&logits[size_t(t) * stride], E, k, &idx[size_t(t) * k], &w[size_t(t) * k]);
     auto dl = to_device(logits);
     cuda::DeviceBuffer<int32_t> di(idx.size());
     cuda::DeviceBuffer<float> dw(w.size());
     cuda::f32::route_topk(dl.get(), n, stride, E, k, di.get(), dw.get());
     const auto gi = from_device(di.get(), di.size());
     EXPECT_EQ(gi, idx) << E << " experts, top " << k;
-    EXPECT_REL(run_to_host(dw), w, 1e-6, "route weights, " + std::to_string(E) + " experts top " + std::to_string(k));
+    EXPECT_REL(run_to_host(dw), w, 1e-6,
+               "route weights, " + std::to_string(E) + " experts top " + std::to_string(k));
   }
 }
 
@@ -423,8 +432,9 @@ TEST_P(F32Golden, LogitsMatchTransformersAndCpu) {
     auto cs = cpu->new_state(int(ids.size()));
     cpu->forward(*cs, ids, cref, true);
     const RowCheck hf = check_rows(got, ref, V), c = check_rows(got, cref, V);
-    std::printf("  %s seq %zu: vs transformers %.2e (top-1 %d/%d), vs CPU %.2e (top-1 %d/%d)\n", GetParam().c_str(),
-                ids.size(), hf.worst, hf.argmax_agree, hf.rows, c.worst, c.argmax_agree, c.rows);
+    std::printf("  %s seq %zu: vs transformers %.2e (top-1 %d/%d), vs CPU %.2e (top-1 %d/%d)\n",
+                GetParam().c_str(), ids.size(), hf.worst, hf.argmax_agree, hf.rows, c.worst, c.argmax_agree,
+                c.rows);
     EXPECT_LE(hf.worst, 1e-3);
     EXPECT_LE(c.worst, 1e-4);
     EXPECT_EQ(c.argmax_agree, c.rows);
@@ -432,7 +442,8 @@ TEST_P(F32Golden, LogitsMatchTransformersAndCpu) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Goldens, F32Golden,
-                         ::testing::Values("smalldims-mlx", "smalldims-bf16", "realdims-mlx", "realdims-bf16"));
+                         ::testing::Values("smalldims-mlx", "smalldims-bf16", "realdims-mlx",
+                                           "realdims-bf16"));
 
 // Layer by layer against the CPU backend (the trace hook), prompt split in pieces, state copies,
 // greedy continuation token for token, routes, and bad inputs leaving the state untouched.
@@ -488,8 +499,14 @@ TEST(F32Plan, MatchesCpuStepByStep) {
   // Greedy continuation equals the CPU's token for token.
   std::vector<int32_t> outg, outc;
   auto g2 = gpu->new_state(200), c2 = cpu->new_state(200);
-  gpu->generate_greedy(*g2, ids, 60, [&](int32_t t) { outg.push_back(t); return true; });
-  cpu->generate_greedy(*c2, ids, 60, [&](int32_t t) { outc.push_back(t); return true; });
+  gpu->generate_greedy(*g2, ids, 60, [&](int32_t t) {
+    outg.push_back(t);
+    return true;
+  });
+  cpu->generate_greedy(*c2, ids, 60, [&](int32_t t) {
+    outc.push_back(t);
+    return true;
+  });
   EXPECT_EQ(outg, outc);
 
   // Bad inputs: refused, state unchanged.
@@ -522,7 +539,8 @@ TEST(F32Plan, LongPromptAcrossChunks) {
               c.argmax_agree, c.rows, c.decisive_agree, c.decisive);
   EXPECT_LE(c.worst, 1e-4);
   EXPECT_EQ(c.decisive_agree, c.decisive);
-  EXPECT_EQ(last, std::vector<float>(all.end() - V, all.end())) << "last-position logits differ from the all-positions pass";
+  EXPECT_EQ(last, std::vector<float>(all.end() - V, all.end()))
+      << "last-position logits differ from the all-positions pass";
   EXPECT_EQ(sa->n_tokens(), n);
   EXPECT_EQ(sl->n_tokens(), n);
 }
@@ -534,8 +552,8 @@ TEST(F32Ops, UnsupportedShapesRefused) {
   bad.in = 60;
   EXPECT_THROW(cuda::f32::check_linear(bad, "test"), Error);
   EXPECT_NO_THROW(cuda::f32::check_linear(odd.host, "test"));
-  EXPECT_THROW(cuda::f32::check_gdn(2, 3, 128, 128), Error);      // value heads not a multiple of key heads
-  EXPECT_THROW(cuda::f32::check_gdn(1, 1, 4096, 4096), Error);    // beyond one block's shared memory
+  EXPECT_THROW(cuda::f32::check_gdn(2, 3, 128, 128), Error);    // value heads not a multiple of key heads
+  EXPECT_THROW(cuda::f32::check_gdn(1, 1, 4096, 4096), Error);  // beyond one block's shared memory
   EXPECT_THROW(cuda::f32::check_attention(4, 3, 256, 64), Error);
   EXPECT_THROW(cuda::f32::check_attention(4, 2, 256, 63), Error);
   EXPECT_THROW(cuda::f32::check_attention(4, 2, 8192, 64), Error);

@@ -10,17 +10,17 @@
 // <= 0.05 up to 7 tokens, <= 0.6 beyond (this backend measured up to 0.49 on the H200), and top-1
 // agreement wherever the reference's top-1 beats its runner-up by more than 0.25 * max|logit|.
 // Bugs show up sharply in the short sequences and in the layer-by-layer comparison with the CPU.
+#include <cuda_profiler_api.h>
+
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <span>
 #include <string>
-
-#include <cuda_profiler_api.h>
-#include <nlohmann/json.hpp>
 
 #include "cpu/backend.h"
 #include "cuda/backend.h"
@@ -99,10 +99,11 @@ LogitCheck compare_logits(const std::vector<float>& got, const std::vector<float
   return c;
 }
 
-void expect_logits(const std::vector<float>& got, const std::vector<float>& ref, int V, const std::string& label) {
+void expect_logits(const std::vector<float>& got, const std::vector<float>& ref, int V,
+                   const std::string& label) {
   const LogitCheck c = compare_logits(got, ref, V);
-  std::printf("  %-44s max|dlogit|/max|logit| %.4f, top-1 %d/%d (decisive %d/%d)\n", label.c_str(), c.rel_max, c.agree,
-              c.positions, c.decisive_agree, c.decisive);
+  std::printf("  %-44s max|dlogit|/max|logit| %.4f, top-1 %d/%d (decisive %d/%d)\n", label.c_str(), c.rel_max,
+              c.agree, c.positions, c.decisive_agree, c.decisive);
   EXPECT_LE(c.rel_max, c.positions <= 7 ? kLogitTolShort : kLogitTolLong) << label;
   EXPECT_EQ(c.decisive_agree, c.decisive) << label;
 }
@@ -111,12 +112,16 @@ class EnvGuard {
  public:
   EnvGuard(const char* name, const char* value) : name_(name) {
     if (const char* old = std::getenv(name)) old_ = old;
-    if (value) setenv(name, value, 1);
-    else unsetenv(name);
+    if (value)
+      setenv(name, value, 1);
+    else
+      unsetenv(name);
   }
   ~EnvGuard() {
-    if (old_) setenv(name_, old_->c_str(), 1);
-    else unsetenv(name_);
+    if (old_)
+      setenv(name_, old_->c_str(), 1);
+    else
+      unsetenv(name_);
   }
 
  private:
@@ -194,7 +199,8 @@ struct RouteFollower {
   std::map<int, std::vector<int32_t>> routes;
   void record(Model& gpu) {
     routes.clear();
-    gpu.set_route_trace([this](int layer, std::span<const int32_t> idx) { routes[layer].assign(idx.begin(), idx.end()); });
+    gpu.set_route_trace(
+        [this](int layer, std::span<const int32_t> idx) { routes[layer].assign(idx.begin(), idx.end()); });
   }
   void follow(Model& cpu) {
     cpu.set_route_override([this](int layer, int n, std::span<int32_t> idx) {
@@ -304,8 +310,10 @@ TEST_P(Golden, GreedyGraphMatchesEagerAndGolden) {
   {
     auto sg = m->new_state(int(prompt.size()) + n + 1);
     const int V = m->config().vocab_size;
-    std::vector<int32_t> steps = {m->greedy_step(*sg, prompt, V)};  // the prompt: chunked forward + device argmax
-    while (int(steps.size()) < n) steps.push_back(m->greedy_step(*sg, std::span<const int32_t>(&steps.back(), 1), V));
+    std::vector<int32_t> steps = {
+        m->greedy_step(*sg, prompt, V)};  // the prompt: chunked forward + device argmax
+    while (int(steps.size()) < n)
+      steps.push_back(m->greedy_step(*sg, std::span<const int32_t>(&steps.back(), 1), V));
     EXPECT_EQ(steps, eager) << "greedy_step vs eager";
     // a smaller limit: the argmax is taken over the prefix only
     const int limit = V / 2;
@@ -348,10 +356,12 @@ TEST_P(Golden, GreedyGraphMatchesEagerAndGolden) {
   }
   int prefix = 0;
   while (prefix < n && graph_toks[prefix] == golden[prefix]) ++prefix;
-  std::printf("  %s greedy: %d/%d tokens match the golden before the first difference (%d decisive steps first)\n",
-              GetParam().c_str(), prefix, n, decisive);
+  std::printf(
+      "  %s greedy: %d/%d tokens match the golden before the first difference (%d decisive steps first)\n",
+      GetParam().c_str(), prefix, n, decisive);
   EXPECT_GE(decisive, 1) << "the CPU reference disagrees with the golden's first token";
-  EXPECT_GE(prefix, decisive) << "greedy continuation diverges from the Hugging Face golden at a decisive step";
+  EXPECT_GE(prefix, decisive)
+      << "greedy continuation diverges from the Hugging Face golden at a decisive step";
   // early stop: the rejected token is not fed
   auto s2 = m->new_state(int(prompt.size()) + n + 1);
   int calls = 0;
@@ -411,7 +421,8 @@ const char* synth_dir() {
 
 std::vector<int32_t> bench_prompt(int n, int vocab) {
   std::vector<int32_t> ids(n);
-  for (int i = 0; i < n; ++i) ids[i] = int32_t((uint64_t(uint32_t(uint64_t(i) * 2654435761u))) % uint64_t(vocab));
+  for (int i = 0; i < n; ++i)
+    ids[i] = int32_t((uint64_t(uint32_t(uint64_t(i) * 2654435761u))) % uint64_t(vocab));
   return ids;
 }
 
@@ -445,7 +456,8 @@ TEST(Synthetic, CudaVsCpuLayerByLayer) {
 // Not a pass/fail test: prints the numbers (BENCHMARK.md's workload, one round).
 TEST(Synthetic, Timing) {
   if (!synth_dir()) GTEST_SKIP() << "set TANSY_SYNTH_DIR to a `tansy synth` checkpoint";
-  auto m = open_cuda(synth_dir(), std::getenv("TANSY_CUDA_PREFILL") ? std::getenv("TANSY_CUDA_PREFILL") : "tc");
+  auto m =
+      open_cuda(synth_dir(), std::getenv("TANSY_CUDA_PREFILL") ? std::getenv("TANSY_CUDA_PREFILL") : "tc");
   for (int ctx : {256, 4096, 32768}) {
     const auto prompt = bench_prompt(ctx, m->config().vocab_size);
     double prefill_s = 0, decode_s = 0;
@@ -458,24 +470,28 @@ TEST(Synthetic, Timing) {
       int got = 0;
       digest = 1469598103934665603ull;
       m->generate_greedy(*st, prompt, 65, [&](int32_t t) {
-        if (got++ == 0) t1 = std::chrono::steady_clock::now();
-        else digest = (digest ^ uint64_t(uint32_t(t))) * 1099511628211ull;
+        if (got++ == 0)
+          t1 = std::chrono::steady_clock::now();
+        else
+          digest = (digest ^ uint64_t(uint32_t(t))) * 1099511628211ull;
         return true;
       });
       const auto t2 = std::chrono::steady_clock::now();
       prefill_s = std::chrono::duration<double>(t1 - t0).count();
       decode_s = std::chrono::duration<double>(t2 - t1).count();
     }
-    std::printf("TIMING ctx %6d: prefill %9.1f tok/s (%.3f s), decode %7.1f tok/s (%.2f ms/token), digest %016llx\n",
-                ctx, ctx / prefill_s, prefill_s, 64 / decode_s, 1e3 * decode_s / 64,
-                static_cast<unsigned long long>(digest));
+    std::printf(
+        "TIMING ctx %6d: prefill %9.1f tok/s (%.3f s), decode %7.1f tok/s (%.2f ms/token), digest %016llx\n",
+        ctx, ctx / prefill_s, prefill_s, 64 / decode_s, 1e3 * decode_s / 64,
+        static_cast<unsigned long long>(digest));
   }
 }
 
 // Not a pass/fail test: with TANSY_PROFILE_DECODE set, brackets the decode steps after a 4,096-token
 // prefill with cudaProfilerStart/Stop, for `ncu --profile-from-start off` (per-kernel times).
 TEST(Synthetic, DecodeProfile) {
-  if (!synth_dir() || !std::getenv("TANSY_PROFILE_DECODE")) GTEST_SKIP() << "set TANSY_SYNTH_DIR and TANSY_PROFILE_DECODE";
+  if (!synth_dir() || !std::getenv("TANSY_PROFILE_DECODE"))
+    GTEST_SKIP() << "set TANSY_SYNTH_DIR and TANSY_PROFILE_DECODE";
   auto m = open_cuda(synth_dir(), "tc");
   const auto prompt = bench_prompt(4096, m->config().vocab_size);
   auto st = m->new_state(4096 + 8);

@@ -130,7 +130,8 @@ std::vector<int> rows_to_check(int n, int n_random) {
   return r;
 }
 
-std::vector<float> take_rows(const std::vector<float>& m, int64_t ld, int cols, const std::vector<int>& rows) {
+std::vector<float> take_rows(const std::vector<float>& m, int64_t ld, int cols,
+                             const std::vector<int>& rows) {
   std::vector<float> o;
   o.reserve(rows.size() * cols);
   for (int r : rows) o.insert(o.end(), m.begin() + r * ld, m.begin() + r * ld + cols);
@@ -150,14 +151,14 @@ struct GemmCase {
 
 TEST(PrefillKernels, Gemm) {
   const GemmCase cases[] = {
-      {WFormat::kAffine4, 8192, 2048, 1, "in_qkv"},        {WFormat::kAffine4, 8192, 2048, 63, "in_qkv"},
-      {WFormat::kAffine4, 8192, 2048, 64, "in_qkv"},       {WFormat::kAffine4, 8192, 2048, 65, "in_qkv"},
-      {WFormat::kAffine4, 8192, 2048, 200, "in_qkv"},      {WFormat::kAffine4, 8192, 2048, 4096, "in_qkv"},
-      {WFormat::kAffine4, 2048, 4096, 200, "out_proj"},    {WFormat::kAffine4, 4096, 2048, 130, "in_z"},
-      {WFormat::kAffine4, 512, 2048, 300, "k_proj"},       {WFormat::kAffine4, 2048, 512, 129, "shared down"},
-      {WFormat::kAffine8, 256, 2048, 65, "router"},        {WFormat::kAffine8, 1, 2048, 63, "shared gate"},
-      {WFormat::kAffine4, 37, 192, 3, "odd rows"},         {WFormat::kAffine8, 70, 128, 17, "8-bit small"},
-      {WFormat::kBF16, 513, 2048, 130, "bf16"},            {WFormat::kBF16, 72, 64, 1, "bf16 small"},
+      {WFormat::kAffine4, 8192, 2048, 1, "in_qkv"},     {WFormat::kAffine4, 8192, 2048, 63, "in_qkv"},
+      {WFormat::kAffine4, 8192, 2048, 64, "in_qkv"},    {WFormat::kAffine4, 8192, 2048, 65, "in_qkv"},
+      {WFormat::kAffine4, 8192, 2048, 200, "in_qkv"},   {WFormat::kAffine4, 8192, 2048, 4096, "in_qkv"},
+      {WFormat::kAffine4, 2048, 4096, 200, "out_proj"}, {WFormat::kAffine4, 4096, 2048, 130, "in_z"},
+      {WFormat::kAffine4, 512, 2048, 300, "k_proj"},    {WFormat::kAffine4, 2048, 512, 129, "shared down"},
+      {WFormat::kAffine8, 256, 2048, 65, "router"},     {WFormat::kAffine8, 1, 2048, 63, "shared gate"},
+      {WFormat::kAffine4, 37, 192, 3, "odd rows"},      {WFormat::kAffine8, 70, 128, 17, "8-bit small"},
+      {WFormat::kBF16, 513, 2048, 130, "bf16"},         {WFormat::kBF16, 72, 64, 1, "bf16 small"},
   };
   for (const auto& c : cases) {
     Weight W = random_weight(c.fmt, c.out, c.in);
@@ -172,21 +173,24 @@ TEST(PrefillKernels, Gemm) {
     std::vector<float> ref(rows.size() * c.out), ref_exact(rows.size() * c.out);
     cpu::matmul(W.host, xs.data(), int(rows.size()), ref.data());
     cpu::matmul(W.exact(), xs.data(), int(rows.size()), ref_exact.data());
-    const std::string label = std::string("gemm ") + c.what + " " + wformat_name(c.fmt) + " [" + str(c.out) + "x" +
-                              str(c.in) + "] n=" + str(c.n);
+    const std::string label = std::string("gemm ") + c.what + " " + wformat_name(c.fmt) + " [" + str(c.out) +
+                              "x" + str(c.in) + "] n=" + str(c.n);
 
     // f32 output with padded rows (ld = out + 2, rounded up to even: the kernel stores pairs and
     // the launcher refuses an odd ld)
     const int64_t ld = (c.out + 3) / 2 * 2;
     DeviceBuffer<float> y32(size_t(c.n) * ld);
     poison(y32);
-    cuda::gemm(W.dev, dx.get(), ldx, c.n, {y32.get(), cuda::GemmOutType::kF32, ld, cuda::GemmEpilogue::kStore}, 0);
+    cuda::gemm(W.dev, dx.get(), ldx, c.n,
+               {y32.get(), cuda::GemmOutType::kF32, ld, cuda::GemmEpilogue::kStore}, 0);
     auto h32 = from_device(y32.get(), y32.size());
-    EXPECT_TRUE(all_finite(take_rows(h32, ld, c.out, [&] {
-      std::vector<int> all(c.n);
-      std::iota(all.begin(), all.end(), 0);
-      return all;
-    }()))) << label << ": unwritten or non-finite output";
+    EXPECT_TRUE(all_finite(take_rows(h32, ld, c.out,
+                                     [&] {
+                                       std::vector<int> all(c.n);
+                                       std::iota(all.begin(), all.end(), 0);
+                                       return all;
+                                     }())))
+        << label << ": unwritten or non-finite output";
     const auto got = take_rows(h32, ld, c.out, rows);
     EXPECT_REL(got, ref_exact, kTolExact, label + " f32 vs bf16 weights");
     EXPECT_REL(got, ref, kTolBf16, label + " f32 vs f32 weights");
@@ -195,15 +199,18 @@ TEST(PrefillKernels, Gemm) {
     const int64_t ld16 = (c.out + 1) / 2 * 2;
     DeviceBuffer<bf16> y16(size_t(c.n) * ld16);
     poison(y16);
-    cuda::gemm(W.dev, dx.get(), ldx, c.n, {y16.get(), cuda::GemmOutType::kBF16, ld16, cuda::GemmEpilogue::kStore}, 0);
-    EXPECT_REL(take_rows(from_device_bf16(y16.get(), y16.size()), ld16, c.out, rows), ref, kTolBf16, label + " bf16");
+    cuda::gemm(W.dev, dx.get(), ldx, c.n,
+               {y16.get(), cuda::GemmOutType::kBF16, ld16, cuda::GemmEpilogue::kStore}, 0);
+    EXPECT_REL(take_rows(from_device_bf16(y16.get(), y16.size()), ld16, c.out, rows), ref, kTolBf16,
+               label + " bf16");
   }
 }
 
 TEST(PrefillKernels, GemmEpilogues) {
-  for (const GemmCase c : {GemmCase{WFormat::kAffine4, 1024, 2048, 100, "expert gate|up"},
-                           GemmCase{WFormat::kAffine4, 1024, 2048, 300, "shared gate|up"},
-                           GemmCase{WFormat::kAffine8, 64, 256, 5, "8-bit"}, GemmCase{WFormat::kBF16, 256, 128, 70, "bf16"}}) {
+  for (const GemmCase c :
+       {GemmCase{WFormat::kAffine4, 1024, 2048, 100, "expert gate|up"},
+        GemmCase{WFormat::kAffine4, 1024, 2048, 300, "shared gate|up"},
+        GemmCase{WFormat::kAffine8, 64, 256, 5, "8-bit"}, GemmCase{WFormat::kBF16, 256, 128, 70, "bf16"}}) {
     Weight W = random_weight(c.fmt, c.out, c.in);
     auto x = randn(size_t(c.n) * c.in);
     round_bf16_inplace(x);
@@ -218,10 +225,12 @@ TEST(PrefillKernels, GemmEpilogues) {
     std::vector<float> want(ref.size());
     for (size_t i = 0; i < ref.size(); ++i) want[i] = y0[i] + ref[i];
     auto d32 = to_device(y0);
-    cuda::gemm(W.dev, dx.get(), c.in, c.n, {d32.get(), cuda::GemmOutType::kF32, c.out, cuda::GemmEpilogue::kAccumulate}, 0);
+    cuda::gemm(W.dev, dx.get(), c.in, c.n,
+               {d32.get(), cuda::GemmOutType::kF32, c.out, cuda::GemmEpilogue::kAccumulate}, 0);
     EXPECT_REL(from_device(d32.get(), d32.size()), want, kTolExact, "gemm accumulate f32 " + label);
     auto d16 = to_device_bf16(y0);
-    cuda::gemm(W.dev, dx.get(), c.in, c.n, {d16.get(), cuda::GemmOutType::kBF16, c.out, cuda::GemmEpilogue::kAccumulate}, 0);
+    cuda::gemm(W.dev, dx.get(), c.in, c.n,
+               {d16.get(), cuda::GemmOutType::kBF16, c.out, cuda::GemmEpilogue::kAccumulate}, 0);
     EXPECT_REL(from_device_bf16(d16.get(), d16.size()), want, kTolBf16, "gemm accumulate bf16 " + label);
 
     // SwiGLU on interleaved rows, written into a column slice of a wider row (ld = out).
@@ -232,7 +241,8 @@ TEST(PrefillKernels, GemmEpilogues) {
         sw[size_t(t) * I + i] = silu(ref[size_t(t) * c.out + 2 * i]) * ref[size_t(t) * c.out + 2 * i + 1];
     DeviceBuffer<bf16> ys(size_t(c.n) * c.out);
     poison(ys);
-    cuda::gemm(W.dev, dx.get(), c.in, c.n, {ys.get() + 2, cuda::GemmOutType::kBF16, c.out, cuda::GemmEpilogue::kSwiGlu}, 0);
+    cuda::gemm(W.dev, dx.get(), c.in, c.n,
+               {ys.get() + 2, cuda::GemmOutType::kBF16, c.out, cuda::GemmEpilogue::kSwiGlu}, 0);
     const auto hs = from_device_bf16(ys.get(), ys.size());
     std::vector<float> got(sw.size());
     for (int t = 0; t < c.n; ++t)
@@ -250,12 +260,16 @@ TEST(PrefillKernels, GemmRejectsBadShapes) {
   W.dev.in = 96;  // not a multiple of the quant group
   EXPECT_THROW(cuda::gemm(W.dev, x.get(), 128, 4, out, 0), Error);
   W.dev.in = 128;
-  EXPECT_THROW(cuda::gemm(W.dev, x.get(), 100, 4, out, 0), Error);  // ldx < in
-  EXPECT_THROW(cuda::gemm(W.dev, x.get(), 132, 4, out, 0), Error);  // ldx not a multiple of 8
+  EXPECT_THROW(cuda::gemm(W.dev, x.get(), 100, 4, out, 0), Error);      // ldx < in
+  EXPECT_THROW(cuda::gemm(W.dev, x.get(), 132, 4, out, 0), Error);      // ldx not a multiple of 8
   EXPECT_THROW(cuda::gemm(W.dev, x.get() + 1, 128, 4, out, 0), Error);  // misaligned X
   EXPECT_THROW(cuda::gemm(W.dev, x.get(), 128, 0, out, 0), Error);
-  EXPECT_THROW(cuda::gemm(W.dev, x.get(), 128, 4, {y.get(), cuda::GemmOutType::kF32, 7, cuda::GemmEpilogue::kStore}, 0), Error);
-  EXPECT_THROW(cuda::gemm(W.dev, x.get(), 128, 4, {y.get(), cuda::GemmOutType::kF32, 9, cuda::GemmEpilogue::kStore}, 0), Error);  // odd ld
+  EXPECT_THROW(cuda::gemm(W.dev, x.get(), 128, 4,
+                          {y.get(), cuda::GemmOutType::kF32, 7, cuda::GemmEpilogue::kStore}, 0),
+               Error);
+  EXPECT_THROW(cuda::gemm(W.dev, x.get(), 128, 4,
+                          {y.get(), cuda::GemmOutType::kF32, 9, cuda::GemmEpilogue::kStore}, 0),
+               Error);  // odd ld
   W.dev.fmt = WFormat::kF32;
   EXPECT_THROW(cuda::gemm(W.dev, x.get(), 128, 4, out, 0), Error);
   CUDA_CHECK(cudaDeviceSynchronize());
@@ -292,7 +306,8 @@ struct DeviceRouting {
 };
 
 void check_moe(WFormat fmt, int E, int H, int I, int k, int n) {
-  const std::string label = "moe E=" + str(E) + " H=" + str(H) + " I=" + str(I) + " k=" + str(k) + " n=" + str(n);
+  const std::string label =
+      "moe E=" + str(E) + " H=" + str(H) + " I=" + str(I) + " k=" + str(k) + " n=" + str(n);
   Weight GU = random_weight(fmt, E * 2 * I, H);  // per expert: interleaved gate/up rows
   Weight D = random_weight(fmt, E * H, I);
   auto x = randn(size_t(n) * H);
@@ -317,7 +332,8 @@ void check_moe(WFormat fmt, int E, int H, int I, int k, int n) {
   for (int e : idx) ++count[e];
   bool ok = off[0] == 0 && tiles[0] == 0;
   for (int e = 0; e < E && ok; ++e)
-    ok = off[e + 1] - off[e] == count[e] && tiles[e + 1] - tiles[e] == (count[e] + cuda::kGroupedBM - 1) / cuda::kGroupedBM;
+    ok = off[e + 1] - off[e] == count[e] &&
+         tiles[e + 1] - tiles[e] == (count[e] + cuda::kGroupedBM - 1) / cuda::kGroupedBM;
   std::vector<int> seen(rows, 0);
   for (int e = 0; e < E && ok; ++e)
     for (int r = off[e]; r < off[e + 1] && ok; ++r) {
@@ -360,7 +376,8 @@ void check_moe(WFormat fmt, int E, int H, int I, int k, int n) {
   for (int e = 0; e < E; ++e) {
     if (off[e + 1] == off[e]) continue;
     const int cnt = off[e + 1] - off[e];
-    cpu::matmul(D.host.rows(e * H, H), hact.data() + size_t(off[e]) * I, cnt, ref_yd.data() + size_t(off[e]) * H);
+    cpu::matmul(D.host.rows(e * H, H), hact.data() + size_t(off[e]) * I, cnt,
+                ref_yd.data() + size_t(off[e]) * H);
   }
   EXPECT_REL(hyd, ref_yd, kTolBf16, label + " down");
 
@@ -372,7 +389,8 @@ void check_moe(WFormat fmt, int E, int H, int I, int k, int n) {
   round_bf16_inplace(shared);
   auto dres = to_device_bf16(resid), dsh = to_device_bf16(shared);
   auto dlog = to_device(logits);
-  cuda::moe_combine(yd.get(), R.slot_row.get(), dw.get(), n, k, H, dres.get(), dsh.get(), dlog.get() + 1, 3, dres.get(), 0);
+  cuda::moe_combine(yd.get(), R.slot_row.get(), dw.get(), n, k, H, dres.get(), dsh.get(), dlog.get() + 1, 3,
+                    dres.get(), 0);
   std::vector<float> ref_out(size_t(n) * H);
   for (int t = 0; t < n; ++t) {
     const float sg = sigmoid(logits[size_t(t) * 3 + 1]);
@@ -404,7 +422,8 @@ TEST(PrefillKernels, MoeRejectsBadShapes) {
   EXPECT_THROW(cuda::gemm_grouped(W.dev, 5, x.get(), 128, true, 4, 2, R.view(5, 8),
                                   {y.get(), cuda::GemmOutType::kBF16, 64, cuda::GemmEpilogue::kStore}, 0),
                Error);
-  EXPECT_THROW(cuda::moe_combine(y.get(), R.slot_row.get(), nullptr, 4, 2, 60, nullptr, nullptr, nullptr, 0, y.get(), 0),
+  EXPECT_THROW(cuda::moe_combine(y.get(), R.slot_row.get(), nullptr, 4, 2, 60, nullptr, nullptr, nullptr, 0,
+                                 y.get(), 0),
                Error);
 }
 
@@ -483,11 +502,13 @@ void check_attention(const AttnCase& c) {
 
 TEST(PrefillKernels, Attention) {
   const AttnCase cases[] = {
-      {16, 2, 0, 1, false, 0},       {16, 2, 0, 63, true, 0},     {16, 2, 0, 64, false, 0},
-      {16, 2, 0, 65, true, 0},       {16, 2, 0, 200, true, 0},    {16, 2, 37, 200, true, 0},  // continuing a cache
-      {16, 2, 0, 4096, true, 24},    {16, 2, 1000, 3, false, 0},                              // few queries, long cache
-      {4, 2, 0, 65, false, 0},       {6, 1, 10, 70, true, 0},     {2, 2, 5, 33, false, 0},    // tiny-model groups 2, 6, 1
-      {16, 1, 0, 40, true, 0},                                                                // group 16 (the limit)
+      {16, 2, 0, 1, false, 0},    {16, 2, 0, 63, true, 0},
+      {16, 2, 0, 64, false, 0},   {16, 2, 0, 65, true, 0},
+      {16, 2, 0, 200, true, 0},   {16, 2, 37, 200, true, 0},   // continuing a cache
+      {16, 2, 0, 4096, true, 24}, {16, 2, 1000, 3, false, 0},  // few queries, long cache
+      {4, 2, 0, 65, false, 0},    {6, 1, 10, 70, true, 0},
+      {2, 2, 5, 33, false, 0},  // tiny-model groups 2, 6, 1
+      {16, 1, 0, 40, true, 0},  // group 16 (the limit)
   };
   for (const auto& c : cases) check_attention(c);
 }
@@ -525,7 +546,8 @@ TEST(PrefillKernels, AttentionRejectsBadShapes) {
 
 void check_gdn(int n_k, int n_v, int n, bool f32_out) {
   constexpr int D = cuda::kGdnHeadDim;
-  const std::string label = "gdn heads " + str(n_k) + "/" + str(n_v) + " n=" + str(n) + (f32_out ? " f32" : " bf16");
+  const std::string label =
+      "gdn heads " + str(n_k) + "/" + str(n_v) + " n=" + str(n) + (f32_out ? " f32" : " bf16");
   const int key_dim = n_k * D, conv_dim = 2 * key_dim + n_v * D;
   // The conv output layout [n, q | k | v], used in place.
   std::vector<float> y(size_t(n) * conv_dim);
@@ -552,8 +574,10 @@ void check_gdn(int n_k, int n_v, int n, bool f32_out) {
   const int64_t ldo = int64_t(n_v) * D + 8;
   DeviceBuffer<float> o32(f32_out ? size_t(n) * ldo : 0);
   DeviceBuffer<bf16> o16(f32_out ? 0 : size_t(n) * ldo);
-  if (f32_out) poison(o32);
-  else poison(o16);
+  if (f32_out)
+    poison(o32);
+  else
+    poison(o16);
   cuda::GdnPrefillArgs a;
   a.q = dy.get();
   a.k = dy.get() + key_dim;
@@ -569,12 +593,13 @@ void check_gdn(int n_k, int n_v, int n, bool f32_out) {
   a.o_bf16 = f32_out ? nullptr : o16.get();
   a.o_stride = ldo;
   cuda::gdn_prefill(a, 0);
-  const auto got_o = take_rows(f32_out ? from_device(o32.get(), o32.size()) : from_device_bf16(o16.get(), o16.size()),
-                               ldo, n_v * D, [&] {
-                                 std::vector<int> all(n);
-                                 std::iota(all.begin(), all.end(), 0);
-                                 return all;
-                               }());
+  const auto got_o =
+      take_rows(f32_out ? from_device(o32.get(), o32.size()) : from_device_bf16(o16.get(), o16.size()), ldo,
+                n_v * D, [&] {
+                  std::vector<int> all(n);
+                  std::iota(all.begin(), all.end(), 0);
+                  return all;
+                }());
   const auto got_S = from_device(dS.get(), dS.size());
 
   // Reference: the one-token recurrence, token by token.
@@ -582,7 +607,8 @@ void check_gdn(int n_k, int n_v, int n, bool f32_out) {
   for (int t = 0; t < n; ++t) {
     const float* row = y.data() + size_t(t) * conv_dim;
     cpu::gdn_recurrent_step(row, row + key_dim, row + 2 * key_dim, beta.data() + size_t(t) * n_v,
-                            g.data() + size_t(t) * n_v, n_k, n_v, D, D, S.data(), ref_o.data() + size_t(t) * n_v * D);
+                            g.data() + size_t(t) * n_v, n_k, n_v, D, D, S.data(),
+                            ref_o.data() + size_t(t) * n_v * D);
   }
   EXPECT_REL(got_o, ref_o, f32_out ? kTolF32Chunked : kTolBf16, label + " output");
   EXPECT_REL(got_S, S, kTolF32Chunked, label + " final state");
@@ -591,10 +617,10 @@ void check_gdn(int n_k, int n_v, int n, bool f32_out) {
 TEST(PrefillKernels, GdnChunked) {
   for (int n : {1, 63, 64, 65, 200}) check_gdn(16, 32, n, n % 2 == 1);  // real heads
   check_gdn(16, 32, 129, false);
-  check_gdn(2, 4, 4096, true);   // long sequence (fewer heads keep the CPU loop short)
+  check_gdn(2, 4, 4096, true);  // long sequence (fewer heads keep the CPU loop short)
   check_gdn(2, 4, 1000, false);
-  check_gdn(4, 4, 130, true);    // ratio 1
-  check_gdn(1, 3, 70, false);    // ratio 3
+  check_gdn(4, 4, 130, true);  // ratio 1
+  check_gdn(1, 3, 70, false);  // ratio 3
 }
 
 TEST(PrefillKernels, GdnRejectsBadShapes) {
@@ -661,7 +687,8 @@ TEST(PrefillKernels, Timing) {
     Weight W = random_weight(WFormat::kAffine4, 8192, 2048);
     DeviceBuffer<bf16> y(size_t(n) * 8192);
     const double ms = median_ms([&] {
-      cuda::gemm(W.dev, dx.get(), 2048, n, {y.get(), cuda::GemmOutType::kBF16, 8192, cuda::GemmEpilogue::kStore}, 0);
+      cuda::gemm(W.dev, dx.get(), 2048, n,
+                 {y.get(), cuda::GemmOutType::kBF16, 8192, cuda::GemmEpilogue::kStore}, 0);
     });
     report("gemm in_qkv [8192x2048] -> bf16", ms, 2.0 * n * 8192 * 2048);
   }
@@ -669,7 +696,8 @@ TEST(PrefillKernels, Timing) {
     Weight W = random_weight(WFormat::kAffine4, 2048, 4096);
     DeviceBuffer<bf16> y(size_t(n) * 2048);
     const double ms = median_ms([&] {
-      cuda::gemm(W.dev, dx.get(), 4096, n, {y.get(), cuda::GemmOutType::kBF16, 2048, cuda::GemmEpilogue::kAccumulate}, 0);
+      cuda::gemm(W.dev, dx.get(), 4096, n,
+                 {y.get(), cuda::GemmOutType::kBF16, 2048, cuda::GemmEpilogue::kAccumulate}, 0);
     });
     report("gemm out_proj [2048x4096] += bf16", ms, 2.0 * n * 2048 * 4096);
   }
@@ -695,8 +723,10 @@ TEST(PrefillKernels, Timing) {
       cuda::gemm_grouped(Dn.dev, E, act.get(), I, false, n, k, rv,
                          {yd.get(), cuda::GemmOutType::kBF16, H, cuda::GemmEpilogue::kStore}, 0);
     });
-    const double ms_cb = median_ms(
-        [&] { cuda::moe_combine(yd.get(), R.slot_row.get(), dw.get(), n, k, H, h.get(), nullptr, nullptr, 0, h.get(), 0); });
+    const double ms_cb = median_ms([&] {
+      cuda::moe_combine(yd.get(), R.slot_row.get(), dw.get(), n, k, H, h.get(), nullptr, nullptr, 0, h.get(),
+                        0);
+    });
     std::printf("  %-58s %8.3f ms\n", "moe_route_sort (256 experts, top-8)", ms_sort);
     report("gemm_grouped gate|up [256 x 1024x2048] swiglu", ms_gu, 2.0 * n * k * 2 * I * H);
     report("gemm_grouped down [256 x 2048x512]", ms_dn, 2.0 * n * k * H * I);
@@ -704,7 +734,8 @@ TEST(PrefillKernels, Timing) {
   }
   {
     constexpr int hd = cuda::kAttnHeadDim;
-    DeviceBuffer<bf16> K(size_t(n) * 2 * hd), V(size_t(n) * 2 * hd), qg(size_t(n) * 16 * 512), out(size_t(n) * 16 * hd);
+    DeviceBuffer<bf16> K(size_t(n) * 2 * hd), V(size_t(n) * 2 * hd), qg(size_t(n) * 16 * 512),
+        out(size_t(n) * 16 * hd);
     const auto kr = to_bf16(randn(K.size())), qr = to_bf16(randn(qg.size()));
     CUDA_CHECK(cudaMemcpy(K.get(), kr.data(), kr.size() * 2, cudaMemcpyHostToDevice));
     CUDA_CHECK(cudaMemcpy(V.get(), kr.data(), kr.size() * 2, cudaMemcpyHostToDevice));

@@ -45,9 +45,14 @@ TEST(BackendChoice, AutoPicksCudaOnlyOnHopperInACudaBuild) {
   EXPECT_EQ(c.backend, "cpu");
   EXPECT_EQ(c.reason, "this build has no CUDA backend");
 
-  c = choose_backend("auto", built(0, "", 0, 0, "cudaGetDeviceCount failed: CUDA driver version is insufficient for CUDA runtime version"));
+  c = choose_backend(
+      "auto",
+      built(0, "", 0, 0,
+            "cudaGetDeviceCount failed: CUDA driver version is insufficient for CUDA runtime version"));
   EXPECT_EQ(c.backend, "cpu");
-  EXPECT_EQ(c.reason, "no CUDA device: cudaGetDeviceCount failed: CUDA driver version is insufficient for CUDA runtime version");
+  EXPECT_EQ(c.reason,
+            "no CUDA device: cudaGetDeviceCount failed: CUDA driver version is insufficient for CUDA runtime "
+            "version");
   EXPECT_EQ(choose_backend("auto", built(0)).reason, "no CUDA device");
 
   c = choose_backend("auto", built(2, "NVIDIA A100-SXM4-80GB", 8, 0));
@@ -62,8 +67,9 @@ TEST(BackendChoice, ExplicitChoicesAreKeptOrRefusedClearly) {
   EXPECT_EQ(choose_backend("cuda", built(1, "NVIDIA H100 80GB HBM3", 9, 0)).backend, "cuda");
   EXPECT_NE(error_of("cuda", DeviceProbe{}).find("no CUDA backend"), std::string::npos);
   EXPECT_EQ(error_of("cuda", built(0)), "--backend cuda: no CUDA device");
-  EXPECT_EQ(error_of("cuda", built(0, "", 0, 0, "cudaGetDeviceCount failed: no CUDA-capable device is detected")),
-            "--backend cuda: no CUDA device: cudaGetDeviceCount failed: no CUDA-capable device is detected");
+  EXPECT_EQ(
+      error_of("cuda", built(0, "", 0, 0, "cudaGetDeviceCount failed: no CUDA-capable device is detected")),
+      "--backend cuda: no CUDA device: cudaGetDeviceCount failed: no CUDA-capable device is detected");
   EXPECT_NE(error_of("cuda", built(1, "NVIDIA A100", 8, 0)).find("not a Hopper GPU"), std::string::npos);
   EXPECT_NE(error_of("gpu", DeviceProbe{}).find("auto, cpu or cuda"), std::string::npos);
 }

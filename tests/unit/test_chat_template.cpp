@@ -2,14 +2,13 @@
 // same message, Python-compatible value formatting, request parsing and the checkpoint check.
 // tests/python/test_render_vs_jinja.py compares against jinja2 on hundreds of generated cases.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <string>
-
-#include <unistd.h>
 
 #include "core/error.h"
 #include "text/chat_template.h"
@@ -95,7 +94,8 @@ TEST(ChatTemplate, WireFormatArgumentsAreParsedBeforeRendering) {
   Json as_dict = j;
   as_dict["messages"][1]["tool_calls"][0]["function"]["arguments"] = Json{{"location", "Paris"}};
   EXPECT_EQ(got, tansy::text::render_chat(as_dict["messages"], as_dict["tools"], fixture_options(j)));
-  EXPECT_NE(got.find("<tool_call>\n<function=get_weather>\n<parameter=location>\nParis\n</parameter>\n</function>\n</tool_call>"),
+  EXPECT_NE(got.find("<tool_call>\n<function=get_weather>\n<parameter=location>\nParis\n</parameter>\n</"
+                     "function>\n</tool_call>"),
             std::string::npos);
 
   Json bad = j;
@@ -124,16 +124,20 @@ TEST(ChatTemplate, PythonFloatRepr) {
 }
 
 TEST(ChatTemplate, PythonJsonDumps) {
-  Json v = Json::parse(R"({"z": 1, "a": [true, null, 2.0, -3], "s": "q\"b\\n\n\t\u0001\u001f\u007f/\u2028é"})");
-  EXPECT_EQ(tansy::text::python_json_dumps(v),
-            "{\"z\": 1, \"a\": [true, null, 2.0, -3], \"s\": \"q\\\"b\\\\n\\n\\t\\u0001\\u001f\x7f/\u2028é\"}");
+  Json v =
+      Json::parse(R"({"z": 1, "a": [true, null, 2.0, -3], "s": "q\"b\\n\n\t\u0001\u001f\u007f/\u2028é"})");
+  EXPECT_EQ(
+      tansy::text::python_json_dumps(v),
+      "{\"z\": 1, \"a\": [true, null, 2.0, -3], \"s\": \"q\\\"b\\\\n\\n\\t\\u0001\\u001f\x7f/\u2028é\"}");
   EXPECT_EQ(tansy::text::python_json_dumps(Json::object()), "{}");
   EXPECT_EQ(tansy::text::python_json_dumps(Json::array()), "[]");
 }
 
 TEST(ChatTemplate, PythonStripUsesStrIsspace) {
   using tansy::text::python_strip;
-  EXPECT_EQ(python_strip(" \t\n\v\f\r\x1c\x1d\x1e\x1fx y\u0085\u00a0\u1680\u2000\u200a\u2028\u2029\u202f\u205f\u3000"), "x y");
+  EXPECT_EQ(python_strip(
+                " \t\n\v\f\r\x1c\x1d\x1e\x1fx y\u0085\u00a0\u1680\u2000\u200a\u2028\u2029\u202f\u205f\u3000"),
+            "x y");
   // Zero-width space, LRM, RLM and BOM are not whitespace to Python.
   EXPECT_EQ(python_strip("\u200bx\u200e"), "\u200bx\u200e");
   EXPECT_EQ(python_strip("\ufeff x \u200f"), "\ufeff x \u200f");
@@ -165,23 +169,30 @@ TEST(ChatTemplate, RequestSwitches) {
   body["add_generation_prompt"] = "no";
   EXPECT_THROW(tansy::text::parse_render_request(body), tansy::Error);
   EXPECT_THROW(tansy::text::parse_render_request(Json{{"messages", "hi"}}), tansy::Error);
-  EXPECT_THROW(tansy::text::parse_render_request(Json{{"messages", Json::array()}, {"tools", "x"}}), tansy::Error);
+  EXPECT_THROW(tansy::text::parse_render_request(Json{{"messages", Json::array()}, {"tools", "x"}}),
+               tansy::Error);
   EXPECT_THROW(tansy::text::parse_render_request(Json::array()), tansy::Error);
 }
 
 TEST(ChatTemplate, PythonExceptionsOnOddValues) {
   Json none = nullptr;
-  EXPECT_EQ(render_error(Json::array({Json{{"role", "user"}, {"content", 5}}}), none), "Unexpected content type.");
+  EXPECT_EQ(render_error(Json::array({Json{{"role", "user"}, {"content", 5}}}), none),
+            "Unexpected content type.");
   EXPECT_EQ(render_error(Json::array({Json{{"role", "user"}, {"content", Json::array({7})}}}), none),
             "argument of type 'int' is not iterable");
-  EXPECT_EQ(render_error(Json::array({Json{{"role", "user"}, {"content", Json::array({Json{{"x", 1}}})}}}), none),
-            "Unexpected item type in content.");
-  Json assistant = {{"role", "assistant"}, {"content", "x"}, {"tool_calls", Json::array({Json{{"function", {{"arguments", Json::object()}}}}})}};
+  EXPECT_EQ(
+      render_error(Json::array({Json{{"role", "user"}, {"content", Json::array({Json{{"x", 1}}})}}}), none),
+      "Unexpected item type in content.");
+  Json assistant = {{"role", "assistant"},
+                    {"content", "x"},
+                    {"tool_calls", Json::array({Json{{"function", {{"arguments", Json::object()}}}}})}};
   EXPECT_EQ(render_error(Json::array({user("q"), assistant}), none), "'dict object' has no attribute 'name'");
   assistant["tool_calls"][0]["function"]["name"] = 3;
-  EXPECT_EQ(render_error(Json::array({user("q"), assistant}), none), "can only concatenate str (not \"int\") to str");
+  EXPECT_EQ(render_error(Json::array({user("q"), assistant}), none),
+            "can only concatenate str (not \"int\") to str");
   // A content part's non-string text prints as Python's str().
-  Json parts = {{"role", "user"}, {"content", Json::array({Json{{"text", Json::array({1.0, "a'b", nullptr, true})}}})}};
+  Json parts = {{"role", "user"},
+                {"content", Json::array({Json{{"text", Json::array({1.0, "a'b", nullptr, true})}}})}};
   EXPECT_EQ(tansy::text::render_chat(Json::array({parts}), none, {}),
             "<|im_start|>user\n[1.0, \"a'b\", None, True]<|im_end|>\n<|im_start|>assistant\n<think>\n");
 }
@@ -198,7 +209,8 @@ TEST(ChatTemplate, CheckpointTemplateCheck) {
   check = tansy::text::check_checkpoint_template(dir);
   EXPECT_TRUE(check.found && check.identical) << check.description;
 
-  std::ofstream(dir / "chat_template.jinja", std::ios::binary) << tmpl << "\n";  // jinja2 drops one final newline
+  std::ofstream(dir / "chat_template.jinja", std::ios::binary)
+      << tmpl << "\n";  // jinja2 drops one final newline
   check = tansy::text::check_checkpoint_template(dir);
   EXPECT_TRUE(check.found && check.identical) << check.description;
 
@@ -220,7 +232,8 @@ TEST(ChatTemplate, CheckpointTemplateCheck) {
 TEST(ChatTemplate, ExactJsonParsing) {
   using tansy::text::parse_json_exact;
   Json v = parse_json_exact(R"({"z": 18446744073709551615, "a": -9223372036854775808, "f": 1e5})", "t");
-  EXPECT_EQ(tansy::text::python_json_dumps(v), R"({"z": 18446744073709551615, "a": -9223372036854775808, "f": 100000.0})");
+  EXPECT_EQ(tansy::text::python_json_dumps(v),
+            R"({"z": 18446744073709551615, "a": -9223372036854775808, "f": 100000.0})");
   // Python would keep these exact; rounding them to floats would change the prompt.
   EXPECT_THROW(parse_json_exact(R"({"a": 18446744073709551616})", "t"), tansy::Error);
   EXPECT_THROW(parse_json_exact(R"([-9223372036854775809])", "t"), tansy::Error);

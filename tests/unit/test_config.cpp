@@ -18,7 +18,8 @@ json real_config() {
   json q = {{"group_size", 64}, {"bits", 4}};
   for (int i = 0; i < 40; ++i) {
     q["language_model.model.layers." + std::to_string(i) + ".mlp.gate"] = {{"group_size", 64}, {"bits", 8}};
-    q["language_model.model.layers." + std::to_string(i) + ".mlp.shared_expert_gate"] = {{"group_size", 64}, {"bits", 8}};
+    q["language_model.model.layers." + std::to_string(i) + ".mlp.shared_expert_gate"] = {{"group_size", 64},
+                                                                                         {"bits", 8}};
   }
   return {{"architectures", {"Qwen3_5MoeForConditionalGeneration"}},
           {"model_type", "qwen3_5_moe"},
@@ -27,16 +28,38 @@ json real_config() {
           {"quantization", q},
           {"vision_config", {{"depth", 27}}},
           {"text_config",
-           {{"model_type", "qwen3_5_moe_text"}, {"hidden_size", 2048}, {"num_hidden_layers", 40}, {"vocab_size", 248320},
-            {"num_attention_heads", 16}, {"num_key_value_heads", 2}, {"head_dim", 256}, {"attn_output_gate", true},
-            {"linear_num_key_heads", 16}, {"linear_num_value_heads", 32}, {"linear_key_head_dim", 128},
-            {"linear_value_head_dim", 128}, {"linear_conv_kernel_dim", 4}, {"num_experts", 256},
-            {"num_experts_per_tok", 8}, {"moe_intermediate_size", 512}, {"shared_expert_intermediate_size", 512},
-            {"hidden_act", "silu"}, {"rms_norm_eps", 1e-6}, {"tie_word_embeddings", false},
-            {"max_position_embeddings", 262144}, {"full_attention_interval", 4}, {"layer_types", layer_types},
-            {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 10000000}, {"partial_rotary_factor", 0.25},
-                                 {"mrope_section", {11, 11, 10}}, {"mrope_interleaved", true}}},
-            {"eos_token_id", 248044}, {"mamba_ssm_dtype", "float32"}, {"dtype", "bfloat16"}}}};
+           {{"model_type", "qwen3_5_moe_text"},
+            {"hidden_size", 2048},
+            {"num_hidden_layers", 40},
+            {"vocab_size", 248320},
+            {"num_attention_heads", 16},
+            {"num_key_value_heads", 2},
+            {"head_dim", 256},
+            {"attn_output_gate", true},
+            {"linear_num_key_heads", 16},
+            {"linear_num_value_heads", 32},
+            {"linear_key_head_dim", 128},
+            {"linear_value_head_dim", 128},
+            {"linear_conv_kernel_dim", 4},
+            {"num_experts", 256},
+            {"num_experts_per_tok", 8},
+            {"moe_intermediate_size", 512},
+            {"shared_expert_intermediate_size", 512},
+            {"hidden_act", "silu"},
+            {"rms_norm_eps", 1e-6},
+            {"tie_word_embeddings", false},
+            {"max_position_embeddings", 262144},
+            {"full_attention_interval", 4},
+            {"layer_types", layer_types},
+            {"rope_parameters",
+             {{"rope_type", "default"},
+              {"rope_theta", 10000000},
+              {"partial_rotary_factor", 0.25},
+              {"mrope_section", {11, 11, 10}},
+              {"mrope_interleaved", true}}},
+            {"eos_token_id", 248044},
+            {"mamba_ssm_dtype", "float32"},
+            {"dtype", "bfloat16"}}}};
 }
 
 void expect_error(const json& j, const std::string& needle) {

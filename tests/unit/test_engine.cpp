@@ -27,8 +27,8 @@ using tansy::GenStep;
 using tansy::Model;
 using tansy::SequenceState;
 
-constexpr int kTokIds = 400;           // ids the tokenizer defines (n_real)
-constexpr int kVocab = kTokIds + 24;   // embedding rows: the rest is padding
+constexpr int kTokIds = 400;          // ids the tokenizer defines (n_real)
+constexpr int kVocab = kTokIds + 24;  // embedding rows: the rest is padding
 
 uint64_t mix(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
@@ -63,7 +63,8 @@ class FakeModel : public Model {
   std::unique_ptr<SequenceState> clone_state(const SequenceState& s) override {
     return std::make_unique<FakeState>(dynamic_cast<const FakeState&>(s));
   }
-  void forward(SequenceState& state, std::span<const int32_t> ids, std::span<float> logits, bool all) override {
+  void forward(SequenceState& state, std::span<const int32_t> ids, std::span<float> logits,
+               bool all) override {
     auto& st = dynamic_cast<FakeState&>(state);
     if (all) tansy::fail("fake model: all_positions is not implemented");
     if (logits.size() != size_t(kVocab)) tansy::fail("fake model: logits has {} entries", logits.size());
@@ -84,7 +85,8 @@ class FakeModel : public Model {
   static void fill(const std::vector<int32_t>& toks, std::span<float> logits) {
     uint64_t h = 0x1234;
     for (int32_t t : toks) h = mix(h ^ uint64_t(uint32_t(t)));
-    for (int v = 0; v < kVocab; ++v) logits[size_t(v)] = float(mix(h + uint64_t(v)) >> 40) * (4.0f / 16777216.0f);
+    for (int v = 0; v < kVocab; ++v)
+      logits[size_t(v)] = float(mix(h + uint64_t(v)) >> 40) * (4.0f / 16777216.0f);
     for (int v = kTokIds; v < kVocab; ++v) logits[size_t(v)] = 100.0f - float(v - kTokIds);
     if (h % 3 == 0) {  // a tie between two real ids: the lower one must win
       int a = int(h % 97), b = a + 1 + int((h >> 8) % 200);
@@ -296,7 +298,8 @@ TEST(Engine, ForcedTokensTakePrecedenceOverTheFastPath) {
   Harness fast2(true), slow2(false);
   Outcome c = fast2.run(req), d = slow2.run(req);
   expect_same(c, d);
-  EXPECT_EQ(std::vector<int32_t>(c.tokens.begin(), c.tokens.begin() + 3), (std::vector<int32_t>{'x', 'y', 'z'}));
+  EXPECT_EQ(std::vector<int32_t>(c.tokens.begin(), c.tokens.begin() + 3),
+            (std::vector<int32_t>{'x', 'y', 'z'}));
   EXPECT_EQ(c.greedy_calls, 30 - 2);
 }
 
@@ -387,7 +390,8 @@ TEST(Engine, GreedyFastPathOnTheDemoModel) {
     *calls = c->greedy;
     return out;
   };
-  const std::string prompt = "<|im_start|>user\nWhat does the word apple mean?<|im_end|>\n<|im_start|>assistant\n<think>\n";
+  const std::string prompt =
+      "<|im_start|>user\nWhat does the word apple mean?<|im_end|>\n<|im_start|>assistant\n<think>\n";
   int fast_calls = 0, slow_calls = 0;
   auto a = run(true, prompt, 48, &fast_calls);
   auto b = run(false, prompt, 48, &slow_calls);
@@ -460,7 +464,8 @@ TEST(Engine, StatesWithAndWithoutACache) {
   EXPECT_EQ(none.clones, 0) << "no snapshot without a cache";
   EXPECT_EQ(none.news, 1);
   EXPECT_EQ(none.resets, 1) << "the second request reuses the first one's state";
-  EXPECT_EQ(none.forwards, 2 + 2 * 3) << "one prefill pass per request (no split at the cut) + 3 decode steps";
+  EXPECT_EQ(none.forwards, 2 + 2 * 3)
+      << "one prefill pass per request (no split at the cut) + 3 decode steps";
   auto [cached, out2] = run(2);
   EXPECT_EQ(cached.clones, 2) << "a snapshot at each request's cut";
   EXPECT_EQ(out0, out2) << "the same answers either way";

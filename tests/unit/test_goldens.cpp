@@ -91,8 +91,8 @@ TEST_P(Golden, PrefillSplitInvariance) {
     std::vector<float> all(n * V);
     size_t pos = 0;
     for (int len : pieces) {
-      model->forward(*st, std::span<const int32_t>(ids.data() + pos, len), std::span<float>(all.data() + pos * V, len * V),
-                     true);
+      model->forward(*st, std::span<const int32_t>(ids.data() + pos, len),
+                     std::span<float>(all.data() + pos * V, len * V), true);
       pos += len;
     }
     EXPECT_EQ(pos, n);
@@ -119,12 +119,11 @@ TEST_P(Golden, PrefillSplitInvariance) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(All, Golden, ::testing::ValuesIn(golden_models()),
-                         [](const auto& info) {
-                           std::string s = info.param;
-                           std::replace(s.begin(), s.end(), '-', '_');
-                           return s;
-                         });
+INSTANTIATE_TEST_SUITE_P(All, Golden, ::testing::ValuesIn(golden_models()), [](const auto& info) {
+  std::string s = info.param;
+  std::replace(s.begin(), s.end(), '-', '_');
+  return s;
+});
 
 TEST(Model, BadInputsAreErrors) {
   auto model = open_model(test::goldens_dir() / "realdims-mlx", ModelOptions{});

@@ -59,7 +59,9 @@ TEST(Loader, ExtraTensorIsNamed) {
   auto msg = load_edited("realdims-mlx", [](auto& t) {
     t["language_model.model.layers.0.mlp.mystery.weight"] = test::RawTensor{"F32", {1}, std::string(4, '\0')};
   });
-  EXPECT_NE(msg.find("unexpected tensor 'language_model.model.layers.0.mlp.mystery.weight'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("unexpected tensor 'language_model.model.layers.0.mlp.mystery.weight'"),
+            std::string::npos)
+      << msg;
 }
 
 TEST(Loader, VisionTowerAndMtpAreSkipped) {

@@ -53,8 +53,9 @@ QMat make_qmat(int out, int in, int bits, std::mt19937& rng) {
     for (int c = 0; c < in; ++c) {
       // Element c lives in word c/per at bit offset bits*(c%per), lowest bits first (MODEL.md §8.3).
       m.q[(size_t(r) * in + c) / per] |= codes[size_t(r) * in + c] << (bits * (c % per));
-      m.deq[size_t(r) * in + c] = double(bf16_to_f32(m.s[size_t(r) * groups + c / 64])) * codes[size_t(r) * in + c] +
-                                  bf16_to_f32(m.b[size_t(r) * groups + c / 64]);
+      m.deq[size_t(r) * in + c] =
+          double(bf16_to_f32(m.s[size_t(r) * groups + c / 64])) * codes[size_t(r) * in + c] +
+          bf16_to_f32(m.b[size_t(r) * groups + c / 64]);
     }
   m.lin.fmt = bits == 4 ? WFormat::kAffine4 : WFormat::kAffine8;
   m.lin.out = out;
@@ -148,7 +149,8 @@ TEST(Ops, RopeIsARotationOfPairs) {
 TEST(Ops, AttentionMatchesSoftmaxFormula) {
   std::mt19937 rng(5);
   const int nh = 8, nkv = 2, hd = 32, n = 37;
-  auto q = randn(size_t(nh) * hd, rng), K = randn(size_t(n) * nkv * hd, rng), V = randn(size_t(n) * nkv * hd, rng);
+  auto q = randn(size_t(nh) * hd, rng), K = randn(size_t(n) * nkv * hd, rng),
+       V = randn(size_t(n) * nkv * hd, rng);
   std::vector<float> out(size_t(nh) * hd);
   cpu::attention(q.data(), K.data(), V.data(), n, nh, nkv, hd, out.data());
   std::vector<double> ref(out.size());
@@ -188,7 +190,8 @@ TEST(Ops, ConvStepMatchesSequenceConvolution) {
 }
 
 TEST(Ops, GatesAndL2Norm) {
-  float a[3] = {-3.0f, 0.5f, 30.0f}, b[3] = {-1.0f, 0.0f, 2.0f}, A_log[3] = {0.1f, 1.0f, 2.0f}, dt[3] = {0.5f, 1.0f, -2.0f};
+  float a[3] = {-3.0f, 0.5f, 30.0f}, b[3] = {-1.0f, 0.0f, 2.0f}, A_log[3] = {0.1f, 1.0f, 2.0f},
+        dt[3] = {0.5f, 1.0f, -2.0f};
   float beta[3], g[3];
   cpu::gdn_gates(a, b, A_log, dt, 3, beta, g);
   for (int h = 0; h < 3; ++h) {
@@ -206,8 +209,8 @@ TEST(Ops, GatesAndL2Norm) {
 TEST(Ops, RecurrenceMatchesChunkedAlgorithm) {
   std::mt19937 rng(7);
   const int nk = 2, nv = 4, dk = 16, dv = 8, T = 130, C = 64;
-  std::vector<float> q(size_t(T) * nk * dk), k(size_t(T) * nk * dk), v(size_t(T) * nv * dv), beta(size_t(T) * nv),
-      g(size_t(T) * nv);
+  std::vector<float> q(size_t(T) * nk * dk), k(size_t(T) * nk * dk), v(size_t(T) * nv * dv),
+      beta(size_t(T) * nv), g(size_t(T) * nv);
   q = randn(q.size(), rng);
   k = randn(k.size(), rng);
   v = randn(v.size(), rng);
@@ -222,7 +225,8 @@ TEST(Ops, RecurrenceMatchesChunkedAlgorithm) {
   std::vector<float> S(size_t(nv) * dk * dv, 0.0f), o(size_t(T) * nv * dv);
   for (int t = 0; t < T; ++t)
     cpu::gdn_recurrent_step(&q[size_t(t) * nk * dk], &k[size_t(t) * nk * dk], &v[size_t(t) * nv * dv],
-                            &beta[size_t(t) * nv], &g[size_t(t) * nv], nk, nv, dk, dv, S.data(), &o[size_t(t) * nv * dv]);
+                            &beta[size_t(t) * nv], &g[size_t(t) * nv], nk, nv, dk, dv, S.data(),
+                            &o[size_t(t) * nv * dv]);
   // Chunked reference per value head.
   std::vector<double> ref(o.size());
   for (int h = 0; h < nv; ++h) {

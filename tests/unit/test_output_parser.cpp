@@ -62,7 +62,8 @@ struct Collected {
           out.tool_calls.push_back({d.id, d.name, ""});
           break;
         case Delta::Kind::ToolCallArguments:
-          ASSERT_EQ(d.index + 1, static_cast<int>(out.tool_calls.size())) << "arguments for a call not started last";
+          ASSERT_EQ(d.index + 1, static_cast<int>(out.tool_calls.size()))
+              << "arguments for a call not started last";
           out.tool_calls.back().arguments += d.text;
           break;
       }
@@ -74,7 +75,9 @@ ParsedOutput stream(const std::string& text, const std::vector<size_t>& cuts, bo
   StreamingOutputParser parser(in_reasoning, kTools);
   Collected c;
   c.utf8_chunks = true;
-  for (size_t cut : cuts) c.utf8_chunks = c.utf8_chunks && (cut >= text.size() || (static_cast<unsigned char>(text[cut]) >> 6) != 2);
+  for (size_t cut : cuts)
+    c.utf8_chunks =
+        c.utf8_chunks && (cut >= text.size() || (static_cast<unsigned char>(text[cut]) >> 6) != 2);
   size_t prev = 0;
   for (size_t cut : cuts) {
     c.add(parser.push(std::string_view(text).substr(prev, cut - prev)));
@@ -124,7 +127,8 @@ TEST(OutputParser, ToolCallsWithSchemaTypes) {
   std::string text =
       "thinking\n</think>\n\nI'll check.\n\n<tool_call>\n<function=get_weather>\n<parameter=location>\n"
       "Paris, \"FR\"\n</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=note>\n42\n</parameter>\n"
-      "<parameter=options>\n{\"unit\": \"celsius\", \"x\": [1, 2.50]}\n</parameter>\n</function>\n</tool_call>\n"
+      "<parameter=options>\n{\"unit\": \"celsius\", \"x\": [1, "
+      "2.50]}\n</parameter>\n</function>\n</tool_call>\n"
       "<tool_call>\n<function=noop>\n</function>\n</tool_call>";
   auto r = parse_output(text, true, kTools, "call_abc_");
   EXPECT_EQ(r.reasoning, "thinking");
@@ -133,8 +137,9 @@ TEST(OutputParser, ToolCallsWithSchemaTypes) {
   EXPECT_EQ(r.tool_calls[0].id, "call_abc_0");
   EXPECT_EQ(r.tool_calls[0].name, "get_weather");
   // "note" is typed string (or null), so "42" stays a string; "days" becomes an integer.
-  EXPECT_EQ(r.tool_calls[0].arguments,
-            R"({"location": "Paris, \"FR\"", "days": 3, "note": "42", "options": {"unit": "celsius", "x": [1, 2.5]}})");
+  EXPECT_EQ(
+      r.tool_calls[0].arguments,
+      R"({"location": "Paris, \"FR\"", "days": 3, "note": "42", "options": {"unit": "celsius", "x": [1, 2.5]}})");
   EXPECT_EQ(r.tool_calls[1].name, "noop");
   EXPECT_EQ(r.tool_calls[1].arguments, "{}");
   Json calls = r.tool_calls_json();
@@ -144,13 +149,16 @@ TEST(OutputParser, ToolCallsWithSchemaTypes) {
 
 TEST(OutputParser, ValuesWithoutSchema) {
   std::string text =
-      "<tool_call>\n<function=unknown>\n<parameter=a>\n12\n</parameter>\n<parameter=b>\nhello world\n</parameter>\n"
-      "<parameter=c>\ntrue\n</parameter>\n<parameter=d>\n\nline1\nline2\n\n</parameter>\n<parameter=e>\nnull\n</parameter>\n"
+      "<tool_call>\n<function=unknown>\n<parameter=a>\n12\n</parameter>\n<parameter=b>\nhello "
+      "world\n</parameter>\n"
+      "<parameter=c>\ntrue\n</parameter>\n<parameter=d>\n\nline1\nline2\n\n</"
+      "parameter>\n<parameter=e>\nnull\n</parameter>\n"
       "</function>\n</tool_call>";
   auto r = parse_output(text, false, nullptr);
   ASSERT_EQ(r.tool_calls.size(), 1u);
   // One newline is removed on each side of a value, no more.
-  EXPECT_EQ(r.tool_calls[0].arguments, R"({"a": 12, "b": "hello world", "c": true, "d": "\nline1\nline2\n", "e": null})");
+  EXPECT_EQ(r.tool_calls[0].arguments,
+            R"({"a": 12, "b": "hello world", "c": true, "d": "\nline1\nline2\n", "e": null})");
   EXPECT_EQ(r.content, "");
 }
 
@@ -163,12 +171,14 @@ TEST(OutputParser, MalformedAndTruncatedCalls) {
   EXPECT_EQ(r.content, "a partial <tool_ca");
 
   // Truncated inside a value: the call survives with the finished parameters.
-  r = parse_output("<tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n<parameter=y>\nunfini", false, nullptr);
+  r = parse_output("<tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n<parameter=y>\nunfini", false,
+                   nullptr);
   ASSERT_EQ(r.tool_calls.size(), 1u);
   EXPECT_EQ(r.tool_calls[0].arguments, R"({"x": 1})");
 
   // Missing </parameter> and </tool_call>; stray text in the body is skipped; content after calls kept.
-  r = parse_output("<tool_call>\n<function=f>\njunk<parameter=x>\nv\n<parameter=y>\nw\n</function>\n\nDone.", false, nullptr);
+  r = parse_output("<tool_call>\n<function=f>\njunk<parameter=x>\nv\n<parameter=y>\nw\n</function>\n\nDone.",
+                   false, nullptr);
   ASSERT_EQ(r.tool_calls.size(), 1u);
   EXPECT_EQ(r.tool_calls[0].arguments, R"({"x": "v", "y": "w"})");
   EXPECT_EQ(r.content, "Done.");
@@ -176,11 +186,16 @@ TEST(OutputParser, MalformedAndTruncatedCalls) {
 
 // The template renders a call; the parser must read it back to the same arguments.
 TEST(OutputParser, ReadsBackWhatTheTemplateRenders) {
-  Json args = Json::parse(R"({"location": "Zürich\n\"quoted\"", "days": 7, "note": "true", "options": {"f": 1e-05, "g": [1.0, null]}})");
-  Json messages = Json::array({Json{{"role", "user"}, {"content", "q"}},
-                               Json{{"role", "assistant"}, {"content", "Sure."}, {"reasoning_content", "r"},
-                                    {"tool_calls", Json::array({Json{{"function", {{"name", "get_weather"}, {"arguments", args}}}},
-                                                                Json{{"function", {{"name", "noop"}, {"arguments", Json::object()}}}}})}}});
+  Json args = Json::parse(
+      R"({"location": "Zürich\n\"quoted\"", "days": 7, "note": "true", "options": {"f": 1e-05, "g": [1.0, null]}})");
+  Json messages = Json::array(
+      {Json{{"role", "user"}, {"content", "q"}},
+       Json{{"role", "assistant"},
+            {"content", "Sure."},
+            {"reasoning_content", "r"},
+            {"tool_calls",
+             Json::array({Json{{"function", {{"name", "get_weather"}, {"arguments", args}}}},
+                          Json{{"function", {{"name", "noop"}, {"arguments", Json::object()}}}}})}}});
   tansy::text::TemplateOptions options;
   options.add_generation_prompt = false;
   std::string prompt = tansy::text::render_chat(messages, kTools, options);
@@ -197,11 +212,38 @@ TEST(OutputParser, ReadsBackWhatTheTemplateRenders) {
 }
 
 TEST(OutputParser, StreamingEqualsCompleteForEverySplit) {
-  const std::vector<std::string> pieces = {
-      "<think>", "</think>", "<tool_call>", "</tool_call>", "<function=get_weather>", "<function=noop>",
-      "<function=", "</function>", "<parameter=days>", "<parameter=location>", "<parameter=", "</parameter>",
-      "<", "</", "<tool", "</thi", "<para", "\n", "\n\n", " ", "\t", "7", "{\"a\": [1, 2.5]}", "true",
-      "hello", "é", "日本", "👨‍👩‍👧", "x<y", ">", "=", "\"q\""};
+  const std::vector<std::string> pieces = {"<think>",
+                                           "</think>",
+                                           "<tool_call>",
+                                           "</tool_call>",
+                                           "<function=get_weather>",
+                                           "<function=noop>",
+                                           "<function=",
+                                           "</function>",
+                                           "<parameter=days>",
+                                           "<parameter=location>",
+                                           "<parameter=",
+                                           "</parameter>",
+                                           "<",
+                                           "</",
+                                           "<tool",
+                                           "</thi",
+                                           "<para",
+                                           "\n",
+                                           "\n\n",
+                                           " ",
+                                           "\t",
+                                           "7",
+                                           "{\"a\": [1, 2.5]}",
+                                           "true",
+                                           "hello",
+                                           "é",
+                                           "日本",
+                                           "👨‍👩‍👧",
+                                           "x<y",
+                                           ">",
+                                           "=",
+                                           "\"q\""};
   std::mt19937 rng(1234);
   constexpr int kTexts = 1200;
   int texts = 0, splits = 0, calls = 0;
@@ -210,7 +252,8 @@ TEST(OutputParser, StreamingEqualsCompleteForEverySplit) {
     // Bias toward well-formed calls so the structured paths are exercised, not only garbage.
     if (rng() % 3 == 0) text += "reason\n";
     if (rng() % 3 == 0) text += "\n</think>\n\n";
-    if (rng() % 2 == 0) text += "Answer\n\n<tool_call>\n<function=get_weather>\n<parameter=days>\n3\n</parameter>\n";
+    if (rng() % 2 == 0)
+      text += "Answer\n\n<tool_call>\n<function=get_weather>\n<parameter=days>\n3\n</parameter>\n";
     int n = static_cast<int>(rng() % 14);
     for (int k = 0; k < n; ++k) text += pieces[rng() % pieces.size()];
     if (rng() % 2 == 0) text += "</function>\n</tool_call>";
@@ -231,7 +274,8 @@ TEST(OutputParser, StreamingEqualsCompleteForEverySplit) {
         bool whole_chars = s % 2 == 0;
         std::vector<size_t> cuts;
         for (size_t i = 1; i < text.size(); ++i)
-          if (rng() % 4 == 0 && (!whole_chars || (static_cast<unsigned char>(text[i]) >> 6) != 2)) cuts.push_back(i);
+          if (rng() % 4 == 0 && (!whole_chars || (static_cast<unsigned char>(text[i]) >> 6) != 2))
+            cuts.push_back(i);
         expect_same(whole, stream(text, cuts, in_reasoning), text);
         ++splits;
       }

@@ -31,7 +31,9 @@ json entry(const char* dtype, std::vector<int64_t> shape, uint64_t b, uint64_t e
 }
 
 TEST(Safetensors, ParsesValidFile) {
-  json h = {{"a", entry("F32", {2, 3}, 0, 24)}, {"b", entry("BF16", {4}, 24, 32)}, {"__metadata__", {{"format", "pt"}}}};
+  json h = {{"a", entry("F32", {2, 3}, 0, 24)},
+            {"b", entry("BF16", {4}, 24, 32)},
+            {"__metadata__", {{"format", "pt"}}}};
   std::string data(32, '\0');
   float one = 1.0f;
   std::memcpy(&data[4], &one, 4);
@@ -72,7 +74,9 @@ TEST(Safetensors, RejectsBadJson) {
   expect_error(img + h, "not valid JSON");
 }
 
-TEST(Safetensors, RejectsNonObjectHeader) { expect_error(safetensors_image(json::array({1, 2}), ""), "JSON object"); }
+TEST(Safetensors, RejectsNonObjectHeader) {
+  expect_error(safetensors_image(json::array({1, 2}), ""), "JSON object");
+}
 
 TEST(Safetensors, RejectsUnknownDtype) {
   expect_error(safetensors_image({{"a", entry("Q4_K", {1}, 0, 1)}}, "x"), "unknown dtype 'Q4_K'");
@@ -83,7 +87,8 @@ TEST(Safetensors, RejectsSizeMismatch) {
 }
 
 TEST(Safetensors, RejectsOffsetsPastData) {
-  expect_error(safetensors_image({{"w", entry("F32", {4}, 0, 16)}}, std::string(8, '\0')), "past the data region");
+  expect_error(safetensors_image({{"w", entry("F32", {4}, 0, 16)}}, std::string(8, '\0')),
+               "past the data region");
 }
 
 TEST(Safetensors, RejectsReversedOffsets) {
@@ -114,8 +119,9 @@ TEST(Safetensors, RejectsMissingFields) {
   expect_error(safetensors_image({{"a", {{"shape", {1}}, {"data_offsets", {0, 1}}}}}, "x"), "missing dtype");
   expect_error(safetensors_image({{"a", {{"dtype", "U8"}, {"data_offsets", {0, 1}}}}}, "x"), "missing shape");
   expect_error(safetensors_image({{"a", {{"dtype", "U8"}, {"shape", {1}}}}}, "x"), "data_offsets");
-  expect_error(safetensors_image({{"a", {{"dtype", "U8"}, {"shape", {1}}, {"data_offsets", {0, 1}}, {"x", 1}}}}, "x"),
-               "unknown field");
+  expect_error(
+      safetensors_image({{"a", {{"dtype", "U8"}, {"shape", {1}}, {"data_offsets", {0, 1}}, {"x", 1}}}}, "x"),
+      "unknown field");
   expect_error(safetensors_image({{"__metadata__", {{"k", 1}}}}, ""), "must be a string");
 }
 
@@ -148,8 +154,10 @@ TEST(TensorStore, ShardedIndexMustMatchFiles) {
   EXPECT_EQ(*s.find("y")->data, 'y');
 
   // A tensor the index names but the shard lacks.
-  test::write_file(d.path() / "model.safetensors.index.json",
-                   json({{"weight_map", {{"x", "a.safetensors"}, {"y", "b.safetensors"}, {"z", "b.safetensors"}}}}).dump());
+  test::write_file(
+      d.path() / "model.safetensors.index.json",
+      json({{"weight_map", {{"x", "a.safetensors"}, {"y", "b.safetensors"}, {"z", "b.safetensors"}}}})
+          .dump());
   try {
     TensorStore::open(d.path());
     FAIL();
@@ -157,7 +165,8 @@ TEST(TensorStore, ShardedIndexMustMatchFiles) {
     EXPECT_NE(std::string(e.what()).find("'z'"), std::string::npos) << e.what();
   }
   // A tensor in a shard the index does not name.
-  test::write_file(d.path() / "model.safetensors.index.json", json({{"weight_map", {{"x", "a.safetensors"}}}}).dump());
+  test::write_file(d.path() / "model.safetensors.index.json",
+                   json({{"weight_map", {{"x", "a.safetensors"}}}}).dump());
   test::write_file(d.path() / "a.safetensors",
                    safetensors_image({{"x", entry("U8", {1}, 0, 1)}, {"w", entry("U8", {1}, 1, 2)}}, "xw"));
   EXPECT_THROW(TensorStore::open(d.path()), Error);
@@ -184,7 +193,8 @@ TEST(TensorStore, MissingFilesAndDirs) {
   test::TempDir d;
   EXPECT_THROW(TensorStore::open(d.path() / "nope"), Error);
   EXPECT_THROW(TensorStore::open(d.path()), Error);
-  test::write_file(d.path() / "model.safetensors.index.json", json({{"weight_map", {{"x", "gone.safetensors"}}}}).dump());
+  test::write_file(d.path() / "model.safetensors.index.json",
+                   json({{"weight_map", {{"x", "gone.safetensors"}}}}).dump());
   EXPECT_THROW(TensorStore::open(d.path()), Error);
 }
 
@@ -193,7 +203,8 @@ TEST(TensorStore, DuplicateAcrossShards) {
   test::write_file(d.path() / "a.safetensors", safetensors_image({{"x", entry("U8", {1}, 0, 1)}}, "x"));
   test::write_file(d.path() / "b.safetensors", safetensors_image({{"x", entry("U8", {1}, 0, 1)}}, "x"));
   // An index cannot map one name to two files, so duplicates arrive via a shard holding an unlisted copy.
-  test::write_file(d.path() / "model.safetensors.index.json", json({{"weight_map", {{"x", "a.safetensors"}}}}).dump());
+  test::write_file(d.path() / "model.safetensors.index.json",
+                   json({{"weight_map", {{"x", "a.safetensors"}}}}).dump());
   EXPECT_NO_THROW(TensorStore::open(d.path()));
 }
 

@@ -209,8 +209,8 @@ TEST(PrefixCache, ColdEntriesAreEvictedFirst) {
   c.insert({1}, state_of({1}));
   c.insert({1, 2, 3}, state_of({1, 2, 3}), /*cold=*/true);  // room left: kept
   std::vector<int32_t> q = {1, 2, 3, 4};
-  EXPECT_EQ(c.lookup(m, q, 3).n_tokens, 3);  // a hit makes it hot
-  c.insert({5}, state_of({5}));               // evicts {1}, the least recently used
+  EXPECT_EQ(c.lookup(m, q, 3).n_tokens, 3);                 // a hit makes it hot
+  c.insert({5}, state_of({5}));                             // evicts {1}, the least recently used
   c.insert({5, 6, 7}, state_of({5, 6, 7}), /*cold=*/true);  // full: the cold entry itself goes
   EXPECT_EQ(c.size(), 2u);
   std::vector<int32_t> q2 = {5, 6, 7, 8};
@@ -273,7 +273,8 @@ TEST(Scheduler, GivingUpLeavesTheLine) {
   auto a = s.enqueue(), b = s.enqueue();
   ASSERT_TRUE(s.wait_turn(*a, nullptr));
   int polls = 0;
-  EXPECT_FALSE(s.wait_turn(*b, [&] { return ++polls >= 3; }, std::chrono::milliseconds(1)));
+  EXPECT_FALSE(s.wait_turn(
+      *b, [&] { return ++polls >= 3; }, std::chrono::milliseconds(1)));
   b.reset();
   EXPECT_EQ(s.waiting(), 0);
   a.reset();

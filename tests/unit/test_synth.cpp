@@ -43,7 +43,8 @@ json tiny_text_config() {
               {"num_experts_per_tok", 2},
               {"moe_intermediate_size", 64},
               {"shared_expert_intermediate_size", 64},
-              {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 10000000}, {"partial_rotary_factor", 0.25}}},
+              {"rope_parameters",
+               {{"rope_type", "default"}, {"rope_theta", 10000000}, {"partial_rotary_factor", 0.25}}},
               {"eos_token_id", 3}};
 }
 
@@ -129,7 +130,8 @@ TEST(Synth, TinyCheckpointLoadsThroughStrictLoader) {
   // Norm multipliers are stored as 1 + w with w small.
   for (float v : w.layers[0].in_norm) EXPECT_NEAR(v, 1.0f, 0.11f);
   for (float v : w.layers[0].gdn.A_log) EXPECT_TRUE(v >= -1e-6f && v <= std::log(16.0f) + 1e-5f) << v;
-  for (float v : w.layers[0].gdn.dt_bias) EXPECT_TRUE(v > -7.5f && v < -2.0f) << v;  // softplus^-1 of [1e-3, 1e-1]
+  for (float v : w.layers[0].gdn.dt_bias)
+    EXPECT_TRUE(v > -7.5f && v < -2.0f) << v;  // softplus^-1 of [1e-3, 1e-1]
 }
 
 TEST(Synth, DeterministicForSeedIndependentOfThreads) {
@@ -166,7 +168,8 @@ TEST(Synth, RefusesNonEmptyDirectoryAndBadConfig) {
   TempDir d;
   fs::create_directories(d.path);
   std::ofstream(d.path / "keep.txt") << "x";
-  EXPECT_THROW(tansy::write_synthetic_checkpoint(tiny_text_config(), d.path, opts(1, 1, 1 << 20)), tansy::Error);
+  EXPECT_THROW(tansy::write_synthetic_checkpoint(tiny_text_config(), d.path, opts(1, 1, 1 << 20)),
+               tansy::Error);
   TempDir e;
   auto bad = tiny_text_config();
   bad["hidden_size"] = 100;  // not a multiple of the group size
@@ -184,8 +187,9 @@ TEST(SynthTokenizer, RealLayoutUsesTheModelsSpecialIds) {
   const auto t1 = std::chrono::steady_clock::now();
   auto tok = tansy::Tokenizer::from_json(text);
   const auto t2 = std::chrono::steady_clock::now();
-  std::printf("synthetic tokenizer: %.1f MB, generated in %.3f s, loaded in %.3f s\n", double(text.size()) / 1e6,
-              std::chrono::duration<double>(t1 - t0).count(), std::chrono::duration<double>(t2 - t1).count());
+  std::printf("synthetic tokenizer: %.1f MB, generated in %.3f s, loaded in %.3f s\n",
+              double(text.size()) / 1e6, std::chrono::duration<double>(t1 - t0).count(),
+              std::chrono::duration<double>(t2 - t1).count());
   EXPECT_LT(std::chrono::duration<double>(t2 - t1).count(), 20.0);  // seconds even under sanitizers
   EXPECT_EQ(tok.vocab_size(), 248070);
   EXPECT_LT(tok.vocab_size(), cfg.vocab_size);  // embedding rows past it are padding
@@ -212,9 +216,10 @@ TEST(SynthTokenizer, RealLayoutUsesTheModelsSpecialIds) {
   }
   EXPECT_EQ(held_back, 0xF4 - 0xC2 + 1);
   // Round trips, and merges are used.
-  for (std::string s : {"Hello, world! The quick brown fox jumps over the lazy dog.\n",
-                        "caf\xC3\xA9 \xCE\xB1\xCE\xB2\xCE\xB3 \xE4\xB8\xAD\xE6\x96\x87 \xF0\x9F\x99\x82 tab\tend",
-                        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n"}) {
+  for (std::string s :
+       {"Hello, world! The quick brown fox jumps over the lazy dog.\n",
+        "caf\xC3\xA9 \xCE\xB1\xCE\xB2\xCE\xB3 \xE4\xB8\xAD\xE6\x96\x87 \xF0\x9F\x99\x82 tab\tend",
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n"}) {
     auto ids = tok.encode(s);
     EXPECT_EQ(tok.decode(ids), s);
     EXPECT_LT(ids.size(), s.size());
@@ -258,9 +263,10 @@ TEST(SynthTokenizer, CheckpointWithTokenizerIsServable) {
   o.tokenizer = true;
   auto r = tansy::write_synthetic_checkpoint(tiny_text_config(), d.path, o);
   EXPECT_EQ(r.tokenizer_ids, 384);
-  EXPECT_EQ(files_of(d.path), (std::vector<std::string>{"chat_template.jinja", "config.json", "model-00001-of-00001.safetensors",
-                                                        "model.safetensors.index.json", "tansy_synth.json",
-                                                        "tokenizer.json", "tokenizer_config.json"}));
+  EXPECT_EQ(files_of(d.path),
+            (std::vector<std::string>{"chat_template.jinja", "config.json",
+                                      "model-00001-of-00001.safetensors", "model.safetensors.index.json",
+                                      "tansy_synth.json", "tokenizer.json", "tokenizer_config.json"}));
   EXPECT_TRUE(tansy::text::check_checkpoint_template(d.path).identical);
   auto tok = tansy::Tokenizer::load(d.path);
   EXPECT_EQ(tok.vocab_size(), tansy::load_config(d.path).vocab_size);

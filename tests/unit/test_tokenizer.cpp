@@ -33,8 +33,12 @@ std::string byte_char(int b) {
     int cp = printable ? x : next++;
     if (x == b) {
       std::string s;
-      if (cp < 0x80) s += char(cp);
-      else { s += char(0xC0 | (cp >> 6)); s += char(0x80 | (cp & 0x3F)); }
+      if (cp < 0x80)
+        s += char(cp);
+      else {
+        s += char(0xC0 | (cp >> 6));
+        s += char(0x80 | (cp & 0x3F));
+      }
       return s;
     }
   }
@@ -54,19 +58,39 @@ json tiny_json() {
       {"version", "1.0"},
       {"truncation", nullptr},
       {"padding", nullptr},
-      {"added_tokens", json::array({{{"id", 260}, {"content", "<|end|>"}, {"single_word", false}, {"lstrip", false},
-                                     {"rstrip", false}, {"normalized", false}, {"special", true}}})},
+      {"added_tokens", json::array({{{"id", 260},
+                                     {"content", "<|end|>"},
+                                     {"single_word", false},
+                                     {"lstrip", false},
+                                     {"rstrip", false},
+                                     {"normalized", false},
+                                     {"special", true}}})},
       {"normalizer", {{"type", "NFC"}}},
       {"pre_tokenizer",
        {{"type", "Sequence"},
-        {"pretokenizers",
-         json::array({{{"type", "Split"}, {"pattern", {{"Regex", "\\s+|\\S+"}}}, {"behavior", "Isolated"}, {"invert", false}},
-                      {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", false}}})}}},
-      {"post_processor", {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", false}}},
-      {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", false}}},
-      {"model", {{"type", "BPE"}, {"dropout", nullptr}, {"unk_token", nullptr}, {"continuing_subword_prefix", ""},
-                 {"end_of_word_suffix", ""}, {"fuse_unk", false}, {"byte_fallback", false}, {"ignore_merges", false},
-                 {"vocab", vocab}, {"merges", json::array({"h e", json::array({"he", "l"}), "l o", "hel lo"})}}}};
+        {"pretokenizers", json::array({{{"type", "Split"},
+                                        {"pattern", {{"Regex", "\\s+|\\S+"}}},
+                                        {"behavior", "Isolated"},
+                                        {"invert", false}},
+                                       {{"type", "ByteLevel"},
+                                        {"add_prefix_space", false},
+                                        {"trim_offsets", false},
+                                        {"use_regex", false}}})}}},
+      {"post_processor",
+       {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", false}}},
+      {"decoder",
+       {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", false}}},
+      {"model",
+       {{"type", "BPE"},
+        {"dropout", nullptr},
+        {"unk_token", nullptr},
+        {"continuing_subword_prefix", ""},
+        {"end_of_word_suffix", ""},
+        {"fuse_unk", false},
+        {"byte_fallback", false},
+        {"ignore_merges", false},
+        {"vocab", vocab},
+        {"merges", json::array({"h e", json::array({"he", "l"}), "l o", "hel lo"})}}}};
   return j;
 }
 
@@ -89,7 +113,8 @@ TEST(Tokenizer, TinyModelMergesByRank) {
   EXPECT_EQ(tok.encode("hel"), (std::vector<int32_t>{257}));
   // "hell": h e -> he, he l -> hel, then 'l' stays alone ("l o" has nothing to pair with).
   EXPECT_EQ(tok.encode("hell"), (std::vector<int32_t>{257, 'l'}));
-  EXPECT_EQ(tok.encode("hello<|end|> lo"), (std::vector<int32_t>{259, 260, int32_t(tok.token_id(byte_char(' ')).value()), 258}));
+  EXPECT_EQ(tok.encode("hello<|end|> lo"),
+            (std::vector<int32_t>{259, 260, int32_t(tok.token_id(byte_char(' ')).value()), 258}));
   EXPECT_EQ(tok.vocab_size(), 261);
   EXPECT_TRUE(tok.is_special(260));
   EXPECT_FALSE(tok.is_special(259));
@@ -186,10 +211,10 @@ TEST(Utf8, LossyReplacesMaximalSubparts) {
   using tansy::utf8_lossy;
   const std::string R = "\xEF\xBF\xBD";
   EXPECT_EQ(utf8_lossy("ok \xC3\xA9"), "ok \xC3\xA9");
-  EXPECT_EQ(utf8_lossy("\xF0\x9F\x98"), R);           // truncated 4-byte sequence: one replacement
+  EXPECT_EQ(utf8_lossy("\xF0\x9F\x98"), R);  // truncated 4-byte sequence: one replacement
   EXPECT_EQ(utf8_lossy("\xF0\x9F\x98x"), R + "x");
-  EXPECT_EQ(utf8_lossy("\xE0\x80"), R + R);           // E0 needs A0..BF next
-  EXPECT_EQ(utf8_lossy("\xED\xA0\x80"), R + R + R);   // surrogates are invalid
+  EXPECT_EQ(utf8_lossy("\xE0\x80"), R + R);          // E0 needs A0..BF next
+  EXPECT_EQ(utf8_lossy("\xED\xA0\x80"), R + R + R);  // surrogates are invalid
   EXPECT_EQ(utf8_lossy("\xC0\xAF\xFF"), R + R + R);
   EXPECT_EQ(tansy::utf8_incomplete_tail("ab\xF0\x9F"), 2u);
   EXPECT_EQ(tansy::utf8_incomplete_tail("ab\xF0\x9F\x98\x80"), 6u);
@@ -198,8 +223,10 @@ TEST(Utf8, LossyReplacesMaximalSubparts) {
 
 TEST(StreamDecoder, RealTextEmitsOnlyCompleteCharacters) {
   const auto& tok = qwen3();
-  const std::string text =
-      "Family 👨‍👩‍👧‍👦 and 👍🏽, 中文字符 𠀀𪚥, हिन्दी भाषा, مرحبا بالعالم, é, <|im_end|> done";
+  // clang-format 14 re-splits this literal on every run (it miscounts the glyphs' widths).
+  // clang-format off
+  const std::string text = "Family 👨‍👩‍👧‍👦 and 👍🏽, 中文字符 𠀀𪚥, हिन्दी भाषा, مرحبا بالعالم, é, <|im_end|> done";
+  // clang-format on
   auto ids = tok.encode(text);
   tansy::StreamDecoder sd(tok);
   std::string acc;
@@ -231,9 +258,12 @@ TEST(StreamDecoder, RandomIdsMatchDecodeForEverySplit) {
     int n = 1 + int(rng() % 24);
     for (int i = 0; i < n; ++i) {
       unsigned r = rng() % 10;
-      if (r < 5) ids.push_back(partial[rng() % partial.size()]);
-      else if (r < 9) ids.push_back(whole[rng() % whole.size()]);
-      else ids.push_back(151643 + int32_t(rng() % 26));  // added and special tokens
+      if (r < 5)
+        ids.push_back(partial[rng() % partial.size()]);
+      else if (r < 9)
+        ids.push_back(whole[rng() % whole.size()]);
+      else
+        ids.push_back(151643 + int32_t(rng() % 26));  // added and special tokens
     }
     bool skip = round % 2;
     tansy::StreamDecoder sd(tok, skip);

@@ -86,7 +86,9 @@ inline void write_raw(const std::filesystem::path& p, const std::map<std::string
   nlohmann::json header = nlohmann::json::object();
   std::string data;
   for (auto& [name, t] : tensors) {
-    header[name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {data.size(), data.size() + t.bytes.size()}}};
+    header[name] = {{"dtype", t.dtype},
+                    {"shape", t.shape},
+                    {"data_offsets", {data.size(), data.size() + t.bytes.size()}}};
     data += t.bytes;
   }
   write_file(p, safetensors_image(header, data));
