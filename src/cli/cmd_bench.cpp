@@ -27,6 +27,7 @@
 #include "core/error.h"
 #include "model/config.h"
 #include "model/model.h"
+#include "model/stage_profiler.h"
 #include "model/synth.h"
 #ifdef TANSY_HAVE_CUDA
 #include "cuda/ceilings.cuh"
@@ -160,7 +161,7 @@ json child_ceilings() {
 }
 
 #ifdef TANSY_HAVE_CUDA
-json stages_json(const std::vector<tansy::cuda::StageTime>& v) {
+json stages_json(const std::vector<tansy::StageTime>& v) {
   json a = json::array();
   for (auto& s : v)
     a.push_back(
@@ -174,16 +175,16 @@ json child_stages(const std::string& dir, const std::string& backend, int ctx) {
   tansy::ModelOptions opt;
   opt.backend = backend;
   auto model = tansy::open_model(dir, opt);
-  auto* prof = dynamic_cast<tansy::cuda::StageProfiler*>(model.get());
+  auto* prof = dynamic_cast<tansy::StageProfiler*>(model.get());
   if (!prof)
     return json{{"error", fmt::format("the {} backend exposes no per-stage breakdown (implement "
-                                      "tansy::cuda::StageProfiler, src/cuda/ceilings.cuh)",
+                                      "tansy::StageProfiler, src/model/stage_profiler.h)",
                                       model->backend_name())}};
   const auto prompt = tansy::synthetic_prompt(ctx, model->config().vocab_size);
   Run warm = measure_once(*model, prompt);
   auto st = model->new_state(ctx + 8);
   auto prefill = prof->profile_prefill(*st, prompt);
-  std::vector<tansy::cuda::StageTime> decode;
+  std::vector<tansy::StageTime> decode;
   int32_t tok = warm.ids[0];
   for (int i = 0; i < 3; ++i) decode = prof->profile_decode_step(*st, tok);  // the last of three: warm
   return json{{"context", ctx}, {"prefill", stages_json(prefill)}, {"decode", stages_json(decode)}};

@@ -32,7 +32,6 @@
 #include "cuda/attention_decode.cuh"
 #include "cuda/attention_prefill.cuh"
 #include "cuda/backend.h"
-#include "cuda/ceilings.cuh"
 #include "cuda/cuda_util.h"
 #include "cuda/embed.cuh"
 #include "cuda/gdn_decode.cuh"
@@ -42,6 +41,7 @@
 #include "cuda/matvec.cuh"
 #include "cuda/moe.cuh"
 #include "cuda/norm.cuh"
+#include "model/stage_profiler.h"
 #include "model/weights.h"
 
 namespace tansy {
