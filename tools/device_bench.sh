@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The benchmark run on the GPU machine, in one device call (BENCHMARK.md, docs/PERFORMANCE.md).
+# The benchmark run on the GPU machine, in one device call (docs/BENCHMARK.md, docs/PERFORMANCE.md).
 #
 #   tools/device_bench.sh prepare   # here: CUDA build, then stripped binaries + the shared
 #                                   # libraries the device image lacks + COMMIT, packed into

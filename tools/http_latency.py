@@ -7,7 +7,7 @@ Standard library only (the GPU machine has no openai package and no network). It
     tools/http_latency.py --url http://127.0.0.1:8011 --contexts 256,4096 \
         --bench bench.json --json server_latency.json [--rounds 5] [--model-dir DIR]
 
-Per context: the prompt is BENCHMARK.md's synthetic one, sent as token ids (token i =
+Per context: the prompt is docs/BENCHMARK.md's synthetic one, sent as token ids (token i =
 ((i * 2654435761) mod 2^32) mod vocab_size, as tansy::synthetic_prompt), to a streaming
 /v1/completions with max_tokens 65, temperature 0 (the engine's greedy fast path), ignore_eos;
 one warm-up, then --rounds measured requests, medians reported.

@@ -3,7 +3,7 @@
 
 Usage: make_tiny_model.py OUT_DIR --tokenizer DIR --template FILE [--seed N]
 
-The model is qwen3_5_moe (Hugging Face bf16 layout, MODEL.md §8.1) with hidden size 64,
+The model is qwen3_5_moe (Hugging Face bf16 layout, docs/MODEL.md §8.1) with hidden size 64,
 4 layers (3 Gated DeltaNet + 1 gated attention, per-head dims of the real model), 4 experts
 top-2, and the Qwen3 tokenizer's 151,936-row vocabulary, so it runs in milliseconds per token
 on the CPU backend. Needs only numpy: the safetensors file is written by hand.

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Peer arm of the benchmark (BENCHMARK.md "Peers"): Hugging Face transformers on the same
+"""Peer arm of the benchmark (docs/BENCHMARK.md "Peers"): Hugging Face transformers on the same
 checkpoint tansy benchmarks, dequantized to bf16.
 
-Reads the MLX 4/8-bit safetensors (MODEL.md §8.2-8.3), dequantizes every tensor on the target
+Reads the MLX 4/8-bit safetensors (docs/MODEL.md §8.2-8.3), dequantizes every tensor on the target
 device, renames it to the text-only Qwen3_5MoeForCausalLM layout (MODEL.md §8.1, prefix
 `model.`; norms back to zero-centred; conv1d [C,K,1] -> [C,1,K]; experts fused into
 gate_up_proj), and runs the contract: synthetic prompt ids, one warm-up of the same shape, one

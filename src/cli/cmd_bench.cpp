@@ -1,4 +1,4 @@
-// tansy bench: the speed contract of BENCHMARK.md. Batch 1, greedy; for each context length a
+// tansy bench: the speed contract of docs/BENCHMARK.md. Batch 1, greedy; for each context length a
 // fresh process (this binary re-executed with a hidden --child flag) loads the model, runs one
 // warm-up of exactly the measured shape, then one measured prefill and 64 measured decode steps.
 // The parent collects one JSON line per child, takes medians over rounds, checks that digests

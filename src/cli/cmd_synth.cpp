@@ -1,6 +1,6 @@
 // tansy synth: writes a synthetic checkpoint (real tensor layout, random values) for benchmarks
 // and full-size tests, with a synthetic tokenizer and the chat template so that tansy serve can
-// load it (unless --no-tokenizer). BENCHMARK.md "The weights".
+// load it (unless --no-tokenizer). docs/BENCHMARK.md "The weights".
 #include <chrono>
 #include <cstdio>
 #include <fstream>

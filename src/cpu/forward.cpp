@@ -1,4 +1,4 @@
-// The CPU reference forward pass, top to bottom as MODEL.md §2-§7, in f32.
+// The CPU reference forward pass, top to bottom as docs/MODEL.md §2-§7, in f32.
 // Prefill runs each projection over all new tokens at once (one dequant per weight row);
 // the sequential parts (conv window, delta-rule recurrence, causal attention) go token by token,
 // so a prompt fed whole, in pieces, or one token at a time gives the same result.

@@ -1,4 +1,4 @@
-// Gated attention pieces for decode and the GEMV prefill path (MODEL.md §4).
+// Gated attention pieces for decode and the GEMV prefill path (docs/MODEL.md §4).
 // CPU references: cpu::rmsnorm + cpu::rope (qk_norm_rope), cpu::attention + sigmoid gate.
 #pragma once
 #include <cstdint>

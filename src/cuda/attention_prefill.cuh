@@ -1,4 +1,4 @@
-// Causal flash attention for prefill (MODEL.md §4 steps 6-7): GQA, head_dim 256, tensor cores.
+// Causal flash attention for prefill (docs/MODEL.md §4 steps 6-7): GQA, head_dim 256, tensor cores.
 //
 // KV cache layout (chosen here; the backend allocates it this way): K and V are separate bf16
 // arrays [max_pos, n_kv_heads, 256], one row of n_kv_heads*256 values per position. The new

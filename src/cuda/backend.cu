@@ -1,4 +1,4 @@
-// The Hopper backend: the whole forward pass of MODEL.md §2-§7 on one GPU.
+// The Hopper backend: the whole forward pass of docs/MODEL.md §2-§7 on one GPU.
 //
 // Weights are uploaded in their checkpoint layout (no dequantized copies), with projections that
 // read the same input fused into one matrix at load:

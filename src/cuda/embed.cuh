@@ -1,4 +1,4 @@
-// Embedding lookup with dequant (MODEL.md §7, §8.3) and the greedy argmax over logits.
+// Embedding lookup with dequant (docs/MODEL.md §7, §8.3) and the greedy argmax over logits.
 // CPU references: cpu::embed_row, tansy::argmax.
 #pragma once
 #include <cstdint>

@@ -390,7 +390,7 @@ class F32Model final : public Model {
     }
   }
 
-  // Gated DeltaNet (MODEL.md §5), as CpuModel::gdn.
+  // Gated DeltaNet (docs/MODEL.md §5), as CpuModel::gdn.
   void gdn(Layer& L, F32State::Layer& S, const float* xn, int n, float* out) {
     const int C = cfg_.lin_conv_dim(), NV = cfg_.lin_num_v_heads;
     f32::matmul(L.in_qkv->view, xn, n, qkv_.get());

@@ -1,4 +1,4 @@
-// Gated DeltaNet pieces for decode and the GEMV prefill path (MODEL.md §5).
+// Gated DeltaNet pieces for decode and the GEMV prefill path (docs/MODEL.md §5).
 // CPU references: cpu::conv1d_step, cpu::l2norm_heads, cpu::gdn_gates, cpu::gdn_recurrent_step.
 #pragma once
 #include <cstdint>

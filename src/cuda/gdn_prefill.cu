@@ -1,4 +1,4 @@
-// Chunked Gated DeltaNet prefill (MODEL.md §5.6). One block = one value head x 32 state columns;
+// Chunked Gated DeltaNet prefill (docs/MODEL.md §5.6). One block = one value head x 32 state columns;
 // the block walks the chunks of 64 tokens in order, carrying its 128x32 slice of S in shared memory.
 //
 // Per chunk (C = 64 rows, zero-padded past n: k = q = v = β = g = 0 leaves S and outputs exact):

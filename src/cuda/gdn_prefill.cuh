@@ -1,4 +1,4 @@
-// Gated DeltaNet prefill, chunked (chunk 64, MODEL.md §5.6), continuing from an existing state.
+// Gated DeltaNet prefill, chunked (chunk 64, docs/MODEL.md §5.6), continuing from an existing state.
 // The result equals looping the one-token update (§5.5, cpu::gdn_recurrent_step) over the n tokens.
 //
 // Work split: one block per (value head, 32-column slice of the value dimension): columns of S are

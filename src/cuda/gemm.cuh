@@ -1,5 +1,5 @@
 // Prefill GEMMs on tensor cores: Y[n, out] = X[n, in] · Wᵀ with the affine dequant fused into the
-// B-tile load (MODEL.md §8.3), and the grouped (per-expert) variant for MoE prefill (§6).
+// B-tile load (docs/MODEL.md §8.3), and the grouped (per-expert) variant for MoE prefill (§6).
 //
 // Weights stay in the checkpoint's own packed layout (no repack needed, no dequantized copies):
 //   affine 4/8-bit: q u32 [out, in*bits/32] (low bits = low column), scales/biases bf16 [out, in/64];

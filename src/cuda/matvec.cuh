@@ -1,5 +1,5 @@
 // Decode-side products: y = W·x for a handful of token rows (batch-1 decode and the GEMV prefill
-// path), with the MLX affine 4/8-bit dequant (MODEL.md §8.3) or bf16 weights read in place.
+// path), with the MLX affine 4/8-bit dequant (docs/MODEL.md §8.3) or bf16 weights read in place.
 // CPU reference: cpu::matmul (+ cpu::swiglu for the fused variant).
 #pragma once
 #include <cstdint>

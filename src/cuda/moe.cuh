@@ -1,4 +1,4 @@
-// MoE routing on the device (MODEL.md §6 steps 1-2). CPU reference: cpu::route_topk.
+// MoE routing on the device (docs/MODEL.md §6 steps 1-2). CPU reference: cpu::route_topk.
 #pragma once
 #include <cstdint>
 

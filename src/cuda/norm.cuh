@@ -1,4 +1,4 @@
-// RMSNorm variants (MODEL.md §3). CPU references: cpu::rmsnorm, cpu::rmsnorm_gated.
+// RMSNorm variants (docs/MODEL.md §3). CPU references: cpu::rmsnorm, cpu::rmsnorm_gated.
 #pragma once
 #include <cstdint>
 

@@ -1,4 +1,4 @@
-// The router's top-k as a device function of one warp (MODEL.md §6 steps 1-2), shared by
+// The router's top-k as a device function of one warp (docs/MODEL.md §6 steps 1-2), shared by
 // route_topk and the router matvec's epilogue. CPU reference: cpu::route_topk.
 #pragma once
 #include <cfloat>

@@ -1,5 +1,5 @@
 // The model description read from config.json: Qwen3.5/3.6 MoE text architecture
-// (MODEL.md §1), validated field by field.
+// (docs/MODEL.md §1), validated field by field.
 #pragma once
 #include <filesystem>
 #include <map>

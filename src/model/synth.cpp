@@ -133,7 +133,7 @@ class SpecBuilder {
     for (auto d : s.shape) s.elems *= size_t(d);
     specs.push_back(std::move(s));
   }
-  // An affine-quantized matrix (MODEL.md §8.3) whose dequantized values have mean 0 and
+  // An affine-quantized matrix (docs/MODEL.md §8.3) whose dequantized values have mean 0 and
   // standard deviation about `sigma`. `lead` is {n_experts} for stacked expert weights.
   void linear(const std::string& module, std::vector<int64_t> lead, int out, int in, float sigma) {
     int bits = cfg_.quant ? cfg_.quant->bits_for(module) : 4;

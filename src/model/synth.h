@@ -1,7 +1,7 @@
 // Synthetic checkpoints: the exact tensor names, shapes, dtypes and quantization layout of
-// mlx-community/Qwen3.6-35B-A3B-4bit (MODEL.md §8.2-8.3), filled with deterministic random
+// mlx-community/Qwen3.6-35B-A3B-4bit (docs/MODEL.md §8.2-8.3), filled with deterministic random
 // values at scales that keep hidden states of order 1, so that benchmarks and full-size tests
-// run the real code paths without the real weights (BENCHMARK.md "The weights").
+// run the real code paths without the real weights (docs/BENCHMARK.md "The weights").
 #pragma once
 #include <cstddef>
 #include <cstdint>

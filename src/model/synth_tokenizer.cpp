@@ -56,7 +56,7 @@ std::string json_str(const std::string& s) { return nlohmann::json(s).dump(); }
 SynthTokenizerLayout synth_tokenizer_layout(const ModelConfig& cfg) {
   SynthTokenizerLayout l;
   if (cfg.is_qwen36_35b_a3b) {
-    // The real model's ids (MODEL.md §9). <|im_start|> 248045, <|im_end|> 248046 and <think>
+    // The real model's ids (docs/MODEL.md §9). <|im_start|> 248045, <|im_end|> 248046 and <think>
     // 248068 are in LILY's golden prompt. <|endoftext|> 248044 and </think> 248069 are third-party
     // figures that MODEL.md §12.5 marks UNVERIFIED; they are used here because a tokenizer without
     // them cannot serve (end of text, end of reasoning), and they are what real_model_config_json's

@@ -1,5 +1,5 @@
 // Model weights as views into the mapped checkpoint, in one of two formats
-// (MLX affine 4/8-bit, MODEL.md §8.2-8.3; Hugging Face bf16, §8.1). Small parameters
+// (MLX affine 4/8-bit, docs/MODEL.md §8.2-8.3; Hugging Face bf16, §8.1). Small parameters
 // (norms, gates, conv) are converted to f32 at load.
 #pragma once
 #include <cstdint>

@@ -453,7 +453,7 @@ TEST(Synthetic, CudaVsCpuLayerByLayer) {
   expect_logits(lg, lc, V, "synthetic decode step vs CPU");
 }
 
-// Not a pass/fail test: prints the numbers (BENCHMARK.md's workload, one round).
+// Not a pass/fail test: prints the numbers (docs/BENCHMARK.md's workload, one round).
 TEST(Synthetic, Timing) {
   if (!synth_dir()) GTEST_SKIP() << "set TANSY_SYNTH_DIR to a `tansy synth` checkpoint";
   auto m =

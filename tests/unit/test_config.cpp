@@ -11,7 +11,7 @@ namespace {
 
 using nlohmann::json;
 
-// The real model's config.json, as MODEL.md §1 describes it (VLM wrapper, MLX quantization block).
+// The real model's config.json, as docs/MODEL.md §1 describes it (VLM wrapper, MLX quantization block).
 json real_config() {
   json layer_types = json::array();
   for (int i = 0; i < 40; ++i) layer_types.push_back(i % 4 == 3 ? "full_attention" : "linear_attention");

@@ -51,7 +51,7 @@ QMat make_qmat(int out, int in, int bits, std::mt19937& rng) {
   for (auto& x : m.b) x = f32_to_bf16(d(rng));
   for (int r = 0; r < out; ++r)
     for (int c = 0; c < in; ++c) {
-      // Element c lives in word c/per at bit offset bits*(c%per), lowest bits first (MODEL.md §8.3).
+      // Element c lives in word c/per at bit offset bits*(c%per), lowest bits first (docs/MODEL.md §8.3).
       m.q[(size_t(r) * in + c) / per] |= codes[size_t(r) * in + c] << (bits * (c % per));
       m.deq[size_t(r) * in + c] =
           double(bf16_to_f32(m.s[size_t(r) * groups + c / 64])) * codes[size_t(r) * in + c] +

@@ -193,7 +193,7 @@ TEST(SynthTokenizer, RealLayoutUsesTheModelsSpecialIds) {
   EXPECT_LT(std::chrono::duration<double>(t2 - t1).count(), 20.0);  // seconds even under sanitizers
   EXPECT_EQ(tok.vocab_size(), 248070);
   EXPECT_LT(tok.vocab_size(), cfg.vocab_size);  // embedding rows past it are padding
-  // MODEL.md §9 (and the config's eos list).
+  // docs/MODEL.md §9 (and the config's eos list).
   EXPECT_EQ(tok.token_id("<|endoftext|>"), 248044);
   EXPECT_EQ(tok.token_id("<|im_start|>"), 248045);
   EXPECT_EQ(tok.token_id("<|im_end|>"), 248046);

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Exports the trained tansy-demo model as an MLX 4-bit checkpoint (shared/MODEL.md §8.2, §8.3).
+"""Exports the trained tansy-demo model as an MLX 4-bit checkpoint (docs/MODEL.md §8.2, §8.3).
 
     python tools/demo/export.py --hf out/demo/hf --tokenizer .demo_data/tokenizer --out models/tansy-demo
     python tools/demo/export.py ... --bf16-out models/tansy-demo-bf16   # also the HF-format bf16 copy
