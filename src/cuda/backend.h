@@ -6,8 +6,18 @@
 #include "model/model.h"
 
 namespace tansy {
-// The fast plan (bf16 activations; backend.cu).
-std::unique_ptr<Model> make_cuda_model(const std::filesystem::path& dir);
-// The f32 plan (the CPU reference's arithmetic on the device; f32_model.cu).
+namespace cuda {
+// Which kernels the bf16 plan runs prefill (several tokens) on: the tensor-core ones, or the decode
+// (GEMV) ones, a slower path that tests compare against the first.
+enum class PrefillKernels { kTensorCore, kGemv };
+struct CudaPlanOptions {
+  PrefillKernels prefill = PrefillKernels::kTensorCore;
+};
+}  // namespace cuda
+
+// The fast plan (bf16 activations; src/cuda/bf16/).
+std::unique_ptr<Model> make_cuda_model(const std::filesystem::path& dir,
+                                       const cuda::CudaPlanOptions& opt = {});
+// The f32 plan (the CPU reference's arithmetic on the device; src/cuda/f32/).
 std::unique_ptr<Model> make_cuda_f32_model(const std::filesystem::path& dir);
 }  // namespace tansy

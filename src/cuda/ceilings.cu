@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "cuda/ceilings.cuh"
-#include "cuda/cuda_util.h"
+#include "cuda/common/cuda_util.h"
 
 namespace tansy::cuda {
 namespace {
@@ -157,9 +157,9 @@ Ceilings measure_ceilings(int reps) {
     DeviceBuffer<uint32_t> src(bytes / 4), dst(bytes / 4);
     DeviceBuffer<uint32_t> sink(1);
     fill_random_u32<<<fill_blocks, 256>>>(src.get(), src.size(), 1);
-    CUDA_LAUNCH_CHECK();
+    launch_check("ceilings");
     fill_random_u32<<<fill_blocks, 256>>>(dst.get(), dst.size(), 2);
-    CUDA_LAUNCH_CHECK();
+    launch_check("ceilings");
     double ms = median_ms(
         3, reps, [&] { CUDA_CHECK(cudaMemcpyAsync(dst.get(), src.get(), bytes, cudaMemcpyDeviceToDevice)); });
     c.copy_buffer_bytes = bytes;
@@ -169,7 +169,7 @@ Ceilings measure_ceilings(int reps) {
     const unsigned blocks = unsigned(sms) * (2048 / kReadThreads);
     double rms = median_ms(3, reps, [&] {
       read_kernel<<<blocks, kReadThreads>>>(reinterpret_cast<const uint4*>(src.get()), n16, sink.get());
-      CUDA_LAUNCH_CHECK();
+      launch_check("ceilings");
     });
     c.read_buffer_bytes = bytes;
     c.read_gbps = double(bytes) / (rms * 1e-3) / 1e9;
@@ -179,9 +179,9 @@ Ceilings measure_ceilings(int reps) {
     const size_t elems = size_t(n) * n;
     DeviceBuffer<bf16> a(elems), b(elems), out(elems);
     fill_random_bf16<<<fill_blocks, 256>>>(a.get(), elems, 3);
-    CUDA_LAUNCH_CHECK();
+    launch_check("ceilings");
     fill_random_bf16<<<fill_blocks, 256>>>(b.get(), elems, 4);
-    CUDA_LAUNCH_CHECK();
+    launch_check("ceilings");
     cublasHandle_t h = nullptr;
     CUBLAS_CHECK(cublasCreate(&h));
     try {

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "core/bf16.h"
-#include "cuda/cuda_util.h"
+#include "cuda/common/cuda_util.h"
 
 namespace tansy::gpu_test {
 

@@ -9,13 +9,12 @@
 #include <string>
 
 #include "cpu/ops.h"
-#include "cuda/attention_decode.cuh"
-#include "cuda/embed.cuh"
-#include "cuda/gdn_decode.cuh"
-#include "cuda/lm_head.cuh"
-#include "cuda/matvec.cuh"
-#include "cuda/moe.cuh"
-#include "cuda/norm.cuh"
+#include "cuda/attention/attention.cuh"
+#include "cuda/gdn/gdn.cuh"
+#include "cuda/head/head.cuh"
+#include "cuda/matvec/matvec.cuh"
+#include "cuda/moe/moe.cuh"
+#include "cuda/norm/norm.cuh"
 #include "gpu_test_util.h"
 #include "model/model.h"
 

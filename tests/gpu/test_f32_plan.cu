@@ -20,7 +20,7 @@
 #include "cpu/backend.h"
 #include "cpu/ops.h"
 #include "cuda/backend.h"
-#include "cuda/f32_ops.cuh"
+#include "cuda/f32/ops.cuh"
 #include "gpu_test_util.h"
 #include "model/model.h"
 

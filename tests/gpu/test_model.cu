@@ -108,30 +108,8 @@ void expect_logits(const std::vector<float>& got, const std::vector<float>& ref,
   EXPECT_EQ(c.decisive_agree, c.decisive) << label;
 }
 
-class EnvGuard {
- public:
-  EnvGuard(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    if (value)
-      setenv(name, value, 1);
-    else
-      unsetenv(name);
-  }
-  ~EnvGuard() {
-    if (old_)
-      setenv(name_, old_->c_str(), 1);
-    else
-      unsetenv(name_);
-  }
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
-
-std::unique_ptr<Model> open_cuda(const fs::path& dir, const char* prefill) {
-  EnvGuard env("TANSY_CUDA_PREFILL", prefill);
-  return make_cuda_model(dir);
+std::unique_ptr<Model> open_cuda(const fs::path& dir, cuda::PrefillKernels prefill) {
+  return make_cuda_model(dir, cuda::CudaPlanOptions{prefill});
 }
 
 // ---- goldens ----
@@ -154,20 +132,20 @@ void run_golden_sequences(Model& m, const fs::path& dir, const std::string& path
 
 TEST_P(Golden, LogitsGemvPath) {
   const fs::path dir = goldens_dir() / GetParam();
-  auto m = open_cuda(dir, "gemv");
+  auto m = open_cuda(dir, cuda::PrefillKernels::kGemv);
   run_golden_sequences(*m, dir, GetParam() + " gemv");
 }
 
 TEST_P(Golden, LogitsTensorCorePrefill) {
   const fs::path dir = goldens_dir() / GetParam();
-  auto m = open_cuda(dir, "tc");
+  auto m = open_cuda(dir, cuda::PrefillKernels::kTensorCore);
   run_golden_sequences(*m, dir, GetParam() + " tc");
 }
 
 // A prompt fed whole, in pieces, or token by token gives the same last logits.
 TEST_P(Golden, SplitInvariance) {
   const fs::path dir = goldens_dir() / GetParam();
-  auto m = open_cuda(dir, "tc");
+  auto m = open_cuda(dir, cuda::PrefillKernels::kTensorCore);
   const auto ids = read_bin<int32_t>(dir / "seq200.ids");
   const int V = m->config().vocab_size;
   std::vector<float> whole(V), pieces(V), single(V);
@@ -271,8 +249,9 @@ TEST_P(Golden, LayerByLayerVsCpu) {
   const fs::path dir = goldens_dir() / GetParam();
   auto cpu = make_cpu_model(dir, ModelOptions{});
   const auto ids7 = read_bin<int32_t>(dir / "seq7.ids");
-  for (const char* path : {"gemv", "tc"}) {
-    auto gpu = open_cuda(dir, path);
+  for (auto [prefill, path] :
+       {std::pair{cuda::PrefillKernels::kGemv, "gemv"}, std::pair{cuda::PrefillKernels::kTensorCore, "tc"}}) {
+    auto gpu = open_cuda(dir, prefill);
     compare_traces(*gpu, *cpu, ids7, GetParam() + " " + path + " seq7");
   }
 }
@@ -283,7 +262,7 @@ TEST_P(Golden, GreedyGraphMatchesEagerAndGolden) {
   const auto meta = nlohmann::json::parse(std::ifstream(dir / "golden.json"));
   const auto prompt = read_bin<int32_t>(dir / meta["greedy"]["prompt"].get<std::string>());
   const auto golden = meta["greedy"]["tokens"].get<std::vector<int32_t>>();
-  auto m = open_cuda(dir, "tc");
+  auto m = open_cuda(dir, cuda::PrefillKernels::kTensorCore);
   const int n = int(golden.size());
   std::vector<int32_t> graph_toks;
   auto st = m->new_state(int(prompt.size()) + n + 1);
@@ -386,7 +365,7 @@ TEST(GoldenSmallDims, RejectedLoudly) {
 }
 
 TEST(ModelErrors, BadInputs) {
-  auto m = open_cuda(goldens_dir() / "realdims-mlx", "tc");
+  auto m = open_cuda(goldens_dir() / "realdims-mlx", cuda::PrefillKernels::kTensorCore);
   auto st = m->new_state(4);
   std::vector<float> logits(m->config().vocab_size);
   const std::vector<int32_t> bad = {1, m->config().vocab_size};
@@ -429,7 +408,7 @@ std::vector<int32_t> bench_prompt(int n, int vocab) {
 TEST(Synthetic, CudaVsCpuLayerByLayer) {
   if (!synth_dir()) GTEST_SKIP() << "set TANSY_SYNTH_DIR to a `tansy synth` checkpoint";
   auto cpu = make_cpu_model(synth_dir(), ModelOptions{});
-  auto gpu = open_cuda(synth_dir(), "tc");
+  auto gpu = open_cuda(synth_dir(), cuda::PrefillKernels::kTensorCore);
   const auto ids = bench_prompt(6, gpu->config().vocab_size);
   compare_traces(*gpu, *cpu, ids, "synthetic tc 6 tokens");
   // one decode step after the prompt (the single-token GEMV path)
@@ -456,8 +435,7 @@ TEST(Synthetic, CudaVsCpuLayerByLayer) {
 // Not a pass/fail test: prints the numbers (docs/BENCHMARK.md's workload, one round).
 TEST(Synthetic, Timing) {
   if (!synth_dir()) GTEST_SKIP() << "set TANSY_SYNTH_DIR to a `tansy synth` checkpoint";
-  auto m =
-      open_cuda(synth_dir(), std::getenv("TANSY_CUDA_PREFILL") ? std::getenv("TANSY_CUDA_PREFILL") : "tc");
+  auto m = open_cuda(synth_dir(), cuda::PrefillKernels::kTensorCore);
   for (int ctx : {256, 4096, 32768}) {
     const auto prompt = bench_prompt(ctx, m->config().vocab_size);
     double prefill_s = 0, decode_s = 0;
@@ -492,7 +470,7 @@ TEST(Synthetic, Timing) {
 TEST(Synthetic, DecodeProfile) {
   if (!synth_dir() || !std::getenv("TANSY_PROFILE_DECODE"))
     GTEST_SKIP() << "set TANSY_SYNTH_DIR and TANSY_PROFILE_DECODE";
-  auto m = open_cuda(synth_dir(), "tc");
+  auto m = open_cuda(synth_dir(), cuda::PrefillKernels::kTensorCore);
   const auto prompt = bench_prompt(4096, m->config().vocab_size);
   auto st = m->new_state(4096 + 8);
   int got = 0;

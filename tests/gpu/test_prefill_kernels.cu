@@ -19,9 +19,10 @@
 
 #include "core/threadpool.h"
 #include "cpu/ops.h"
-#include "cuda/attention_prefill.cuh"
-#include "cuda/gdn_prefill.cuh"
-#include "cuda/gemm.cuh"
+#include "cuda/attention/attention.cuh"
+#include "cuda/gdn/gdn.cuh"
+#include "cuda/gemm/gemm.cuh"
+#include "cuda/moe/moe.cuh"
 #include "gpu_test_util.h"
 
 namespace tansy {
@@ -414,7 +415,7 @@ TEST(PrefillKernels, MoeGrouped) {
 TEST(PrefillKernels, MoeRejectsBadShapes) {
   DeviceRouting R;
   DeviceBuffer<int> idx(8);
-  EXPECT_THROW(cuda::moe_route_sort(idx.get(), 4, 2, cuda::kMaxExperts + 1, R.view(4, 8), 0), Error);
+  EXPECT_THROW(cuda::moe_route_sort(idx.get(), 4, 2, cuda::kRouteMaxExperts + 1, R.view(4, 8), 0), Error);
   EXPECT_THROW(cuda::moe_route_sort(idx.get(), 4, 0, 4, R.view(4, 8), 0), Error);
   Weight W = random_weight(WFormat::kAffine4, 3 * 64, 128);
   DeviceBuffer<bf16> x(8 * 128), y(8 * 64);
@@ -436,7 +437,7 @@ struct AttnCase {
 };
 
 void check_attention(const AttnCase& c) {
-  constexpr int hd = cuda::kAttnHeadDim;
+  constexpr int hd = cuda::kHeadDim;
   const int ctx = c.p0 + c.n, pad_rows = 40;
   const std::string label = "attention heads " + str(c.n_heads) + "/" + str(c.n_kv) + " p0=" + str(c.p0) +
                             " n=" + str(c.n) + (c.gate ? " gated" : "");
@@ -545,7 +546,7 @@ TEST(PrefillKernels, AttentionRejectsBadShapes) {
 // ================================ Gated DeltaNet ================================
 
 void check_gdn(int n_k, int n_v, int n, bool f32_out) {
-  constexpr int D = cuda::kGdnHeadDim;
+  constexpr int D = cuda::kGdnDim;
   const std::string label =
       "gdn heads " + str(n_k) + "/" + str(n_v) + " n=" + str(n) + (f32_out ? " f32" : " bf16");
   const int key_dim = n_k * D, conv_dim = 2 * key_dim + n_v * D;
@@ -733,7 +734,7 @@ TEST(PrefillKernels, Timing) {
     std::printf("  %-58s %8.3f ms\n", "moe_combine", ms_cb);
   }
   {
-    constexpr int hd = cuda::kAttnHeadDim;
+    constexpr int hd = cuda::kHeadDim;
     DeviceBuffer<bf16> K(size_t(n) * 2 * hd), V(size_t(n) * 2 * hd), qg(size_t(n) * 16 * 512),
         out(size_t(n) * 16 * hd);
     const auto kr = to_bf16(randn(K.size())), qr = to_bf16(randn(qg.size()));
@@ -760,7 +761,7 @@ TEST(PrefillKernels, Timing) {
     report("attention_prefill 16/2 heads, causal 4096", ms, 4.0 * hd * 16 * (double(n) * (n + 1) / 2));
   }
   {
-    constexpr int D = cuda::kGdnHeadDim, nk = 16, nv = 32, conv = 2 * nk * D + nv * D;
+    constexpr int D = cuda::kGdnDim, nk = 16, nv = 32, conv = 2 * nk * D + nv * D;
     DeviceBuffer<bf16> y(size_t(n) * conv);
     const auto yr = to_bf16(randn(y.size(), 0.09f));
     CUDA_CHECK(cudaMemcpy(y.get(), yr.data(), yr.size() * 2, cudaMemcpyHostToDevice));

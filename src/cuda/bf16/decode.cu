@@ -1,0 +1,141 @@
+// One decode step of the bf16 plan: each norm, routing and GDN step fused into its neighbour.
+#include "cuda/bf16/plan.h"
+
+namespace tansy::cuda {
+
+void CudaModel::decode_step(CudaState& st, int limit) {
+  if (!head_fused_ || trace_) {
+    run_layers(st, d_tok_.get(), 1, /*tc=*/false);
+    mark("lm_head", wbytes(lm_head_.view), 0, 1);
+    lm_head(0, 1);
+    mark("argmax", 4.0 * cfg_.vocab_size, 0, 2);
+    argmax(d_logits_.get(), limit, d_argmax_.get(), d_tok_.get(), nullptr, nullptr, stream_);
+    return;
+  }
+  run_decode_fused(st, d_tok_.get(), /*head=*/false);
+  LmHeadArgs a;
+  a.W = lm_head_.view;
+  a.x.h = h_.get();
+  a.x.ss = ss_parts_.get() + size_t(2 * cfg_.num_layers) * kNormParts;
+  a.x.w = final_norm_.get();
+  a.x.eps = cfg_.rms_eps;
+  a.x.xn_out = xn_.get();
+  a.logits = d_logits_.get();
+  a.limit = limit;
+  a.token = d_tok_.get();
+  a.pos = st.pos.get();
+  a.scratch = d_head_scratch_.get();
+  a.counter = head_counter_.get();
+  mark("final norm + lm_head + argmax + position", wbytes(lm_head_.view), 0, 1);
+  lm_head_argmax(a, stream_);
+}
+
+void CudaModel::run_decode_fused(CudaState& st, const int* ids, bool head) {
+  const ModelConfig& c = cfg_;
+  const int H = c.hidden_size, E = c.num_experts, K = c.experts_per_tok;
+  const int I = c.moe_intermediate;
+  float* h = h_.get();
+  auto ss = [&](int point) { return ss_parts_.get() + size_t(point) * kNormParts; };
+  mark("embed", double(H) * 4);
+  embed(embed_.view, ids, 1, h, stream_, ss(0));
+  auto norm_in = [&](int point, const float* w, bf16* xn_out) {
+    NormIn in;
+    in.h = h;
+    in.ss = ss(point);
+    in.w = w;
+    in.eps = c.rms_eps;
+    in.xn_out = xn_out;
+    return in;
+  };
+  for (int i = 0; i < c.num_layers; ++i) {
+    DevLayer& L = layers_[i];
+    CudaState::Layer& S = st.layers[i];
+    bf16* P = proj_.get();
+    const NormIn in = norm_in(2 * i, L.in_norm.get(), nullptr);
+    const ResidualOut mixer_out{h, ss(2 * i + 1)};
+    if (L.kind == LayerKind::kLinear) {
+      const int C = c.lin_conv_dim(), VD = c.lin_value_dim();
+      GdnInEpilogue ge;
+      ge.conv_dim = C;
+      ge.value_dim = VD;
+      ge.n_v_heads = c.lin_num_v_heads;
+      ge.kernel = c.conv_kernel;
+      ge.conv_w = L.conv_w.get();
+      ge.window = S.window.get();
+      ge.A_log = L.A_log.get();
+      ge.dt_bias = L.dt_bias.get();
+      ge.conv_out = conv_f32_.get();
+      ge.beta = beta_.get();
+      ge.g = g_.get();
+      mark("gdn.in_proj+norm+conv+gates", wbytes(L.gdn_in.view));
+      matvec_norm_gdn(L.gdn_in.view, in, P, ge, stream_);  // [qkv | z | a | b]
+      GdnDecodeArgs ga;
+      ga.conv = conv_f32_.get();
+      ga.beta = beta_.get();
+      ga.g = g_.get();
+      ga.n_k_heads = c.lin_num_k_heads;
+      ga.n_v_heads = c.lin_num_v_heads;
+      ga.state = S.S.get();
+      ga.z = P + C;
+      ga.norm_w = L.gnorm.get();
+      ga.eps = c.rms_eps;
+      ga.o = o_.get();
+      ga.counters = gdn_counters_.get();
+      ga.y = mix_.get();
+      mark("gdn.recurrence+norms", 2.0 * c.lin_num_v_heads * kGdnDim * kGdnDim * 4);
+      gdn_decode_step(ga, stream_);
+      mark("gdn.out_proj+residual", wbytes(L.gdn_out.view));
+      matvec_residual(L.gdn_out.view, mix_.get(), mixer_out, stream_);
+    } else {
+      const int QD = c.q_dim();
+      mark("attn.in_proj+norm", wbytes(L.attn_in.view));
+      matvec_norm(L.attn_in.view, in, MatvecOut{P, false, proj_ld_}, stream_);  // [q+gate | k | v]
+      QkvLayout lay{P, proj_ld_, c.num_heads, c.num_kv_heads};
+      mark("attn.q/k norm+rope+cache+split, merge", 2.0 * (st.n + 1) * c.kv_dim() * 2, 0, 2);
+      attention_decode_fused(lay, st.pos.get(), L.q_norm.get(), L.k_norm.get(), c.rms_eps, c.rotary_dim,
+                             c.rope_theta, S.K.get(), S.V.get(), kFusedDecodeSplits, attn_scratch_.get(),
+                             mix_.get(), QD, stream_);
+      mark("attn.o_proj+residual", wbytes(L.attn_o.view));
+      matvec_residual(L.attn_o.view, mix_.get(), mixer_out, stream_);
+    }
+    // MoE: router (+ norm, + routing) -> experts gate|up -> down + combine + residual.
+    const NormIn pin = norm_in(2 * i + 1, L.post_norm.get(), xn_.get());
+    const ResidualOut moe_out{h, ss(2 * i + 2)};
+    RouteEpilogue re;
+    re.E = E;
+    re.k = K;
+    re.shared_slot = L.sh_folded;
+    re.idx = topk_idx_.get();
+    re.w = topk_w_.get();
+    re.counter = route_counter_.get();
+    mark("moe.router+norm+topk", wbytes(L.router.view));
+    matvec_norm_route(L.router.view, pin, router_logits_.get(), re, stream_);
+    report_routes(i, 1, L.sh_folded ? K + 1 : K);
+    const double gu1 = wbytes(L.experts_gu.view.rows(0, 2 * I)),
+                 dn1 = wbytes(L.experts_down.view.rows(0, H));
+    if (L.sh_folded) {
+      mark("moe.experts gate|up (k+shared)", (K + 1) * gu1);
+      matvec_swiglu_experts(L.experts_gu.view, E + 1, topk_idx_.get(), 1, K + 1, xn_.get(), H, act_.get(),
+                            stream_);
+      mark("moe.experts down+combine+residual", (K + 1) * dn1);
+      moe_down_residual(L.experts_down.view, E + 1, topk_idx_.get(), topk_w_.get(), act_.get(), K + 1,
+                        nullptr, nullptr, moe_out, stream_);
+    } else {
+      const int SI = c.shared_intermediate;
+      mark("moe.shared expert", wbytes(L.sh_gu_v) + wbytes(L.sh_down_v), 0, 2);
+      matvec_swiglu(L.sh_gu_v, xn_.get(), H, 1, sh_act_.get(), SI, stream_);
+      matvec(L.sh_down_v, sh_act_.get(), SI, 1, MatvecOut{r_.get(), false, H}, stream_);
+      mark("moe.experts gate|up (k+shared)", K * gu1);
+      matvec_swiglu_experts(L.routed_gu, E, topk_idx_.get(), 1, K, xn_.get(), H, act_.get(), stream_);
+      mark("moe.experts down+combine+residual", K * dn1);
+      moe_down_residual(L.routed_down, E, topk_idx_.get(), topk_w_.get(), act_.get(), K, r_.get(),
+                        router_logits_.get() + E, moe_out, stream_);
+    }
+  }
+  if (!head) return;
+  mark("final_norm + position", 0, 0, 2);
+  add_rmsnorm(h, nullptr, final_norm_.get(), 1, H, c.rms_eps, xn_.get(), stream_);
+  advance_pos(st.pos.get(), 1, stream_);
+}
+
+}  // namespace tansy::cuda

@@ -1,0 +1,268 @@
+// The Hopper backend: the whole forward pass of docs/MODEL.md §2-§7 on one GPU.
+//
+// Weights are uploaded in their checkpoint layout (no dequantized copies), with projections that
+// read the same input fused into one matrix at load:
+//   GDN    [qkv | z | a | b]              (one product per layer instead of four)
+//   attn   [q+gate | k | v]
+//   router [experts | shared-expert gate | zero pad to an even row count]
+//   shared expert and routed experts: gate/up rows interleaved (2i = gate_i, 2i+1 = up_i), which
+//   both the decode kernels and the prefill GEMM's SwiGLU epilogue read.
+//   the shared expert, when shaped like a routed one, as expert E of the stacked expert matrices
+//   (decode runs it as a ninth slot with weight sigmoid(gate logit); prefill reads it as a view).
+// The residual stream is f32; other activations between ops are bf16, accumulation f32, GDN state
+// f32, KV cache bf16, logits f32.
+//
+// A decode step (one token, no tracing) fuses the neighbours of each product into it: every RMSNorm
+// into the matvec that reads it (the residual add into the product before it), the routing into the router,
+// the GDN conv and gates into in_proj, and the GDN norms into the recurrence.
+//
+// Decode (one token) runs the GEMV kernels, captured once per sequence state in a CUDA graph whose
+// input id and position live on the device; prefill (several tokens) runs the tensor-core kernels
+// (gemm, attention prefill, gdn_prefill) unless CudaPlanOptions asks for the GEMV kernels (a
+// slower path kept for testing the two against each other).
+#pragma once
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/bf16.h"
+#include "core/error.h"
+#include "core/safetensors.h"
+#include "cuda/attention/attention.cuh"
+#include "cuda/backend.h"
+#include "cuda/common/cuda_util.h"
+#include "cuda/head/head.cuh"
+#include "cuda/gdn/gdn.cuh"
+#include "cuda/gemm/gemm.cuh"
+#include "cuda/matvec/matvec.cuh"
+#include "cuda/moe/moe.cuh"
+#include "cuda/norm/norm.cuh"
+#include "model/stage_profiler.h"
+#include "model/weights.h"
+
+namespace tansy::cuda {
+
+constexpr int kChunk = 4096;        // tokens per forward chunk (bounds the scratch buffers)
+constexpr int kLogitRows = 32;      // lm_head rows computed per pass when all positions are wanted
+constexpr int kDecodeSplits = 128;  // key-range splits of the unfused decode attention (traced steps)
+constexpr int kFusedDecodeSplits = 64;   // the same for the fused one-token kernel (2 x 64 blocks at 4,096)
+constexpr int kPrefillSplitKeys = 2048;  // GEMV-path prefill: keys per split
+
+// A device matrix assembled from row ranges of host matrices (views into the mapped checkpoint).
+struct DevMatrix {
+  DeviceBuffer<uint32_t> q;
+  DeviceBuffer<bf16> scales, biases, w;
+  DevLinear view;
+};
+
+struct DevLayer {
+  LayerKind kind = LayerKind::kLinear;
+  DeviceBuffer<float> in_norm, post_norm;
+  // GDN
+  DevMatrix gdn_in, gdn_out;  // [conv_dim + value_dim + 2*n_v_heads, H], [H, value_dim]
+  DeviceBuffer<float> conv_w, A_log, dt_bias, gnorm;
+  // attention
+  DevMatrix attn_in, attn_o;  // [2*q_dim + 2*kv_dim, H], [H, q_dim]
+  DeviceBuffer<float> q_norm, k_norm;
+  // MoE
+  DevMatrix router;                  // [E + 1 (+1 pad), H]
+  DevMatrix experts_gu;              // [E' * 2I, H] interleaved gate/up per expert (E' = E+1 when folded)
+  DevMatrix experts_down;            // [E' * H, I]
+  DevMatrix sh_gu, sh_down;          // [2S, H] interleaved, [H, S] (empty when folded)
+  bool sh_folded = false;            // the shared expert is expert E of experts_gu/experts_down
+  DevLinear routed_gu, routed_down;  // views: the E routed experts
+  DevLinear sh_gu_v, sh_down_v;      // views: the shared expert
+};
+
+// ---- per-sequence state ----
+
+struct CudaState final : SequenceState {
+  int n = 0, max_tokens = 0;
+  DeviceBuffer<int> pos;  // [1] == n whenever the stream is idle
+  struct Layer {
+    DeviceBuffer<bf16> K, V;    // [max_tokens, n_kv, 256]
+    DeviceBuffer<bf16> window;  // [kernel-1, conv_dim]
+    DeviceBuffer<float> S;      // [n_v_heads, 128, 128]
+  };
+  std::vector<Layer> layers;
+  cudaGraphExec_t decode_graph = nullptr;
+  int graph_limit = 0;                    // the decode graph's argmax covers ids [0, graph_limit)
+  cudaGraphExec_t reset_graph = nullptr;  // zeroes pos and the GDN state: one launch, not 61 memsets
+  ~CudaState() override {
+    if (decode_graph) cudaGraphExecDestroy(decode_graph);
+    if (reset_graph) cudaGraphExecDestroy(reset_graph);
+  }
+  int n_tokens() const override { return n; }
+};
+
+class CudaModel final : public Model, public StageProfiler {
+ public:
+  CudaModel(const std::filesystem::path& dir, const CudaPlanOptions& opt);
+  ~CudaModel() override;
+
+  const ModelConfig& config() const override { return cfg_; }
+  std::string backend_name() const override { return "cuda"; }
+  std::string backend_plan() const override { return "cuda-bf16"; }
+
+  std::unique_ptr<SequenceState> new_state(int max_tokens) override { return make_state(max_tokens, true); }
+
+  // The decode graph is captured with the state (it bakes in the state's buffers), so that the
+  // first generated token does not pay for capture and instantiation.
+  std::unique_ptr<CudaState> make_state(int max_tokens, bool with_graph);
+
+  bool reset_state(SequenceState& state) override;
+
+  std::unique_ptr<SequenceState> clone_state(const SequenceState& src) override;
+
+  void forward(SequenceState& state, std::span<const int32_t> ids, std::span<float> logits,
+               bool all_positions) override;
+
+  // ---- StageProfiler (`tansy bench --stages`): the same kernels launched eagerly, an event
+  // between stages. Events break the launch overlap PDL gives the graph, so stage times sum to
+  // more than a graph step.
+  std::vector<StageTime> profile_decode_step(SequenceState& state, int32_t token) override;
+
+  std::vector<StageTime> profile_prefill(SequenceState& state, std::span<const int32_t> ids) override;
+
+  // One token: the decode graph with the token id moved in and out; a piece of prompt: the
+  // chunked forward and the argmax of its last row. The logits stay on the device either way.
+  int32_t greedy_step(SequenceState& state, std::span<const int32_t> ids, int limit) override;
+
+  void generate_greedy(SequenceState& state, std::span<const int32_t> prompt, int n,
+                       const std::function<bool(int32_t)>& on_token) override;
+
+ private:
+  void validate_config();
+
+  void check_ids(const CudaState& st, std::span<const int32_t> ids);
+
+  void upload(const ModelWeights& w);
+
+  void allocate_scratch();
+
+  // One eager decode step on a throwaway state: loads every decode kernel and sets its
+  // attributes outside of any graph capture (lazy module loading must not happen mid-capture).
+  void warm_up();
+
+  int32_t fetch_token();
+
+  // Captures what `body` enqueues on the stream into `exec` (replacing a graph already there).
+  template <typename Body>
+  void capture(cudaGraphExec_t& exec, Body&& body) {
+    cudaGraph_t g = nullptr;
+    CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed));
+    try {
+      body();
+    } catch (...) {
+      cudaStreamEndCapture(stream_, &g);
+      if (g) cudaGraphDestroy(g);
+      throw;
+    }
+    CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
+    if (exec) {
+      CUDA_CHECK(cudaGraphExecDestroy(exec));
+      exec = nullptr;
+    }
+    const cudaError_t e = cudaGraphInstantiate(&exec, g, 0);
+    cudaGraphDestroy(g);
+    CUDA_CHECK(e);
+  }
+
+  void capture_decode_graph(CudaState& st);
+
+  // Feeds the m ids in d_ids_ (host state advanced here).
+  void run_chunk(CudaState& st, int m);
+
+  // Feeds `ids` in chunks, then lm_head and the argmax over [0, limit) of the last row only,
+  // the id moved to the host (d_tok_ holds it for a decode step that feeds it).
+  int32_t prefill_argmax(CudaState& st, std::span<const int32_t> ids, int limit);
+
+  // One decode step on the token id in d_tok_ (the decode graph's body): the layers, the final
+  // norm, lm_head, the argmax over [0, limit) into d_tok_ and the position advance. The host's
+  // st.n is the caller's to advance.
+  void decode_step(CudaState& st, int limit);
+
+  void lm_head(int row0, int rows);
+
+  void trace_row(const std::string& name, const bf16* rows, int n, int dim);
+  struct Mark {
+    std::string name;  // "" ends the last stage
+    cudaEvent_t ev = nullptr;
+    double bytes = 0, flops = 0;
+    int launches = 0;
+  };
+  // Starts stage `name` (ending the previous one) when profiling; otherwise nothing.
+  void mark(std::string name, double bytes = 0, double flops = 0, int launches = 1);
+  std::vector<StageTime> collect(std::vector<Mark>& marks);
+  // Bytes a product must read: codes (or bf16 values) plus scales and biases.
+  static double wbytes(const DevLinear& W);
+  static double wflops(const DevLinear& W, int m) { return 2.0 * W.out * W.in * m; }
+
+  // set_route_trace: the routed experts of the m tokens just routed (stride ids per token).
+  void report_routes(int layer, int m, int stride);
+
+  void trace_row(const std::string& name, const float* rows, int n, int dim);
+
+  // The whole stack for m tokens whose ids are at `ids` (device); leaves final-normed rows in xn_
+  // and advances the device position. Graph-capturable when tc is false.
+  void run_layers(CudaState& st, const int* ids, int m, bool tc);
+
+  // One token, each norm / routing / GDN step fused into its neighbour (see the file comment).
+  // The products that end a block add into the f32 residual row h_ in place and leave the partial
+  // sums of its squares (ss_parts_, one row of kNormParts per norm point) for the next norm.
+  // head == false leaves the final norm and the position to the fused head (decode_step).
+  void run_decode_fused(CudaState& st, const int* ids, bool head = true);
+
+  // Projection: GEMV for decode, tensor-core GEMM for prefill.
+  void project(const DevLinear& W, const bf16* X, int64_t ldx, int m, void* Y, bool f32, int64_t ldy,
+               bool tc);
+
+  void gdn(DevLayer& L, CudaState::Layer& S, int m, bool tc);
+
+  void attention(DevLayer& L, CudaState& st, CudaState::Layer& S, int m, bool tc);
+
+  void moe(int layer, DevLayer& L, int m, bool tc);
+
+  ModelConfig cfg_;
+  cudaStream_t stream_ = nullptr;
+  bool tc_prefill_ = true;  // prefill on the tensor-core kernels (else the GEMV ones: tests)
+  bool head_fused_ = true;  // decode ends with lm_head_argmax (4-bit lm_heads)
+  DevMatrix embed_, lm_head_;
+  DeviceBuffer<float> final_norm_;
+  std::vector<DevLayer> layers_;
+
+  // Scratch, sized for kChunk tokens (m = tokens in flight).
+  int64_t proj_ld_ = 0, router_ld_ = 0;
+  DeviceBuffer<int> d_ids_;       // [kChunk] input ids
+  DeviceBuffer<int> d_tok_;       // [1] the decode step's input id, overwritten by its argmax
+  DeviceBuffer<float> h_;         // [m, H] residual stream (f32)
+  DeviceBuffer<float> ss_parts_;  // decode: [2 * layers + 1, kNormParts] partial sums of h² per norm point
+  DeviceBuffer<bf16> xn_, r_;     // [m, H] normed input, mixer/MoE output
+  DeviceBuffer<float> conv_f32_;  // decode: [conv_dim] GDN conv output
+  DeviceBuffer<unsigned> gdn_counters_, route_counter_;  // last-block counters of fused decode kernels
+  DeviceBuffer<bf16> proj_;                              // [m, proj_ld] fused input projections
+  DeviceBuffer<bf16> conv_y_;                            // [m, conv_dim] conv output, q/k normalised
+  DeviceBuffer<float> beta_, g_;                         // [m, n_v_heads]
+  DeviceBuffer<float> o_;                                // [m, value_dim] GDN output before the gated norm
+  DeviceBuffer<bf16> mix_;             // [m, max(value_dim, q_dim)] input of out_proj / o_proj
+  DeviceBuffer<float> router_logits_;  // [m, router_ld]
+  DeviceBuffer<int> topk_idx_;         // [m, k]
+  DeviceBuffer<float> topk_w_;         // [m, k]
+  DeviceBuffer<bf16> act_;             // [m*k, I] routed experts' SwiGLU activations
+  DeviceBuffer<bf16> sh_act_;          // [m, S]
+  DeviceBuffer<bf16> sh_out_;          // [m, H] shared expert output (prefill)
+  DeviceBuffer<float> attn_scratch_;   // split-attention partials
+  DeviceBuffer<float> d_logits_;       // [kLogitRows, vocab]
+  DeviceBuffer<unsigned long long> d_argmax_;
+  DeviceBuffer<unsigned long long> d_head_scratch_;  // fused head: one argmax candidate per block
+  DeviceBuffer<unsigned> head_counter_;
+  DeviceBuffer<int> expert_offsets_, tile_offsets_, sorted_slot_, slot_row_;  // prefill MoE routing
+  DeviceBuffer<bf16> yd_;               // [m*k, H] routed experts' down outputs in sorted order
+  int32_t* h_tok_ = nullptr;            // pinned
+  int greedy_limit_ = 0;                // argmax range captured into new decode graphs
+  std::vector<Mark>* marks_ = nullptr;  // set while a StageProfiler call runs
+};
+
+}  // namespace tansy::cuda

@@ -1,0 +1,33 @@
+// Small device functions used by several kernel families, defined once. The fast variants
+// (__expf) are the bf16 plan's; the f32 plan and every gate that the CPU reference computes with
+// expf use the precise ones, so the two plans keep their own arithmetic.
+#pragma once
+#include <cuda_bf16.h>
+
+namespace tansy::cuda {
+
+// Sum over the G lanes of an aligned lane group (G a power of two <= 32), every lane gets it.
+template <int G>
+__device__ __forceinline__ float group_sum(float v) {
+#pragma unroll
+  for (int o = G / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_sum(float v) { return group_sum<32>(v); }
+
+// The value as a bf16 store would keep it (activations between ops are bf16 in the bf16 plan).
+__device__ __forceinline__ float round_bf(float x) { return __bfloat162float(__float2bfloat16(x)); }
+
+__device__ __forceinline__ float silu_fast(float x) { return x / (1.f + __expf(-x)); }
+__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+__device__ __forceinline__ float sigmoid_fast(float x) { return 1.f / (1.f + __expf(-x)); }
+
+// GDN log-decay of one value head (docs/MODEL.md §5.4): g = -exp(A_log)·softplus(a + dt_bias),
+// softplus linear above 20 as torch's. beta = sigmoid(b) goes with it. CPU: cpu::gdn_gates.
+__device__ __forceinline__ float gdn_log_decay(float a, float dt_bias, float A_log) {
+  const float sp = a + dt_bias;
+  const float softplus = sp > 20.f ? sp : log1pf(expf(sp));
+  return -expf(A_log) * softplus;
+}
+
+}  // namespace tansy::cuda

@@ -1,0 +1,62 @@
+// Tensor-core primitives shared by the prefill kernels (gemm, attention prefill) and the decode
+// attention's copies: mma.sync m16n8k16 bf16 -> f32, ldmatrix, cp.async, the swizzled tile layout.
+#pragma once
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+// Fragment layouts follow the PTX ISA
+// ("Matrix fragments for mma.m16n8k16"): lane = 4*g + c; A rows g/g+8, cols 2c/2c+1 (+8);
+// B (k x n) col n = g, rows 2c/2c+1 (+8); C rows g/g+8, cols 2c/2c+1.
+namespace tansy::cuda::tc {
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte async copy; when !valid the destination is zero-filled and `src` is not read.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+// d += a·b
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Element offset of (row, col) in a shared tile whose rows hold `kChunks` 16-byte chunks (8 bf16
+// each). The chunk index is XORed with row%8 so the 8 row addresses of one ldmatrix matrix fall
+// in 8 different bank groups.
+template <int kChunks>
+__device__ __forceinline__ int swz(int row, int col) {
+  static_assert(kChunks >= 8 && kChunks % 8 == 0);
+  return row * kChunks * 8 + ((((col >> 3) ^ (row & 7))) << 3) + (col & 7);
+}
+
+}  // namespace tansy::cuda::tc

@@ -1,0 +1,68 @@
+// Prefill GEMMs on tensor cores: Y[n, out] = X[n, in] · Wᵀ with the affine dequant fused into the
+// B-tile load (docs/MODEL.md §8.3), and the grouped (per-expert) variant for MoE prefill (§6).
+//
+// Weights stay in the checkpoint's own packed layout (no repack needed, no dequantized copies):
+//   affine 4/8-bit: q u32 [out, in*bits/32] (low bits = low column), scales/biases bf16 [out, in/64];
+//   bf16 dense:     w [out, in].
+// Expert-stacked weights (grouped GEMM) are the same arrays with a leading [n_experts] dimension,
+// contiguous, exactly as MLX stores switch_mlp.* ([256, 512, 256] u32 etc.).
+//
+// Numerics: bf16 operands, f32 accumulation (mma.sync m16n8k16), dequant w = s·q + b in f32 then
+// rounded to bf16 (the same rounding a bf16 matmul on dequantized weights would see).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/matvec/matvec.cuh"  // DevLinear: the device view of a weight matrix, shared with decode
+
+namespace tansy::cuda {
+
+// Limits the launchers enforce.
+constexpr int kGemmInAlign = kQuantGroup;  // `in` must be a multiple: one k-tile = one quant group
+constexpr int kGroupedBM = 64;  // rows per tile in the grouped GEMM (moe_route_sort's tile schedule)
+constexpr int kGroupedMaxExperts = 1024;  // experts a grouped GEMM schedule can hold
+
+enum class GemmEpilogue {
+  kStore,       // Y = X·Wᵀ
+  kAccumulate,  // Y += X·Wᵀ (residual add; the add happens in f32, then Y's type)
+  // W's rows are interleaved gate/up pairs (row 2i = gate_i, row 2i+1 = up_i); writes
+  // Y[:, i] = silu(g_i)·u_i, so Y has out/2 columns. Interleave rows at load (packed rows move as is).
+  kSwiGlu,
+};
+
+enum class GemmOutType { kBF16, kF32 };
+
+struct GemmOutput {
+  void* ptr = nullptr;  // first element of row 0 (a column offset is just a pointer offset)
+  GemmOutType type = GemmOutType::kBF16;
+  int64_t ld = 0;  // elements between rows; must be even (paired stores)
+  GemmEpilogue epilogue = GemmEpilogue::kStore;
+};
+
+// Y[r, :] for r < n. X: bf16 [n, in] rows `ldx` elements apart (ldx % 8 == 0, 16-byte aligned).
+// Any n >= 1 works (tiles are masked); small n is correct but runs at tile granularity.
+void gemm(const DevLinear& W, const __nv_bfloat16* X, int64_t ldx, int n, const GemmOutput& Y,
+          cudaStream_t stream);
+
+// ---- grouped (per-expert) GEMM, for MoE prefill ----
+// The tile schedule moe_route_sort (moe/moe.cuh) builds from the top-k choices: tokens grouped by
+// expert. A "slot" is t*k + j (token t's j-th choice); a "sorted row" is its position in the
+// expert-grouped order.
+struct MoeRouting {
+  int* expert_offsets = nullptr;  // [n_experts + 1]: expert e owns sorted rows [off[e], off[e+1])
+  int* tile_offsets = nullptr;    // [n_experts + 1]: prefix sum of ceil(count_e / kGroupedBM)
+  int* sorted_slot = nullptr;     // [n*k]: slot held by each sorted row
+  int* slot_row = nullptr;        // [n*k]: sorted row of each slot (inverse of sorted_slot)
+};
+
+// Grouped GEMM over the n*k sorted rows: Y[r, :] = X_row(r) · W_eᵀ for r in expert e's range,
+// W stacks n_experts matrices (W.out = n_experts * rows per expert, DevLinear's convention). X_row(r) =
+// X[sorted_slot[r] / k] when `gather` (the first expert projection reads the token rows in place, no gather
+// copy), else X[r] (already sorted, e.g. the SwiGLU activations feeding down_proj). Y has n*k rows in sorted
+// order.
+void gemm_grouped(const DevLinear& W, int n_experts, const __nv_bfloat16* X, int64_t ldx, bool gather, int n,
+                  int k, const MoeRouting& r, const GemmOutput& Y, cudaStream_t stream);
+
+}  // namespace tansy::cuda

@@ -1,0 +1,682 @@
+// Weight-streaming products for decode. Each lane reads one 16-byte chunk of a weight row at a
+// time (32 4-bit, 16 8-bit or 8 bf16 columns: always inside one quant group); the token rows of
+// x sit in shared memory as f32, each chunk padded by 16 bytes so that the lanes of a warp, which
+// read chunks 144/80/48 bytes apart, hit distinct banks. The pad slot holds the chunk's Σx, which
+// turns the affine dequant into one multiply-add per chunk: Σ(s·q+b)x = s·Σqx + b·Σx.
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include "cuda/common/bulk_copy.cuh"
+#include "cuda/common/launch.cuh"
+#include "cuda/gdn/gdn.cuh"
+#include "cuda/matvec/chunk.cuh"
+#include "cuda/matvec/matvec.cuh"
+#include "cuda/moe/moe.cuh"
+#include "cuda/moe/route_device.cuh"
+
+namespace tansy::cuda {
+
+DevLinear DevLinear::rows(int r0, int n) const {
+  TANSY_CHECK(r0 >= 0 && n >= 0 && r0 + n <= out, "DevLinear::rows({}, {}) outside {} rows", r0, n, out);
+  DevLinear v = *this;
+  v.out = n;
+  if (fmt == WFormat::kBF16) {
+    v.w = w + int64_t(r0) * in;
+  } else {
+    v.q = q + int64_t(r0) * words_per_row();
+    v.scales = scales + int64_t(r0) * (in / kQuantGroup);
+    v.biases = biases + int64_t(r0) * (in / kQuantGroup);
+  }
+  return v;
+}
+
+void DevLinear::check(const char* what) const {
+  if (fmt != WFormat::kAffine4 && fmt != WFormat::kAffine8 && fmt != WFormat::kBF16)
+    fail("{}: weight format {} has no CUDA kernel", what, wformat_name(fmt));
+  TANSY_CHECK(out > 0 && in > 0, "{}: empty weight [{}, {}]", what, out, in);
+  TANSY_CHECK(in % kQuantGroup == 0, "{}: in = {} is not a multiple of {}", what, in, kQuantGroup);
+  TANSY_CHECK(in <= kMatvecMaxIn, "{}: in = {} exceeds the kernel limit {}", what, in, kMatvecMaxIn);
+  if (fmt == WFormat::kBF16) {
+    TANSY_CHECK(w && aligned16(w), "{}: bf16 weights missing or not 16-byte aligned", what);
+  } else {
+    TANSY_CHECK(q && scales && biases && aligned16(q), "{}: affine weights missing or not 16-byte aligned",
+                what);
+  }
+}
+
+namespace {
+
+using namespace gemv;
+
+// Output rows a warp streams at once (registers: the SwiGLU modes read two rows per output row,
+// and the multi-token variant, a prefill path, keeps one row).
+constexpr int max_rows_per_warp(int T, int MODE) { return T > 1 ? 1 : MODE == 0 ? 4 : 2; }
+
+// What a decode launch fuses around the product (T == 1, MODE 0 only).
+enum class Epi : int { kNone = 0, kRoute = 1, kGdnIn = 2, kResidual = 3 };
+struct Fusion {
+  NormIn norm;  // norm.w == nullptr: X is read as given
+  Epi epi = Epi::kNone;
+  RouteEpilogue route;
+  GdnInEpilogue gdn;
+  ResidualOut resid;
+};
+
+// Stages the normed residual (NormIn) as chunks of one token row; red: kWarps floats of smem.
+template <int BITS>
+__device__ void stage_norm(const NormIn& nz, int in, float* xs, float* red) {
+  constexpr int C = Chunk<BITS>::kCols, S = Chunk<BITS>::kStride;
+  const int warps = blockDim.x / 32;
+  float part = 0.f;
+  for (int i = threadIdx.x; i < kNormParts; i += blockDim.x) part += nz.ss[i];
+  // h and w are loaded before the reduction completes: one memory round trip in all.
+  constexpr int kMaxPieces = kFusedNormMaxDim / 4 / kThreads;
+  float4 hv[kMaxPieces], wv[kMaxPieces];
+#pragma unroll
+  for (int j = 0; j < kMaxPieces; ++j) {
+    const int i = 4 * (threadIdx.x + j * int(blockDim.x));
+    if (i < in) {
+      hv[j] = *reinterpret_cast<const float4*>(nz.h + i);
+      wv[j] = *reinterpret_cast<const float4*>(nz.w + i);
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = part;
+  __syncthreads();
+  float tot = 0.f;
+  for (int w = 0; w < warps; ++w) tot += red[w];
+  const float scale = rsqrtf(tot / float(in) + nz.eps);
+  const bool writer = nz.xn_out && blockIdx.x == 0 && blockIdx.y == 0;
+  // Piece j of a thread is 4 columns; the C/4 consecutive lanes holding one chunk add up its Σx
+  // with shuffles (in is a multiple of 64, so those lanes are all valid or all not).
+#pragma unroll
+  for (int j = 0; j < kMaxPieces; ++j) {
+    const int i = 4 * (threadIdx.x + j * int(blockDim.x));
+    const bool valid = i < in;
+    const int c = i / C, e0 = i % C;
+    float x[4] = {0.f, 0.f, 0.f, 0.f};
+    if (valid) {
+      x[0] = round_bf(hv[j].x * scale * wv[j].x);
+      x[1] = round_bf(hv[j].y * scale * wv[j].y);
+      x[2] = round_bf(hv[j].z * scale * wv[j].z);
+      x[3] = round_bf(hv[j].w * scale * wv[j].w);
+      *reinterpret_cast<float4*>(xs + c * S + e0) = make_float4(x[0], x[1], x[2], x[3]);
+      if (writer)
+        for (int e = 0; e < 4; ++e) nz.xn_out[i + e] = __float2bfloat16(x[e]);
+    }
+    float sum = (x[0] + x[1]) + (x[2] + x[3]);
+#pragma unroll
+    for (int o = 1; o < C / 4; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (valid && e0 == 0) xs[c * S + C] = sum;
+  }
+}
+
+__device__ __forceinline__ float swiglu_bf16(float g, float u) {
+  g = __bfloat162float(__float2bfloat16(g));
+  u = __bfloat162float(__float2bfloat16(u));
+  return silu_fast(g) * u;
+}
+
+// Row `row` of the GDN in_proj is y (every lane holds it): conv channel, z (stored by the caller
+// only), or a gate input. Called by the whole warp.
+__device__ __forceinline__ void gdn_in_epilogue(const GdnInEpilogue& G, int row, float y, float w, float in,
+                                                int lane) {
+  const float x = round_bf(y);  // the projection as the bf16 prefill path stores it
+  if (row < G.conv_dim) {
+    if (lane == G.kernel - 1) in = x;
+    const float conv = group_sum<32>(lane < G.kernel ? w * in : 0.f);
+    const float next = __shfl_down_sync(0xffffffffu, in, 1);  // lane j: tap j+1's input
+    if (lane < G.kernel - 1) G.window[int64_t(lane) * G.conv_dim + row] = __float2bfloat16(next);
+    if (lane == 0) G.conv_out[row] = silu_fast(conv);
+    return;
+  }
+  const int j = row - G.conv_dim - G.value_dim;
+  if (lane != 0 || j < 0) return;
+  if (j < G.n_v_heads) {
+    G.g[j] = gdn_log_decay(x, G.dt_bias[j], G.A_log[j]);
+  } else if (j < 2 * G.n_v_heads) {
+    G.beta[j - G.n_v_heads] = sigmoid(x);
+  }
+}
+
+// The last block to finish routes the token from the logits every block stored.
+__device__ void route_epilogue(const RouteEpilogue& R, const float* logits, int warp) {
+  __shared__ float l[kRouteMaxExperts + 1];
+  __shared__ int last;
+  __threadfence();  // this block's logits are visible before it is counted
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(R.counter, 1u) == gridDim.x * gridDim.y - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int e = threadIdx.x; e <= R.E; e += blockDim.x) l[e] = __ldcg(logits + e);  // L2: other blocks' stores
+  __syncthreads();
+  if (warp == 0) {
+    if (R.E <= 8 * 32)
+      route_warp<8>(l, R.E, R.k, R.idx, R.w);
+    else
+      route_warp<32>(l, R.E, R.k, R.idx, R.w);
+    if (threadIdx.x == 0) {
+      if (R.shared_slot) {
+        R.idx[R.k] = R.E;
+        R.w[R.k] = sigmoid(l[R.E]);
+      }
+      *R.counter = 0;
+    }
+  }
+}
+
+// One lane's loads of one chunk for each of a warp's rows (two rows each in the SwiGLU modes):
+// codes, scales and biases issued together.
+template <int BITS, int R, bool PAIR>
+struct Batch {
+  uint4 w1[R], w2[R];
+  float s1[R], b1[R], s2[R], b2[R];
+  __device__ __forceinline__ void load(const DevLinear& W, const int64_t (&r1)[R], const bool (&ok)[R],
+                                       int c) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      if (!ok[i]) continue;
+      w1[i] = load_chunk<BITS>(W, r1[i], c);
+      load_sb<BITS>(W, r1[i], c, s1[i], b1[i]);
+      if constexpr (PAIR) {
+        w2[i] = load_chunk<BITS>(W, r1[i] + 1, c);
+        load_sb<BITS>(W, r1[i] + 1, c, s2[i], b2[i]);
+      }
+    }
+  }
+};
+
+// MODE 0: plain, T token rows per block (blockIdx.y picks the T-row chunk).
+// MODE 1: SwiGLU over interleaved row pairs, T token rows per block.
+// MODE 2: SwiGLU over expert idx[slot] of a stacked matrix, one slot per blockIdx.y (T == 1).
+// Each warp owns `rpw` (1..max_rows_per_warp) output rows and streams them together, so that
+// rpw times as many loads are in flight as with one row at a time (decode is latency-bound on
+// small matrices); the launcher lowers rpw when that leaves too few blocks to fill the chip.
+// Loads are software-pipelined one chunk ahead, and for MODE 0/1 the first chunk's loads are
+// issued before waiting on the previous kernel (weights never depend on it). A grid smaller
+// than the row blocks (the lm_head) loops over them.
+template <int BITS, int T, int MODE>
+__global__ void __launch_bounds__(kThreads, 3)
+    matvec_kernel(DevLinear W, const bf16* __restrict__ X, int64_t ldx, int n, void* Y, int64_t ldy,
+                  int y_f32, int out_rows, const int* __restrict__ idx, int k, int rows_per_expert, int rpw,
+                  Fusion fz) {
+  extern __shared__ float4 smem4[];
+  float* xs = reinterpret_cast<float*>(smem4);
+  constexpr int S = Chunk<BITS>::kStride;
+  constexpr bool kFusable = T == 1 && MODE == 0;
+  constexpr bool kPair = MODE != 0;
+  constexpr int R = max_rows_per_warp(T, MODE);
+  __shared__ float red[kWarps];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int cpr = W.in / Chunk<BITS>::kCols;
+  const int row_blocks = (out_rows + kWarps * rpw - 1) / (kWarps * rpw);
+
+  int rows[R];
+  bool ok[R];
+  int64_t r1[R];
+  auto set_rows = [&](int rb, int64_t base) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      rows[i] = (rb * rpw + i) * kWarps + warp;
+      ok[i] = i < rpw && rows[i] < out_rows;
+      r1[i] = MODE == 0 ? int64_t(rows[i]) : base + 2 * int64_t(rows[i]);
+    }
+  };
+  Batch<BITS, R, kPair> cur;
+  int rb = blockIdx.x;
+  if constexpr (MODE != 2) {
+    set_rows(rb, 0);
+    if (lane < cpr) cur.load(W, r1, ok, lane);
+    // The rest of the rows (more than one chunk per lane) into L2 meanwhile.
+    if (cpr > 32) {
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        if (!ok[i]) break;
+        prefetch_row<BITS>(W, r1[i], lane);
+        if constexpr (kPair) prefetch_row<BITS>(W, r1[i] + 1, lane);
+      }
+    }
+  }
+  pdl_wait();
+  pdl_launch_dependents();
+  int t0 = blockIdx.y * T;
+  int64_t row_base = 0;
+  if constexpr (MODE == 2) {
+    t0 = blockIdx.y / k;
+    row_base = int64_t(idx[blockIdx.y]) * rows_per_expert;
+    set_rows(rb, row_base);
+    if (lane < cpr) cur.load(W, r1, ok, lane);
+  }
+  if constexpr (kFusable) {
+    if (fz.norm.w)
+      stage_norm<BITS>(fz.norm, W.in, xs, red);
+    else
+      stage_rows<BITS>(X + int64_t(t0) * ldx, ldx, T, n - t0, W.in, xs);
+  } else {
+    stage_rows<BITS>(X + int64_t(t0) * ldx, ldx, T, n - t0, W.in, xs);
+  }
+  __syncthreads();
+
+  for (;;) {
+    // GDN epilogue operands, loaded early: lane j < kernel holds tap j's weight and input (the
+    // window's values; lane kernel-1 takes this token's projection at the end).
+    float conv_w[R], conv_in[R];
+    if constexpr (kFusable) {
+      if (fz.epi == Epi::kGdnIn) {
+        const GdnInEpilogue& G = fz.gdn;
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+          conv_w[i] = conv_in[i] = 0.f;
+          if (ok[i] && rows[i] < G.conv_dim) {
+            if (lane < G.kernel) conv_w[i] = G.conv_w[int64_t(rows[i]) * G.kernel + lane];
+            if (lane < G.kernel - 1)
+              conv_in[i] = __bfloat162float(G.window[int64_t(lane) * G.conv_dim + rows[i]]);
+          }
+        }
+      }
+    }
+    float acc[R][T], acc2[R][T];
+    float sq = 0.f;  // kResidual: this lane's squares of the new h
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+      for (int t = 0; t < T; ++t) acc[i][t] = acc2[i][t] = 0.f;
+    for (int c = lane; c < cpr; c += 32) {
+      Batch<BITS, R, kPair> nxt;
+      const bool more = c + 32 < cpr;
+      if (more) nxt.load(W, r1, ok, c + 32);
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        if (!ok[i]) continue;
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+          const float* xc = xs + (t * cpr + c) * S;
+          acc[i][t] += chunk_dot<BITS>(cur.w1[i], xc, cur.s1[i], cur.b1[i]);
+          if constexpr (kPair) acc2[i][t] += chunk_dot<BITS>(cur.w2[i], xc, cur.s2[i], cur.b2[i]);
+        }
+      }
+      if (more) cur = nxt;
+    }
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      if (i >= rpw) break;  // uniform across the warp: the shuffles below need every lane
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        const float a = group_sum<32>(acc[i][t]);
+        float y = a;
+        if constexpr (MODE != 0) y = swiglu_bf16(a, group_sum<32>(acc2[i][t]));
+        if (ok[i] && lane == t && t0 + t < n) {
+          const int64_t row = MODE == 2 ? int64_t(blockIdx.y) : int64_t(t0 + t);
+          if (kFusable && fz.epi == Epi::kResidual) {
+            const float v = fz.resid.h[rows[i]] + y;
+            fz.resid.h[rows[i]] = v;
+            sq = fmaf(v, v, sq);
+          } else if (y_f32) {
+            static_cast<float*>(Y)[row * ldy + rows[i]] = y;
+          } else {
+            static_cast<bf16*>(Y)[row * ldy + rows[i]] = __float2bfloat16(y);
+          }
+        }
+        if constexpr (kFusable) {
+          if (fz.epi == Epi::kGdnIn && ok[i])
+            gdn_in_epilogue(fz.gdn, rows[i], y, conv_w[i], conv_in[i], lane);
+        }
+      }
+    }
+    if constexpr (kFusable) {
+      if (fz.epi == Epi::kResidual) residual_partial(sq, fz.resid.ss, red);  // grid == row blocks here
+    }
+    rb += gridDim.x;
+    if (rb >= row_blocks) break;
+    set_rows(rb, row_base);
+    if (lane < cpr) cur.load(W, r1, ok, lane);
+  }
+  if constexpr (kFusable) {
+    if (fz.epi == Epi::kRoute) route_epilogue(fz.route, static_cast<const float*>(Y), warp);
+  }
+}
+
+// ---- one token row, weights staged in shared memory ----
+//
+// The block's weight rows (a contiguous range) and their scales and biases are copied into shared
+// memory before the kernel waits on its predecessor: with programmatic dependent launch the whole
+// weight read of a decode product overlaps the kernel before it, and no registers are spent
+// holding loads in flight. The copies are bulk copies (warp 0's lanes, 4 KiB pieces, one
+// mbarrier; per-thread 16-byte cp.async measured 0.2-1.2 µs slower per product on the H200,
+// docs/PERFORMANCE.md). After the wait only x is staged and the dot products read shared memory.
+// MODE 0 plain, MODE 1 SwiGLU row pairs, MODE 2 routed experts (their copy starts after the wait:
+// the rows depend on the routing); the Fusion epilogues as in matvec_kernel.
+
+struct SmemLayout {
+  size_t xs, w, sb, total;  // byte offsets of the staged x, weight rows, scales|biases; total bytes
+};
+template <int BITS>
+__host__ __device__ inline SmemLayout smem_layout(int in, int weight_rows) {
+  SmemLayout L;
+  L.xs = 0;
+  L.w = align16(size_t(in / Chunk<BITS>::kCols) * Chunk<BITS>::kStride * sizeof(float));
+  const size_t row_bytes = size_t(in) * BITS / 8;
+  L.sb = L.w + size_t(weight_rows) * row_bytes;
+  const size_t sb_bytes = BITS == 16 ? 0 : size_t(weight_rows) * (in / kQuantGroup) * 2 * 2;
+  L.total = L.sb + sb_bytes;
+  return L;
+}
+
+template <int BITS, int MODE>
+__global__ void __launch_bounds__(kThreads, 2)
+    matvec_smem_kernel(DevLinear W, const bf16* __restrict__ X, int64_t ldx, void* Y, int64_t ldy, int y_f32,
+                       int out_rows, int rpw, const int* __restrict__ idx, int k, int rows_per_expert,
+                       Fusion fz) {
+  extern __shared__ float4 smem4[];
+  __shared__ alignas(8) uint64_t wbar;  // bulk copies: the block's weights have landed
+  constexpr bool kPair = MODE != 0;
+  constexpr int S = Chunk<BITS>::kStride, kR = 4;  // kR: max rows per warp
+  __shared__ float red[kWarps];
+  uint8_t* base = reinterpret_cast<uint8_t*>(smem4);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int cpr = W.in / Chunk<BITS>::kCols, groups = W.in / kQuantGroup;
+  const int64_t row_bytes = int64_t(W.in) * BITS / 8;
+  const int out0 = blockIdx.x * kWarps * rpw;
+  const int wmul = kPair ? 2 : 1;
+  const int wrows = min(kWarps * rpw, out_rows - out0) * wmul;  // weight rows of this block
+  const SmemLayout lay = smem_layout<BITS>(W.in, kWarps * rpw * wmul);
+  float* xs = reinterpret_cast<float*>(base + lay.xs);
+  const uint8_t* wsm = base + lay.w;
+  const bf16* ssm = reinterpret_cast<const bf16*>(base + lay.sb);
+  const bf16* bsm = ssm + int64_t(kWarps) * rpw * wmul * groups;
+  if (threadIdx.x == 0) {
+    bulk::mbar_init(&wbar);
+    bulk::fence_init();
+  }
+  __syncthreads();
+  // MODE 2 (routed experts, one slot per blockIdx.y): the rows come from the expert the previous
+  // kernel chose, so their copy starts after the wait.
+  if constexpr (MODE == 2) {
+    pdl_wait();
+    pdl_launch_dependents();
+  }
+  {
+    int64_t w0 = int64_t(out0) * wmul;
+    if constexpr (MODE == 2) w0 += int64_t(idx[blockIdx.y]) * rows_per_expert;
+    const uint8_t* gw = BITS == 16 ? reinterpret_cast<const uint8_t*>(W.w + w0 * W.in)
+                                   : reinterpret_cast<const uint8_t*>(W.q) + w0 * row_bytes;
+    const int64_t wbytes = int64_t(wrows) * row_bytes;
+    // warp 0: 4 KiB pieces of the rows over its lanes, then the scales and biases
+    const int64_t sbytes = BITS == 16 ? 0 : int64_t(wrows) * groups * 2;
+    if (warp == 0) {
+      constexpr int64_t kPiece = 4096;
+      if (lane == 0) bulk::mbar_expect_tx(&wbar, unsigned(wbytes + 2 * sbytes));
+      __syncwarp();
+      for (int64_t o = lane * kPiece; o < wbytes; o += 32 * kPiece)
+        bulk::copy(base + lay.w + o, gw + o, unsigned(min(kPiece, wbytes - o)), &wbar);
+      if (BITS != 16 && lane == 1) {
+        uint8_t* ds = base + lay.sb;
+        bulk::copy(ds, W.scales + w0 * groups, unsigned(sbytes), &wbar);
+        bulk::copy(ds + int64_t(kWarps) * rpw * wmul * groups * 2, W.biases + w0 * groups, unsigned(sbytes),
+                   &wbar);
+      }
+    }
+  }
+  if constexpr (MODE != 2) {
+    pdl_wait();
+    pdl_launch_dependents();
+  }
+  const int t0 = MODE == 2 ? blockIdx.y / k : 0;
+  if (fz.norm.w)
+    stage_norm<BITS>(fz.norm, W.in, xs, red);
+  else
+    stage_rows<BITS>(X + int64_t(t0) * ldx, ldx, 1, 1, W.in, xs);
+
+  int rows[kR];
+  bool ok[kR];
+  float conv_w[kR], conv_in[kR];
+#pragma unroll
+  for (int i = 0; i < kR; ++i) {
+    rows[i] = (blockIdx.x * rpw + i) * kWarps + warp;
+    ok[i] = i < rpw && rows[i] < out_rows;
+    conv_w[i] = conv_in[i] = 0.f;
+    if (fz.epi == Epi::kGdnIn && ok[i] && rows[i] < fz.gdn.conv_dim) {
+      const GdnInEpilogue& G = fz.gdn;
+      if (lane < G.kernel) conv_w[i] = G.conv_w[int64_t(rows[i]) * G.kernel + lane];
+      if (lane < G.kernel - 1) conv_in[i] = __bfloat162float(G.window[int64_t(lane) * G.conv_dim + rows[i]]);
+    }
+  }
+  bulk::mbar_wait(&wbar, 0);
+  __syncthreads();
+
+  float acc[kR], acc2[kR];
+#pragma unroll
+  for (int i = 0; i < kR; ++i) acc[i] = acc2[i] = 0.f;
+  for (int c = lane; c < cpr; c += 32) {
+    const float* xc = xs + c * S;
+#pragma unroll
+    for (int i = 0; i < kR; ++i) {
+      if (!ok[i]) continue;
+      const int lw = (rows[i] - out0) * wmul;  // local weight row
+      const int g = (c * Chunk<BITS>::kCols) / kQuantGroup;
+      const uint4 w1 = *reinterpret_cast<const uint4*>(wsm + lw * row_bytes + int64_t(c) * 16);
+      float s1 = 0.f, b1 = 0.f;
+      if constexpr (BITS != 16) {
+        s1 = __bfloat162float(ssm[lw * groups + g]);
+        b1 = __bfloat162float(bsm[lw * groups + g]);
+      }
+      acc[i] += chunk_dot<BITS>(w1, xc, s1, b1);
+      if constexpr (kPair) {
+        const uint4 w2 = *reinterpret_cast<const uint4*>(wsm + (lw + 1) * row_bytes + int64_t(c) * 16);
+        float s2 = 0.f, b2 = 0.f;
+        if constexpr (BITS != 16) {
+          s2 = __bfloat162float(ssm[(lw + 1) * groups + g]);
+          b2 = __bfloat162float(bsm[(lw + 1) * groups + g]);
+        }
+        acc2[i] += chunk_dot<BITS>(w2, xc, s2, b2);
+      }
+    }
+  }
+  float sq = 0.f;
+#pragma unroll
+  for (int i = 0; i < kR; ++i) {
+    if (i >= rpw) break;  // uniform across the warp: the shuffles below need every lane
+    const float a = group_sum<32>(acc[i]);
+    float y = a;
+    if constexpr (kPair) y = swiglu_bf16(a, group_sum<32>(acc2[i]));
+    if (ok[i] && lane == 0) {
+      if (fz.epi == Epi::kResidual) {
+        const float v = fz.resid.h[rows[i]] + y;
+        fz.resid.h[rows[i]] = v;
+        sq = fmaf(v, v, sq);
+      } else {
+        const int64_t at = (MODE == 2 ? int64_t(blockIdx.y) * ldy : 0) + rows[i];
+        if (y_f32)
+          static_cast<float*>(Y)[at] = y;
+        else
+          static_cast<bf16*>(Y)[at] = __float2bfloat16(y);
+      }
+    }
+    if (fz.epi == Epi::kGdnIn && ok[i]) gdn_in_epilogue(fz.gdn, rows[i], y, conv_w[i], conv_in[i], lane);
+  }
+  if (fz.epi == Epi::kResidual) residual_partial(sq, fz.resid.ss, red);
+  if (fz.epi == Epi::kRoute) route_epilogue(fz.route, static_cast<const float*>(Y), warp);
+}
+
+// Rows per warp: as many as still give every multiprocessor a block.
+int rows_per_warp(int max_rpw, int out_rows, unsigned grid_y) {
+  const int sms = sm_count();
+  int rpw = max_rpw;
+  while (rpw > 1 && int64_t(ceil_div(out_rows, kWarps * rpw)) * grid_y < sms) rpw /= 2;
+  return rpw;
+}
+
+template <int BITS, int T, int MODE>
+void launch_matvec_t(const DevLinear& W, const bf16* X, int64_t ldx, int n, void* Y, int64_t ldy, bool y_f32,
+                     int out_rows, const int* idx, int k, int rows_per_expert, unsigned grid_y,
+                     cudaStream_t stream, const Fusion& fz = Fusion{}) {
+  const int rpw = rows_per_warp(max_rows_per_warp(T, MODE), out_rows, grid_y);
+  if constexpr (T == 1) {
+    // One token: the shared-memory kernel, when the block's rows fit (and scales come in 16-byte
+    // pieces).
+    const SmemLayout lay = smem_layout<BITS>(W.in, kWarps * rpw * (MODE != 0 ? 2 : 1));
+    if ((MODE == 2 || (n == 1 && grid_y == 1)) && lay.total <= kSmemMatvecMax &&
+        (BITS == 16 || (W.in / kQuantGroup) % 8 == 0)) {
+      constexpr auto skern = matvec_smem_kernel<BITS, MODE>;
+      allow_smem<skern>(lay.total, "matvec");
+      pdl_launch(skern, dim3(ceil_div(out_rows, kWarps * rpw), grid_y), dim3(kThreads), lay.total, stream, W,
+                 X, ldx, Y, ldy, y_f32 ? 1 : 0, out_rows, rpw, idx, k, rows_per_expert, fz);
+      return;
+    }
+  }
+  const size_t smem = stage_bytes<BITS>(W.in, T);
+  constexpr auto kern = matvec_kernel<BITS, T, MODE>;
+  allow_smem<kern>(smem, "matvec");
+  const dim3 grid(ceil_div(out_rows, kWarps * rpw), grid_y);
+  pdl_launch(kern, grid, dim3(kThreads), smem, stream, W, X, ldx, n, Y, ldy, y_f32 ? 1 : 0, out_rows, idx, k,
+             rows_per_expert, rpw, fz);
+}
+
+// One token row with an optional fused input norm (X null) and epilogue.
+void launch_fused(const DevLinear& W, const bf16* X, const Fusion& fz, void* Y, int64_t ldy, bool y_f32,
+                  cudaStream_t stream) {
+  if (!X) {
+    const NormIn& x = fz.norm;
+    TANSY_CHECK(x.h && x.ss && x.w && aligned16(x.h) && aligned16(x.w),
+                "matvec_norm: h, ss and w must be present, h and w 16-byte aligned");
+    TANSY_CHECK(W.in % 4 == 0 && W.in <= kFusedNormMaxDim,
+                "matvec_norm: in = {} must be a multiple of 4 and <= {}", W.in, kFusedNormMaxDim);
+  }
+  TANSY_CHECK(Y || fz.epi == Epi::kResidual, "matvec_norm: no output");
+  static_assert(kFusedNormMaxDim % (4 * kThreads) == 0);
+  switch (W.fmt) {
+    case WFormat::kAffine4:
+      launch_matvec_t<4, 1, 0>(W, X, W.in, 1, Y, ldy, y_f32, W.out, nullptr, 0, 0, 1, stream, fz);
+      break;
+    case WFormat::kAffine8:
+      launch_matvec_t<8, 1, 0>(W, X, W.in, 1, Y, ldy, y_f32, W.out, nullptr, 0, 0, 1, stream, fz);
+      break;
+    default:
+      launch_matvec_t<16, 1, 0>(W, X, W.in, 1, Y, ldy, y_f32, W.out, nullptr, 0, 0, 1, stream, fz);
+      break;
+  }
+}
+
+// Token rows per block for the multi-row variant: one weight pass serves 4 token rows.
+constexpr int kTokensPerPass = 4;
+
+template <int MODE>
+void launch_matvec(const DevLinear& W, const bf16* X, int64_t ldx, int n, void* Y, int64_t ldy, bool y_f32,
+                   int out_rows, const int* idx, int k, int rows_per_expert, cudaStream_t stream) {
+  const bool multi = MODE != 2 && n > 1;
+  const unsigned grid_y = MODE == 2 ? unsigned(n * k) : multi ? ceil_div(n, kTokensPerPass) : unsigned(n);
+  TANSY_CHECK(grid_y <= 65535u, "matvec: {} token rows exceed the grid limit", n);
+  auto go = [&]<int BITS>() {
+    if (multi)
+      launch_matvec_t<BITS, kTokensPerPass, MODE>(W, X, ldx, n, Y, ldy, y_f32, out_rows, idx, k,
+                                                  rows_per_expert, grid_y, stream);
+    else
+      launch_matvec_t<BITS, 1, MODE>(W, X, ldx, n, Y, ldy, y_f32, out_rows, idx, k, rows_per_expert, grid_y,
+                                     stream);
+  };
+  switch (W.fmt) {
+    case WFormat::kAffine4:
+      go.template operator()<4>();
+      break;
+    case WFormat::kAffine8:
+      go.template operator()<8>();
+      break;
+    default:
+      go.template operator()<16>();
+      break;
+  }
+}
+
+void check_x(const bf16* X, int64_t ldx, int n, int in, const char* what) {
+  TANSY_CHECK(n >= 1, "{}: no token rows", what);
+  TANSY_CHECK(X && aligned16(X) && ldx % 8 == 0 && ldx >= in,
+              "{}: X must be 16-byte aligned rows (ldx {} >= in {})", what, ldx, in);
+}
+
+}  // namespace
+
+void matvec(const DevLinear& W, const bf16* X, int64_t ldx, int n, const MatvecOut& Y, cudaStream_t stream) {
+  W.check("matvec");
+  check_x(X, ldx, n, W.in, "matvec");
+  TANSY_CHECK(Y.ptr && Y.ld >= W.out, "matvec: output ld {} < out {}", Y.ld, W.out);
+  launch_matvec<0>(W, X, ldx, n, Y.ptr, Y.ld, Y.f32, W.out, nullptr, 0, 0, stream);
+}
+
+void matvec_residual(const DevLinear& W, const bf16* X, const ResidualOut& out, cudaStream_t stream) {
+  W.check("matvec_residual");
+  check_x(X, W.in, 1, W.in, "matvec_residual");
+  TANSY_CHECK(out.h && out.ss, "matvec_residual: missing h or ss");
+  TANSY_CHECK(ceil_div(W.out, kWarps) <= kNormParts,
+              "matvec_residual: {} rows need more than {} partial sums", W.out, kNormParts);
+  Fusion fz;
+  fz.epi = Epi::kResidual;
+  fz.resid = out;
+  launch_fused(W, X, fz, nullptr, W.out, true, stream);
+}
+
+void matvec_norm(const DevLinear& W, const NormIn& x, const MatvecOut& Y, cudaStream_t stream) {
+  W.check("matvec_norm");
+  TANSY_CHECK(Y.ld >= W.out, "matvec_norm: output ld {} < out {}", Y.ld, W.out);
+  Fusion fz;
+  fz.norm = x;
+  launch_fused(W, nullptr, fz, Y.ptr, Y.ld, Y.f32, stream);
+}
+
+void matvec_norm_route(const DevLinear& W, const NormIn& x, float* logits, const RouteEpilogue& route,
+                       cudaStream_t stream) {
+  W.check("matvec_norm_route");
+  const int need = route.E + (route.shared_slot ? 1 : 0);
+  TANSY_CHECK(route.E >= 1 && route.E <= kRouteMaxExperts && route.k >= 1 && route.k <= kRouteMaxTopK &&
+                  route.k <= route.E && W.out >= need,
+              "matvec_norm_route: top-{} of {} experts over {} logits unsupported", route.k, route.E, W.out);
+  TANSY_CHECK(route.idx && route.w && route.counter, "matvec_norm_route: missing routing buffers");
+  Fusion fz;
+  fz.norm = x;
+  fz.epi = Epi::kRoute;
+  fz.route = route;
+  launch_fused(W, nullptr, fz, logits, W.out, true, stream);
+}
+
+void matvec_norm_gdn(const DevLinear& W, const NormIn& x, bf16* Y, const GdnInEpilogue& g,
+                     cudaStream_t stream) {
+  W.check("matvec_norm_gdn");
+  TANSY_CHECK(g.kernel >= 2 && g.kernel <= 32, "matvec_norm_gdn: conv kernel {} outside 2..32", g.kernel);
+  TANSY_CHECK(g.conv_dim > 0 && g.value_dim >= 0 && g.n_v_heads > 0 &&
+                  W.out >= g.conv_dim + g.value_dim + 2 * g.n_v_heads,
+              "matvec_norm_gdn: {} rows cannot hold conv {} + z {} + 2 x {} gate rows", W.out, g.conv_dim,
+              g.value_dim, g.n_v_heads);
+  TANSY_CHECK(g.conv_w && g.window && g.A_log && g.dt_bias && g.conv_out && g.beta && g.g,
+              "matvec_norm_gdn: missing buffers");
+  Fusion fz;
+  fz.norm = x;
+  fz.epi = Epi::kGdnIn;
+  fz.gdn = g;
+  launch_fused(W, nullptr, fz, Y, W.out, false, stream);
+}
+
+void matvec_swiglu(const DevLinear& W, const bf16* X, int64_t ldx, int n, bf16* Y, int64_t ldy,
+                   cudaStream_t stream) {
+  W.check("matvec_swiglu");
+  check_x(X, ldx, n, W.in, "matvec_swiglu");
+  TANSY_CHECK(W.out % 2 == 0, "matvec_swiglu: {} rows are not gate/up pairs", W.out);
+  TANSY_CHECK(Y && ldy >= W.out / 2, "matvec_swiglu: output ld {} < {}", ldy, W.out / 2);
+  launch_matvec<1>(W, X, ldx, n, Y, ldy, false, W.out / 2, nullptr, 0, 0, stream);
+}
+
+void matvec_swiglu_experts(const DevLinear& W, int n_experts, const int* idx, int n, int k, const bf16* X,
+                           int64_t ldx, bf16* act, cudaStream_t stream) {
+  W.check("matvec_swiglu_experts");
+  check_x(X, ldx, n, W.in, "matvec_swiglu_experts");
+  TANSY_CHECK(n_experts > 0 && W.out % (2 * n_experts) == 0, "matvec_swiglu_experts: {} rows over {} experts",
+              W.out, n_experts);
+  TANSY_CHECK(k >= 1 && k <= kRouteMaxTopK && idx && act, "matvec_swiglu_experts: k = {} outside 1..{}", k,
+              kRouteMaxTopK);
+  const int rows_per_expert = W.out / n_experts;
+  launch_matvec<2>(W, X, ldx, n, act, rows_per_expert / 2, false, rows_per_expert / 2, idx, k,
+                   rows_per_expert, stream);
+}
+
+}  // namespace tansy::cuda

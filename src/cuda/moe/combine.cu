@@ -1,0 +1,78 @@
+// MoE prefill combine (docs/MODEL.md §6 step 5): the weighted sum of each token's k expert rows
+// (sorted order) plus the gated shared expert and the residual, deterministic (no atomics).
+// CPU reference: CpuModel::moe's combine.
+#include "cuda/common/device_math.cuh"
+#include "cuda/common/tensor_core.cuh"
+#include "cuda/moe/moe.cuh"
+
+namespace tansy::cuda {
+namespace {
+
+constexpr int kCombineThreads = 256;
+
+__global__ void __launch_bounds__(kCombineThreads)
+    moe_combine_kernel(const __nv_bfloat16* Yd, const int* slot_row, const float* weight, int k, int d,
+                       const __nv_bfloat16* residual, const __nv_bfloat16* shared, const float* sh_logit,
+                       int64_t sh_ld, __nv_bfloat16* out) {
+  const int t = blockIdx.x;
+  const float sg = shared ? sigmoid_fast(sh_logit[t * sh_ld]) : 0.f;
+  for (int c = threadIdx.x * 8; c < d; c += kCombineThreads * 8) {
+    float acc[8] = {};
+    if (residual) {
+      const uint4 v = *reinterpret_cast<const uint4*>(residual + size_t(t) * d + c);
+      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(h[i]);
+        acc[2 * i] = f.x;
+        acc[2 * i + 1] = f.y;
+      }
+    }
+    float mix[8] = {};
+    for (int j = 0; j < k; ++j) {
+      const float w = weight[size_t(t) * k + j];
+      const uint4 v = *reinterpret_cast<const uint4*>(Yd + size_t(slot_row[size_t(t) * k + j]) * d + c);
+      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(h[i]);
+        mix[2 * i] += w * f.x;
+        mix[2 * i + 1] += w * f.y;
+      }
+    }
+    if (shared) {
+      const uint4 v = *reinterpret_cast<const uint4*>(shared + size_t(t) * d + c);
+      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(h[i]);
+        mix[2 * i] += sg * f.x;
+        mix[2 * i + 1] += sg * f.y;
+      }
+    }
+    uint4 o;
+    uint32_t* ow = reinterpret_cast<uint32_t*>(&o);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      ow[i] = tc::pack_bf16(acc[2 * i] + mix[2 * i], acc[2 * i + 1] + mix[2 * i + 1]);
+    *reinterpret_cast<uint4*>(out + size_t(t) * d + c) = o;
+  }
+}
+
+}  // namespace
+
+void moe_combine(const __nv_bfloat16* Yd, const int* slot_row, const float* weight, int n, int k, int d,
+                 const __nv_bfloat16* residual, const __nv_bfloat16* shared, const float* sh_logit,
+                 int64_t sh_ld, __nv_bfloat16* out, cudaStream_t stream) {
+  TANSY_CHECK(n >= 1 && k >= 1 && d >= 8 && d % 8 == 0, "moe_combine: bad n={} k={} d={}", n, k, d);
+  TANSY_CHECK(Yd && slot_row && weight && out, "moe_combine: null pointer");
+  TANSY_CHECK(!shared == !sh_logit, "moe_combine: shared expert output and its gate logit come together");
+  TANSY_CHECK(aligned16(Yd) && aligned16(out) && (!residual || aligned16(residual)) &&
+                  (!shared || aligned16(shared)),
+              "moe_combine: rows must be 16-byte aligned");
+  moe_combine_kernel<<<n, kCombineThreads, 0, stream>>>(Yd, slot_row, weight, k, d, residual, shared,
+                                                        sh_logit, sh_ld, out);
+  launch_check("moe_combine");
+}
+
+}  // namespace tansy::cuda
