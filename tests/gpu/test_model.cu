@@ -22,11 +22,11 @@
 #include <span>
 #include <string>
 
+#include "bench/synth.h"
 #include "cpu/backend.h"
 #include "cuda/backend.h"
 #include "gpu_test_util.h"
 #include "model/model.h"
-#include "model/synth.h"
 
 namespace tansy {
 namespace {

@@ -7,7 +7,7 @@
   ones exactly, on every backend. On CUDA, `tansy generate`'s default `--cuda-precision auto` runs
   this small model on the f32 plan (the CPU reference's arithmetic on the device), which keeps the
   recorded answers' near-ties (the smallest float32 top-2 margin among them is 0.0022 logits);
-  the bf16 plan is measured by the teacher-forced agreement instead (tools/device_demo_check.sh).
+  the bf16 plan is measured by the teacher-forced agreement instead (tools/device/demo_check.sh).
 * Teacher-forced agreement: top-1 of `tansy logits` against transformers' argmax saved in
   tests/data/demo_heldout.npz (held-out windows; see tools/demo/agreement.py) must be >= 99.5%.
 * Speed: CPU decode tok/s, printed (run with -s), not asserted: it depends on the machine.

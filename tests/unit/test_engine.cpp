@@ -8,11 +8,11 @@
 #include <string>
 #include <vector>
 
+#include "bench/synth.h"
 #include "core/error.h"
 #include "engine/engine.h"
 #include "model/config.h"
 #include "model/model.h"
-#include "model/synth.h"
 #include "test_util.h"
 #include "text/tokenizer.h"
 

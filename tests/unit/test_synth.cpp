@@ -12,10 +12,11 @@
 #include <string>
 #include <vector>
 
+#include "bench/synth.h"
+#include "bench/workload.h"
 #include "core/error.h"
 #include "core/safetensors.h"
 #include "model/config.h"
-#include "model/synth.h"
 #include "model/weights.h"
 #include "text/chat_template.h"
 #include "text/tokenizer.h"

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # The benchmark run on the GPU machine, in one device call (docs/BENCHMARK.md, docs/PERFORMANCE.md).
 #
-#   tools/device_bench.sh prepare   # here: CUDA build, then stripped binaries + the shared
+#   tools/device/bench.sh prepare   # here: CUDA build, then stripped binaries + the shared
 #                                   # libraries the device image lacks + COMMIT, packed into
 #                                   # out/device.tar.xz (git-ignored; xz keeps ICU's 31 MB data
 #                                   # library and the binaries inside the 64 MiB carry limit)
-#   tools/device_bench.sh run       # there (carry: out/device.tar.xz): synth -> GPU tests ->
+#   tools/device/bench.sh run       # there (carry: out/device.tar.xz): synth -> GPU tests ->
 #                                   # tansy bench (all contexts, 2 rounds, per-stage breakdown)
 #                                   # -> tansy serve latency through HTTP -> HF peer arm
 #
-# `run` writes at most 9 files to $OUT: env.txt synth.log gpu_tests.log bench.log bench.json
-# server.log server_latency.json peer.log peer.json. It keeps to a total deadline (DEADLINE_S,
+# `run` writes at most 10 files to $OUT: env.txt synth.log gpu_tests.log gpu_tests.json bench.log
+# bench.json server.log server_latency.json peer.log peer.json. The GPU tests' result is read from
+# their gtest JSON report (tools/device/gtest_summary.py). It keeps to a total deadline (DEADLINE_S,
 # default 540 s) and gives each step what is left, so a slow step shortens the later ones instead
 # of losing every result.
 # The server step starts `tansy serve` on the synthetic checkpoint (CUDA, --prefix-cache 0 so
@@ -22,7 +23,7 @@
 # `tansy serve` flags, e.g. "--prefill-chunk 4096"), SKIP_GPU_TESTS=1, SKIP_PEER=1, SKIP_BENCH=1,
 # SKIP_SERVER=1, SYNTH_DIR (/dev/shm/tansy-synth).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.." || exit 1
 DEV=out/device
 
 prepare() {
@@ -47,10 +48,11 @@ prepare() {
   strip --strip-unneeded "$DEV"/tansy*
   local commit
   commit=$(git rev-parse HEAD)
-  git diff --quiet HEAD -- src tests CMakeLists.txt || commit="$commit-dirty"
+  git diff --quiet HEAD -- src bench tests CMakeLists.txt || commit="$commit-dirty"
   echo "$commit" >"$DEV/COMMIT"
   tar -cJf out/device.tar.xz -C "$DEV" .
   du -sh "$DEV" out/device.tar.xz
+  # shellcheck disable=SC2012  # a listing for the eye only
   echo "prepared out/device.tar.xz (commit $commit): $(ls "$DEV" "$DEV/lib" | tr '\n' ' ')"
 }
 
@@ -79,9 +81,9 @@ server_step() {
       "${bench_flag[@]}" --json "$OUT/server_latency.json"
     echo "http_latency exit $?"
   elif kill -0 "$pid" 2>/dev/null; then
-    echo "device_bench: tansy serve not healthy within the step's time"
+    echo "device/bench.sh: tansy serve not healthy within the step's time"
   else
-    wait "$pid"; echo "device_bench: tansy serve exited ($?) before becoming healthy"
+    wait "$pid"; echo "device/bench.sh: tansy serve exited ($?) before becoming healthy"
   fi
   kill -TERM "$pid" 2>/dev/null
   for _ in $(seq 20); do kill -0 "$pid" 2>/dev/null || break; sleep 0.25; done
@@ -93,7 +95,7 @@ server_step() {
 run() {
   : "${OUT:?OUT must name the output folder}"
   if [ -f out/device.tar.xz ]; then rm -rf "$DEV" && mkdir -p "$DEV" && tar -xJf out/device.tar.xz -C "$DEV" || return 1; fi
-  [ -x "$DEV/tansy" ] || { echo "device_bench: $DEV/tansy missing (run 'prepare' here and carry out/device.tar.xz)"; return 1; }
+  [ -x "$DEV/tansy" ] || { echo "device/bench.sh: $DEV/tansy missing (run 'prepare' here and carry out/device.tar.xz)"; return 1; }
   local start now left
   start=$(date +%s)
   local deadline=${DEADLINE_S:-540}
@@ -115,20 +117,21 @@ run() {
     echo "== ldd"; tenv ldd "$T"
   } >"$OUT/env.txt" 2>&1
   if tenv ldd "$T" | grep -q "not found"; then
-    echo "device_bench: missing libraries for $T:"; tenv ldd "$T" | grep "not found"; return 1
+    echo "device/bench.sh: missing libraries for $T:"; tenv ldd "$T" | grep "not found"; return 1
   fi
 
   echo "== synth ($(remaining) s left)"
   rm -rf "$synth_dir"
   timeout 120 env LD_LIBRARY_PATH="$tld" "$T" synth --out "$synth_dir" --seed 1 >"$OUT/synth.log" 2>&1
   local rc=$?; cat "$OUT/synth.log"
-  [ $rc -eq 0 ] || { echo "device_bench: synth failed ($rc)"; return 1; }
+  [ $rc -eq 0 ] || { echo "device/bench.sh: synth failed ($rc)"; return 1; }
 
   if [ -z "${SKIP_GPU_TESTS:-}" ] && [ -x "$DEV/tansy_gpu_tests" ]; then
     left=$(remaining); local cap=$(( left > 480 ? 90 : 45 ))
     echo "== GPU tests (cap $cap s, $left s left)"
-    TANSY_SYNTH_DIR="$synth_dir" timeout "$cap" env LD_LIBRARY_PATH="$tld" "$DEV/tansy_gpu_tests" >"$OUT/gpu_tests.log" 2>&1
-    echo "gpu tests exit $?"; grep -E "^\[  (PASSED|FAILED) |tests? ran|FAILED  \]" "$OUT/gpu_tests.log" | tail -15
+    TANSY_SYNTH_DIR="$synth_dir" timeout "$cap" env LD_LIBRARY_PATH="$tld" "$DEV/tansy_gpu_tests" \
+      --gtest_output="json:$OUT/gpu_tests.json" >"$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests exit $?"; python3 tools/device/gtest_summary.py "$OUT/gpu_tests.json"
   fi
 
   if [ -z "${SKIP_BENCH:-}" ]; then
@@ -153,7 +156,7 @@ run() {
     [ "$srv_cap" -gt 120 ] && srv_cap=120
     echo "== tansy serve latency through HTTP (cap $srv_cap s, $left s left)"
     if [ "$srv_cap" -lt 20 ]; then
-      echo "device_bench: no time left for the server step" | tee "$OUT/server.log"
+      echo "device/bench.sh: no time left for the server step" | tee "$OUT/server.log"
     else
       server_step "$srv_cap"
     fi
@@ -167,17 +170,17 @@ run() {
         --rounds 2 --json "$OUT/peer.json" --commit "$commit" --time-budget-s $((left - 30)) >"$OUT/peer.log" 2>&1
       echo "peer exit $?"; tail -8 "$OUT/peer.log"
     else
-      echo "device_bench: no time left for the peer arm" | tee "$OUT/peer.log"
+      echo "device/bench.sh: no time left for the peer arm" | tee "$OUT/peer.log"
     fi
   fi
   rm -rf "$synth_dir"
   echo "== tansy bench table"
   [ -f "$OUT/bench.log" ] && grep -v "^tansy bench: round" "$OUT/bench.log" | tail -60
-  echo "device_bench: done in $(( $(date +%s) - start )) s"
+  echo "device/bench.sh: done in $(( $(date +%s) - start )) s"
 }
 
 case "${1:-}" in
   prepare) prepare ;;
   run) run ;;
-  *) echo "usage: tools/device_bench.sh prepare|run" >&2; exit 2 ;;
+  *) echo "usage: tools/device/bench.sh prepare|run" >&2; exit 2 ;;
 esac

@@ -2,7 +2,7 @@
 # Trains, exports and evaluates tansy-demo in one go, then packs the results into $OUT.
 # Run from the repository root on the GPU machine, with .demo_data/ carried along
 # (tools/demo/build_data.py makes it where the Debian packages are):
-#   MINUTES=4.5 tools/demo/run_on_gpu.sh
+#   MINUTES=4.5 tools/device/demo_train.sh
 # Writes to $OUT (at most 8 files): tansy-demo.tar.gz (models/tansy-demo/), loss.png, loss.csv,
 # train_summary.json, eval.json, run.log.
 # Environment: MINUTES (training budget, default 4.5), PYTHON (default python3), OUT (default out/demo-run),
@@ -21,7 +21,7 @@ LOG="$OUT/run.log"
 start=$(date +%s)
 {
   echo "== $(date -u) on $(hostname); $($PY -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__, "cuda", torch.cuda.is_available())')"
-  if [ ! -f .demo_data/train.bin ]; then echo "run_on_gpu: .demo_data/ is missing (carry it)"; exit 2; fi
+  if [ ! -f .demo_data/train.bin ]; then echo "demo_train: .demo_data/ is missing (carry it)"; exit 2; fi
   echo "== train ($MINUTES min)"
   # shellcheck disable=SC2086
   $PY tools/demo/train.py --data .demo_data --out "$WORK" --minutes "$MINUTES" ${EXTRA_TRAIN_ARGS:-}

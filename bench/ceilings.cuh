@@ -1,6 +1,6 @@
 // The card's measured limits, taken in the same run as the numbers they bound (docs/BENCHMARK.md
 // "The limits to compare against"): copy and read bandwidth, bf16 tensor-core GEMM rate.
-// Plain C++ header: the CLI (compiled by the host compiler) includes it.
+// Plain C++ header: bench/cmd_bench.cpp (compiled by the host compiler) includes it.
 #pragma once
 #include <cstddef>
 #include <cstdint>

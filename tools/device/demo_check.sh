@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the GPU machine (carry out/device.tar.xz from `tools/device_bench.sh prepare`): the bundled
+# On the GPU machine (carry out/device.tar.xz from `tools/device/bench.sh prepare`): the bundled
 # demo model's checks on the CUDA backend — the CI greedy-answer test (CUDA's default plan for this
 # model, auto -> f32), the top-1 agreement with transformers on held-out text on both plans (f32
 # against transformers run live on the GPU, bf16 against the saved argmax), greedy decode speed on
@@ -7,7 +7,7 @@
 # with the same server on the CPU backend. Writes demo_cuda_pytest.log, agreement_cuda_f32.json,
 # agreement_cuda_bf16.json, demo_speed.txt and serve_{cuda,cpu}.{sse,log} to $OUT.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.." || exit 1
 DEV=out/device
 rm -rf "$DEV" && mkdir -p "$DEV" && tar -xJf out/device.tar.xz -C "$DEV" || exit 1
 # Only tansy's own processes see the carried Debian libraries.
@@ -18,7 +18,7 @@ exec "$PWD/$DEV/tansy" "\$@"
 WRAP
 chmod +x "$DEV/tansy-wrapper"
 export TANSY_BIN="$PWD/$DEV/tansy-wrapper" TANSY_DEMO_BACKEND=cuda PYTHONUNBUFFERED=1
-echo "commit $(cat $DEV/COMMIT)"
+echo "commit $(cat "$DEV/COMMIT")"
 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/python/test_demo_model.py 2>&1 | tee "$OUT/demo_cuda_pytest.log" | tail -15
 timeout 150 python3 tools/demo/agreement.py --tansy "$TANSY_BIN" --tansy-backend cuda --cuda-precision f32 \
   --out "$OUT/agreement_cuda_f32.json" 2>&1 | tail -4

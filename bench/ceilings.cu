@@ -7,7 +7,7 @@
 #include <sstream>
 #include <vector>
 
-#include "cuda/ceilings.cuh"
+#include "bench/ceilings.cuh"
 #include "cuda/common/cuda_util.h"
 
 namespace tansy::cuda {

@@ -6,11 +6,16 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "bench/commands.h"
+#include "bench/synth.h"
 #include "cli/command.h"
 #include "core/error.h"
-#include "model/synth.h"
 
-namespace {
+namespace tansy::bench {
+
+const char kSynthSummary[] =
+    "write a synthetic checkpoint: --out DIR [--seed S] [--config real|FILE] [--threads N] "
+    "[--shard-gb 5] [--no-tokenizer]";
 
 int run_synth(const std::vector<std::string>& args) {
   tansy::cli::Flags f(args, {"out", "seed", "config", "threads", "shard-gb"}, {"no-tokenizer"});
@@ -50,10 +55,4 @@ int run_synth(const std::vector<std::string>& args) {
   return 0;
 }
 
-tansy::cli::Register reg(
-    "synth",
-    "write a synthetic checkpoint: --out DIR [--seed S] [--config real|FILE] [--threads N] "
-    "[--shard-gb 5] [--no-tokenizer]",
-    run_synth);
-
-}  // namespace
+}  // namespace tansy::bench

@@ -9,9 +9,9 @@
 #include <string>
 #include <vector>
 
+#include "bench/synth.h"
 #include "core/error.h"
 #include "model/config.h"
-#include "model/synth.h"
 #include "text/chat_template.h"
 
 namespace tansy {

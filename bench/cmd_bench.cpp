@@ -28,10 +28,11 @@
 #include "model/config.h"
 #include "model/model.h"
 #include "model/stage_profiler.h"
-#include "model/synth.h"
 #ifdef TANSY_HAVE_CUDA
-#include "cuda/ceilings.cuh"
+#include "bench/ceilings.cuh"
 #endif
+#include "bench/commands.h"
+#include "bench/workload.h"
 
 namespace {
 
@@ -327,6 +328,14 @@ void print_stage_table(const char* title, const json& stages, double read_gbps, 
   }
 }
 
+}  // namespace
+
+namespace tansy::bench {
+
+const char kBenchSummary[] =
+    "speed contract (BENCHMARK.md): --model DIR [--contexts 256,512,...] [--rounds 2] "
+    "[--json FILE] [--backend cuda|cpu] [--commit ID] [--stages] [--child-timeout S]";
+
 int run_bench(const std::vector<std::string>& args) {
   tansy::cli::Flags f(args,
                       {"model", "contexts", "rounds", "json", "backend", "commit", "child-timeout", "context",
@@ -528,9 +537,4 @@ int run_bench(const std::vector<std::string>& args) {
   return 0;
 }
 
-tansy::cli::Register reg("bench",
-                         "speed contract (BENCHMARK.md): --model DIR [--contexts 256,512,...] [--rounds 2] "
-                         "[--json FILE] [--backend cuda|cpu] [--commit ID] [--stages] [--child-timeout S]",
-                         run_bench);
-
-}  // namespace
+}  // namespace tansy::bench
