@@ -6,10 +6,7 @@
 namespace tansy {
 
 ThreadPool::ThreadPool(int n_threads) {
-  if (n_threads <= 0) {
-    n_threads = int(std::max(1u, std::thread::hardware_concurrency()));
-    if (const char* env = std::getenv("TANSY_THREADS")) n_threads = std::max(1, std::atoi(env));
-  }
+  if (n_threads <= 0) n_threads = int(std::max(1u, std::thread::hardware_concurrency()));
   for (int i = 1; i < n_threads; ++i) workers_.emplace_back([this, i] { worker(i); });
 }
 

@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "core/safetensors.h"
+#include "core/threadpool.h"
 #include "cpu/backend.h"
 #include "cpu/ops.h"
 #include "model/weights.h"
@@ -31,8 +32,11 @@ struct CpuState final : SequenceState {
 
 class CpuModel final : public Model {
  public:
-  CpuModel(const std::filesystem::path& dir)
-      : cfg_(load_config(dir)), store_(TensorStore::open(dir)), w_(load_weights(cfg_, store_)) {}
+  CpuModel(const std::filesystem::path& dir, int threads)
+      : cfg_(load_config(dir)),
+        store_(TensorStore::open(dir)),
+        w_(load_weights(cfg_, store_)),
+        pool_(threads) {}
 
   const ModelConfig& config() const override { return cfg_; }
   std::string backend_name() const override { return "cpu"; }
@@ -108,7 +112,7 @@ class CpuModel final : public Model {
     for (int t = first; t < n; ++t)
       cpu::rmsnorm(&h[size_t(t) * H], w_.final_norm.data(), H, cfg_.rms_eps, &xn[size_t(t - first) * H]);
     if (trace_) trace_("final_norm", std::span<const float>(&xn[size_t(rows - 1) * H], H));
-    cpu::matmul(w_.lm_head, xn.data(), rows, logits.data());
+    cpu::matmul(w_.lm_head, xn.data(), rows, logits.data(), pool_);
   }
 
  private:
@@ -123,10 +127,10 @@ class CpuModel final : public Model {
     const int NK = cfg_.lin_num_k_heads, NV = cfg_.lin_num_v_heads, dk = cfg_.lin_k_head_dim,
               dv = cfg_.lin_v_head_dim;
     std::vector<float> qkv(size_t(n) * C), z(size_t(n) * VD), a(size_t(n) * NV), b(size_t(n) * NV);
-    cpu::matmul(w.in_qkv, xn, n, qkv.data());
-    cpu::matmul(w.in_z, xn, n, z.data());
-    cpu::matmul(w.in_a, xn, n, a.data());
-    cpu::matmul(w.in_b, xn, n, b.data());
+    cpu::matmul(w.in_qkv, xn, n, qkv.data(), pool_);
+    cpu::matmul(w.in_z, xn, n, z.data(), pool_);
+    cpu::matmul(w.in_a, xn, n, a.data(), pool_);
+    cpu::matmul(w.in_b, xn, n, b.data(), pool_);
     std::vector<float> y(C), beta(NV), g(NV), o(VD), normed(size_t(n) * VD);
     const float qscale = 1.0f / std::sqrt(float(dk));
     for (int t = 0; t < n; ++t) {
@@ -143,7 +147,7 @@ class CpuModel final : public Model {
         cpu::rmsnorm_gated(&o[size_t(hh) * dv], &z[size_t(t) * VD + size_t(hh) * dv], w.norm.data(), dv,
                            cfg_.rms_eps, &normed[size_t(t) * VD + size_t(hh) * dv]);
     }
-    cpu::matmul(w.out, normed.data(), n, out);
+    cpu::matmul(w.out, normed.data(), n, out, pool_);
   }
 
   // Gated attention (MODEL.md §4); pos0 = tokens already cached.
@@ -152,9 +156,9 @@ class CpuModel final : public Model {
               KVD = cfg_.kv_dim();
     std::vector<float> qg(size_t(n) * 2 * QD), k(size_t(n) * KVD), v(size_t(n) * KVD), o(size_t(n) * QD),
         q(QD);
-    cpu::matmul(w.q, xn, n, qg.data());
-    cpu::matmul(w.k, xn, n, k.data());
-    cpu::matmul(w.v, xn, n, v.data());
+    cpu::matmul(w.q, xn, n, qg.data(), pool_);
+    cpu::matmul(w.k, xn, n, k.data(), pool_);
+    cpu::matmul(w.v, xn, n, v.data(), pool_);
     L.K.resize(size_t(pos0 + n) * KVD);
     L.V.resize(size_t(pos0 + n) * KVD);
     for (int t = 0; t < n; ++t) {
@@ -179,7 +183,7 @@ class CpuModel final : public Model {
           ot[size_t(hh) * hd + d] *= 1.0f / (1.0f + std::exp(-gate));
         }
     }
-    cpu::matmul(w.o, o.data(), n, out);
+    cpu::matmul(w.o, o.data(), n, out, pool_);
   }
 
   // Sparse MoE with the gated shared expert (MODEL.md §6). Tokens are grouped by expert so each
@@ -189,7 +193,7 @@ class CpuModel final : public Model {
     const int I = cfg_.moe_intermediate, S = cfg_.shared_intermediate;
     std::vector<float> logits(size_t(n) * E), wts(size_t(n) * K);
     std::vector<int> idx(size_t(n) * K);
-    cpu::matmul(w.router, xn, n, logits.data());
+    cpu::matmul(w.router, xn, n, logits.data(), pool_);
     for (int t = 0; t < n; ++t)
       cpu::route_topk(&logits[size_t(t) * E], E, K, &idx[size_t(t) * K], &wts[size_t(t) * K]);
     if (route_override_) override_routes(layer, logits, n, idx, wts);
@@ -209,21 +213,21 @@ class CpuModel final : public Model {
       D.resize(size_t(m) * H);
       for (int r = 0; r < m; ++r)
         std::memcpy(&X[size_t(r) * H], xn + size_t(toks[r].first) * H, sizeof(float) * H);
-      cpu::matmul(w.gate[e], X.data(), m, G.data());
-      cpu::matmul(w.up[e], X.data(), m, U.data());
+      cpu::matmul(w.gate[e], X.data(), m, G.data(), pool_);
+      cpu::matmul(w.up[e], X.data(), m, U.data(), pool_);
       cpu::swiglu(G.data(), U.data(), m * I, G.data());
-      cpu::matmul(w.down[e], G.data(), m, D.data());
+      cpu::matmul(w.down[e], G.data(), m, D.data(), pool_);
       for (int r = 0; r < m; ++r) {
         float* o = out + size_t(toks[r].first) * H;
         for (int c = 0; c < H; ++c) o[c] += toks[r].second * D[size_t(r) * H + c];
       }
     }
     std::vector<float> sg(size_t(n) * S), su(size_t(n) * S), sd(size_t(n) * H), gate(n);
-    cpu::matmul(w.sh_gate, xn, n, sg.data());
-    cpu::matmul(w.sh_up, xn, n, su.data());
+    cpu::matmul(w.sh_gate, xn, n, sg.data(), pool_);
+    cpu::matmul(w.sh_up, xn, n, su.data(), pool_);
     cpu::swiglu(sg.data(), su.data(), n * S, sg.data());
-    cpu::matmul(w.sh_down, sg.data(), n, sd.data());
-    cpu::matmul(w.sh_router, xn, n, gate.data());
+    cpu::matmul(w.sh_down, sg.data(), n, sd.data(), pool_);
+    cpu::matmul(w.sh_router, xn, n, gate.data(), pool_);
     for (int t = 0; t < n; ++t) {
       const float s = 1.0f / (1.0f + std::exp(-gate[t]));
       for (int c = 0; c < H; ++c) out[size_t(t) * H + c] += s * sd[size_t(t) * H + c];
@@ -253,12 +257,14 @@ class CpuModel final : public Model {
   ModelConfig cfg_;
   TensorStore store_;
   ModelWeights w_;
+  ThreadPool pool_;  // ModelOptions::threads workers (0: one per core) for the large products
 };
 
 }  // namespace
 
 std::unique_ptr<Model> make_cpu_model(const std::filesystem::path& dir, const ModelOptions& opt) {
-  return std::make_unique<CpuModel>(dir);
+  if (opt.threads < 0) fail("threads must be >= 0 (0: one per core), not {}", opt.threads);
+  return std::make_unique<CpuModel>(dir, opt.threads);
 }
 
 }  // namespace tansy

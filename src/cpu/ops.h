@@ -1,4 +1,4 @@
-// The CPU reference backend's operations, plain f32, one family per file (quant.cpp, norm.cpp,
+// The CPU reference backend's operations, plain f32, one family per file (matmul.cpp, norm.cpp,
 // attention.cpp, gdn.cpp, moe.cpp). These are the oracle every CUDA kernel is tested against:
 // the CUDA launchers in src/cuda/ take the same arguments with device pointers.
 // Formulas: docs/MODEL.md (section numbers in each comment).
@@ -6,13 +6,15 @@
 #include <cstdint>
 #include <span>
 
+#include "core/threadpool.h"
 #include "model/weights.h"
 
 namespace tansy::cpu {
 
-// ---- quant.cpp: affine dequant fused into products (MODEL.md §8.3) ----
-// Y[t, o] = sum_i W[o, i] * X[t, i] for t < n; X [n, W.in], Y [n, W.out]. Threads over rows of W.
-void matmul(const Linear& W, const float* X, int n, float* Y);
+// ---- matmul.cpp: products with the affine dequant fused in (MODEL.md §8.3); CUDA: matvec/, gemm/ ----
+// Y[t, o] = sum_i W[o, i] * X[t, i] for t < n; X [n, W.in], Y [n, W.out]. Threads of `pool` over
+// rows of W (the CPU model passes its own, sized by --threads); the result does not depend on it.
+void matmul(const Linear& W, const float* X, int n, float* Y, ThreadPool& pool = ThreadPool::global());
 // Dequantizes row `row` of an embedding-like matrix.
 void embed_row(const Linear& E, int row, float* out);
 

@@ -111,8 +111,7 @@ void CudaModel::run_decode_fused(CudaState& st, const int* ids, bool head) {
     mark("moe.router+norm+topk", wbytes(L.router.view));
     matvec_norm_route(L.router.view, pin, router_logits_.get(), re, stream_);
     report_routes(i, 1, L.sh_folded ? K + 1 : K);
-    const double gu1 = wbytes(L.experts_gu.view.rows(0, 2 * I)),
-                 dn1 = wbytes(L.experts_down.view.rows(0, H));
+    const double gu1 = wbytes(L.experts_gu.view.rows(0, 2 * I)), dn1 = wbytes(L.experts_down.view.rows(0, H));
     if (L.sh_folded) {
       mark("moe.experts gate|up (k+shared)", (K + 1) * gu1);
       matvec_swiglu_experts(L.experts_gu.view, E + 1, topk_idx_.get(), 1, K + 1, xn_.get(), H, act_.get(),

@@ -33,9 +33,9 @@
 #include "cuda/attention/attention.cuh"
 #include "cuda/backend.h"
 #include "cuda/common/cuda_util.h"
-#include "cuda/head/head.cuh"
 #include "cuda/gdn/gdn.cuh"
 #include "cuda/gemm/gemm.cuh"
+#include "cuda/head/head.cuh"
 #include "cuda/matvec/matvec.cuh"
 #include "cuda/moe/moe.cuh"
 #include "cuda/norm/norm.cuh"
@@ -44,9 +44,9 @@
 
 namespace tansy::cuda {
 
-constexpr int kChunk = 4096;        // tokens per forward chunk (bounds the scratch buffers)
-constexpr int kLogitRows = 32;      // lm_head rows computed per pass when all positions are wanted
-constexpr int kDecodeSplits = 128;  // key-range splits of the unfused decode attention (traced steps)
+constexpr int kChunk = 4096;             // tokens per forward chunk (bounds the scratch buffers)
+constexpr int kLogitRows = 32;           // lm_head rows computed per pass when all positions are wanted
+constexpr int kDecodeSplits = 128;       // key-range splits of the unfused decode attention (traced steps)
 constexpr int kFusedDecodeSplits = 64;   // the same for the fused one-token kernel (2 x 64 blocks at 4,096)
 constexpr int kPrefillSplitKeys = 2048;  // GEMV-path prefill: keys per split
 

@@ -39,7 +39,7 @@ void CudaModel::run_layers(CudaState& st, const int* ids, int m, bool tc) {
 }
 
 void CudaModel::project(const DevLinear& W, const bf16* X, int64_t ldx, int m, void* Y, bool f32, int64_t ldy,
-             bool tc) {
+                        bool tc) {
   if (tc) {
     GemmOutput out;
     out.ptr = Y;
@@ -142,8 +142,8 @@ void CudaModel::attention(DevLayer& L, CudaState& st, CudaState::Layer& S, int m
     int splits = kDecodeSplits;
     if (m > 1) splits = std::min(kMaxAttnSplits, (st.n + m + kPrefillSplitKeys - 1) / kPrefillSplitKeys);
     if (m > 1 && size_t(m) * splits > size_t(kChunk)) splits = std::max(1, kChunk / m);
-    attention_decode(lay, m, st.pos.get(), S.K.get(), S.V.get(), splits, attn_scratch_.get(), mix_.get(),
-                     QD, stream_);
+    attention_decode(lay, m, st.pos.get(), S.K.get(), S.V.get(), splits, attn_scratch_.get(), mix_.get(), QD,
+                     stream_);
   }
   mark("attn.o_proj", wbytes(L.attn_o.view), wflops(L.attn_o.view, m));
   project(L.attn_o.view, mix_.get(), QD, m, r_.get(), false, H, tc);

@@ -1,7 +1,7 @@
 // Stage marks for `tansy bench --stages` (model/stage_profiler.h) and the trace hooks of the tests.
-#include "cuda/bf16/plan.h"
-
 #include <algorithm>
+
+#include "cuda/bf16/plan.h"
 
 namespace tansy::cuda {
 

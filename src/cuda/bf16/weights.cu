@@ -1,7 +1,7 @@
 // The bf16 plan's weights: uploaded in the checkpoint's layout, projections fused at load (plan.h).
-#include "cuda/bf16/plan.h"
-
 #include <cstring>
+
+#include "cuda/bf16/plan.h"
 
 namespace tansy::cuda {
 

@@ -161,8 +161,6 @@ __device__ void stage_rows(const bf16* x, int64_t ldx, int rows, int valid_rows,
   }
 }
 
-
-
 // A block's share of ResidualOut: its threads' squares summed into ss[block].
 __device__ __forceinline__ void residual_partial(float sq, float* ss, float* red) {
 #pragma unroll
@@ -176,8 +174,6 @@ __device__ __forceinline__ void residual_partial(float sq, float* ss, float* red
     ss[blockIdx.x] = t;
   }
 }
-
-
 
 __host__ __device__ constexpr size_t align16(size_t b) { return (b + 15) / 16 * 16; }
 

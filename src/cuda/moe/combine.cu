@@ -67,9 +67,9 @@ void moe_combine(const __nv_bfloat16* Yd, const int* slot_row, const float* weig
   TANSY_CHECK(n >= 1 && k >= 1 && d >= 8 && d % 8 == 0, "moe_combine: bad n={} k={} d={}", n, k, d);
   TANSY_CHECK(Yd && slot_row && weight && out, "moe_combine: null pointer");
   TANSY_CHECK(!shared == !sh_logit, "moe_combine: shared expert output and its gate logit come together");
-  TANSY_CHECK(aligned16(Yd) && aligned16(out) && (!residual || aligned16(residual)) &&
-                  (!shared || aligned16(shared)),
-              "moe_combine: rows must be 16-byte aligned");
+  TANSY_CHECK(
+      aligned16(Yd) && aligned16(out) && (!residual || aligned16(residual)) && (!shared || aligned16(shared)),
+      "moe_combine: rows must be 16-byte aligned");
   moe_combine_kernel<<<n, kCombineThreads, 0, stream>>>(Yd, slot_row, weight, k, d, residual, shared,
                                                         sh_logit, sh_ld, out);
   launch_check("moe_combine");

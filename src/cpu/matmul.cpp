@@ -21,7 +21,7 @@ inline float dot(const float* a, const float* b, int n) {
 }
 }  // namespace
 
-void matmul(const Linear& W, const float* X, int n, float* Y) {
+void matmul(const Linear& W, const float* X, int n, float* Y, ThreadPool& pool) {
   if (n <= 0) return;
   const int in = W.in, out = W.out;
   auto body = [&](int64_t r0, int64_t r1) {
@@ -35,7 +35,7 @@ void matmul(const Linear& W, const float* X, int n, float* Y) {
   if (int64_t(out) * in * (n + 2) < (1 << 18)) {
     body(0, out);
   } else {
-    ThreadPool::global().parallel_for(out, body);
+    pool.parallel_for(out, body);
   }
 }
 
