@@ -12,7 +12,7 @@
 // up during the next tile. Per group the mma accumulator restarts, so that the group's scale and
 // bias apply in f32: y = s·Σ(128+q)x + (b - 128s)·Σx, as matvec's chunk_dot.
 //
-// Measured on the H200 (DecodeTiming, 248320 x 2048): the general matvec 140 µs; this kernel with
+// Measured on the H200 (Timing.DecodeRealShapes, 248320 x 2048): the general matvec 140 µs; this kernel with
 // per-thread cp.async copies 142 µs, with one bulk copy per padded row 153-176 µs, with one
 // unpadded bulk copy per tile 126 µs (bank conflicts), with swizzled tensor copies 119 µs (2.4
 // TB/s, not the ~4.4 TB/s the card reads: the copies do not keep enough in flight; a sixth stage

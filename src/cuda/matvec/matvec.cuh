@@ -1,6 +1,6 @@
 // Decode-side products: y = W·x for a handful of token rows (batch-1 decode and the GEMV prefill
 // path), with the MLX affine 4/8-bit dequant (docs/MODEL.md §8.3) or bf16 weights read in place.
-// CPU reference: cpu::matmul (+ cpu::swiglu for the fused variant).
+// CPU reference: cpu::matmul (+ cpu::swiglu for the fused variant). GPU tests: tests/gpu/test_matvec.cu.
 #pragma once
 #include <cstdint>
 

@@ -1,0 +1,344 @@
+// Gated full attention (src/cuda/attention/) against cpu::rmsnorm + cpu::rope and cpu::attention with
+// the sigmoid output gate: decode (qk_norm_rope, the split attention, the fused one-token kernel) and
+// prefill (up to a 32K-token context). Inputs are rounded to bf16 first; outputs are poisoned with
+// NaN bytes first; tolerances in gpu_test_util.h.
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "core/threadpool.h"
+#include "cpu/ops.h"
+#include "cuda/attention/attention.cuh"
+#include "gpu_test_util.h"
+
+namespace tansy {
+namespace {
+
+using namespace gpu_test;
+using cuda::bf16;
+using cuda::DeviceBuffer;
+
+// ---- decode ----
+
+TEST(Attention, QkNormRope) {
+  const int NH = 16, NKV = 2, hd = 256, rot = 64, n = 3;
+  for (int pos0 : {0, 100000}) {
+    cuda::QkvLayout L;
+    L.n_heads = NH;
+    L.n_kv = NKV;
+    L.ld = L.v_off() + NKV * hd + 8;
+    auto rows = randn(size_t(n) * L.ld, 2.f);
+    round_bf16_inplace(rows);
+    auto drows = to_device_bf16(rows);
+    L.base = drows.get();
+    auto qn = randn(hd, 0.1f, 1.f), kn = randn(hd, 0.1f, 1.f);
+    DeviceBuffer<float> dqn = to_device(qn), dkn = to_device(kn);
+    const int cap = pos0 + n;
+    DeviceBuffer<bf16> K(size_t(cap) * NKV * hd), V(size_t(cap) * NKV * hd);
+    poison(K);
+    poison(V);
+    DeviceBuffer<int> dpos = to_device(std::vector<int>{pos0});
+    cuda::qk_norm_rope(L, n, dpos.get(), dqn.get(), dkn.get(), 1e-6f, rot, 1e7, K.get(), V.get(), 0);
+    const auto got_rows = from_device_bf16(drows.get(), rows.size());
+    const auto gk = from_device_bf16(K.get() + size_t(pos0) * NKV * hd, size_t(n) * NKV * hd);
+    const auto gv = from_device_bf16(V.get() + size_t(pos0) * NKV * hd, size_t(n) * NKV * hd);
+    std::vector<float> q_ref, q_got, k_ref, v_ref;
+    for (int t = 0; t < n; ++t) {
+      const float* row = &rows[size_t(t) * L.ld];
+      for (int h = 0; h < NH; ++h) {
+        std::vector<float> q(hd);
+        cpu::rmsnorm(row + size_t(h) * 2 * hd, qn.data(), hd, 1e-6f, q.data());
+        cpu::rope(q.data(), rot, pos0 + t, 1e7);
+        q_ref.insert(q_ref.end(), q.begin(), q.end());
+        q_got.insert(q_got.end(), &got_rows[size_t(t) * L.ld + size_t(h) * 2 * hd],
+                     &got_rows[size_t(t) * L.ld + size_t(h) * 2 * hd + hd]);
+        // the gate half is untouched
+        for (int d = 0; d < hd; ++d)
+          ASSERT_EQ(got_rows[size_t(t) * L.ld + size_t(h) * 2 * hd + hd + d],
+                    row[size_t(h) * 2 * hd + hd + d]);
+      }
+      for (int j = 0; j < NKV; ++j) {
+        std::vector<float> k(hd);
+        cpu::rmsnorm(row + L.k_off() + size_t(j) * hd, kn.data(), hd, 1e-6f, k.data());
+        cpu::rope(k.data(), rot, pos0 + t, 1e7);
+        k_ref.insert(k_ref.end(), k.begin(), k.end());
+        v_ref.insert(v_ref.end(), row + L.v_off() + size_t(j) * hd, row + L.v_off() + size_t(j + 1) * hd);
+      }
+    }
+    EXPECT_REL(q_got, q_ref, kTolBf16, "qk_norm_rope q, pos " + std::to_string(pos0));
+    EXPECT_REL(gk, k_ref, kTolBf16, "  k -> cache");
+    EXPECT_EQ(max_abs_diff(gv, v_ref), 0.0) << "v copied exactly";
+  }
+}
+
+// Decode attention of n new tokens after ctx cached ones (the prefill check below takes an AttnCase).
+void check_attention(int NH, int NKV, int ctx, int n, int splits) {
+  const int hd = 256;
+  cuda::QkvLayout L;
+  L.n_heads = NH;
+  L.n_kv = NKV;
+  L.ld = L.v_off() + NKV * hd;
+  auto rows = randn(size_t(n) * L.ld);
+  round_bf16_inplace(rows);
+  auto drows = to_device_bf16(rows);
+  L.base = drows.get();
+  const int total = ctx + n;  // ctx cached before the n new tokens
+  auto K = randn(size_t(total) * NKV * hd), V = randn(size_t(total) * NKV * hd);
+  round_bf16_inplace(K);
+  round_bf16_inplace(V);
+  auto dK = to_device_bf16(K), dV = to_device_bf16(V);
+  DeviceBuffer<int> dpos = to_device(std::vector<int>{ctx});
+  DeviceBuffer<float> scratch(cuda::attn_scratch_floats(n, NH, splits));
+  DeviceBuffer<bf16> out(size_t(n) * NH * hd);
+  poison(out);
+  poison(scratch);
+  cuda::attention_decode(L, n, dpos.get(), dK.get(), dV.get(), splits, scratch.get(), out.get(), NH * hd, 0);
+  std::vector<float> ref(size_t(n) * NH * hd);
+  for (int t = 0; t < n; ++t) {
+    std::vector<float> q(size_t(NH) * hd);
+    for (int h = 0; h < NH; ++h)
+      std::copy(&rows[size_t(t) * L.ld + size_t(h) * 2 * hd],
+                &rows[size_t(t) * L.ld + size_t(h) * 2 * hd + hd], &q[size_t(h) * hd]);
+    float* o = &ref[size_t(t) * NH * hd];
+    cpu::attention(q.data(), K.data(), V.data(), ctx + t + 1, NH, NKV, hd, o);
+    for (int h = 0; h < NH; ++h)
+      for (int d = 0; d < hd; ++d) {
+        const float g = rows[size_t(t) * L.ld + size_t(h) * 2 * hd + hd + d];
+        o[size_t(h) * hd + d] *= 1.f / (1.f + std::exp(-g));
+      }
+  }
+  EXPECT_REL(from_device_bf16(out.get(), out.size()), ref, kTolBf16,
+             "attention_decode heads " + std::to_string(NH) + "/" + std::to_string(NKV) + " ctx " +
+                 std::to_string(ctx) + " n " + std::to_string(n) + " splits " + std::to_string(splits));
+}
+
+TEST(Attention, Decode) {
+  for (int ctx : {0, 62, 63, 64, 1000, 5000}) check_attention(16, 2, ctx, 1, 64);
+  check_attention(16, 2, 40000, 1, 64);
+  check_attention(16, 2, 100, 5, 2);  // several new tokens, causal among themselves
+  check_attention(16, 2, 0, 70, 1);
+  check_attention(2, 1, 10, 3, 4);  // tiny golden heads
+}
+
+// One token through attention_decode_fused: q/k norm + RoPE of the pre-norm projection rows, the
+// new k/v written into the cache at the position, attention over ctx cached keys plus the new one,
+// output gate. Reference: cpu::rmsnorm + cpu::rope (q and k rounded to bf16, as cached/stored),
+// cpu::attention, sigmoid gate.
+void check_attention_fused(int NH, int NKV, int ctx, int splits) {
+  const int hd = 256, rot = 64;
+  const float eps = 1e-6f;
+  const double theta = 1e7;
+  cuda::QkvLayout L;
+  L.n_heads = NH;
+  L.n_kv = NKV;
+  L.ld = L.v_off() + NKV * hd;
+  auto row = randn(size_t(L.ld), 2.f);
+  round_bf16_inplace(row);
+  auto drow = to_device_bf16(row);
+  L.base = drow.get();
+  auto qn = randn(hd, 0.1f, 1.f), kn = randn(hd, 0.1f, 1.f);
+  DeviceBuffer<float> dqn = to_device(qn), dkn = to_device(kn);
+  const int cap = ctx + 2;  // the row after the position must stay untouched
+  auto K = randn(size_t(cap) * NKV * hd), V = randn(size_t(cap) * NKV * hd);
+  round_bf16_inplace(K);
+  round_bf16_inplace(V);
+  auto dK = to_device_bf16(K), dV = to_device_bf16(V);
+  DeviceBuffer<int> dpos = to_device(std::vector<int>{ctx});
+  DeviceBuffer<float> scratch(cuda::attn_scratch_floats(1, NH, splits));
+  DeviceBuffer<bf16> out(size_t(NH) * hd);
+  poison(out);
+  poison(scratch);
+  cuda::attention_decode_fused(L, dpos.get(), dqn.get(), dkn.get(), eps, rot, theta, dK.get(), dV.get(),
+                               splits, scratch.get(), out.get(), NH * hd, 0);
+  // reference: the new k/v at row ctx, then attention over ctx + 1 keys
+  std::vector<float> q(size_t(NH) * hd);
+  for (int h = 0; h < NH; ++h) {
+    cpu::rmsnorm(&row[size_t(h) * 2 * hd], qn.data(), hd, eps, &q[size_t(h) * hd]);
+    cpu::rope(&q[size_t(h) * hd], rot, ctx, theta);
+  }
+  round_bf16_inplace(q);
+  for (int j = 0; j < NKV; ++j) {
+    float* k = &K[(size_t(ctx) * NKV + j) * hd];
+    cpu::rmsnorm(&row[L.k_off() + size_t(j) * hd], kn.data(), hd, eps, k);
+    cpu::rope(k, rot, ctx, theta);
+    for (int d = 0; d < hd; ++d) k[d] = round_bf16(k[d]);
+    std::copy(&row[L.v_off() + size_t(j) * hd], &row[L.v_off() + size_t(j + 1) * hd],
+              &V[(size_t(ctx) * NKV + j) * hd]);
+  }
+  std::vector<float> ref(size_t(NH) * hd);
+  cpu::attention(q.data(), K.data(), V.data(), ctx + 1, NH, NKV, hd, ref.data());
+  for (int h = 0; h < NH; ++h)
+    for (int d = 0; d < hd; ++d)
+      ref[size_t(h) * hd + d] *= 1.f / (1.f + std::exp(-row[size_t(h) * 2 * hd + hd + d]));
+  const std::string what = "attention_decode_fused heads " + std::to_string(NH) + "/" + std::to_string(NKV) +
+                           " ctx " + std::to_string(ctx) + " splits " + std::to_string(splits);
+  EXPECT_REL(from_device_bf16(out.get(), out.size()), ref, kTolBf16, what);
+  // the cache: row ctx holds the new k (bf16-rounded, as the reference) and v exactly; the rest is untouched
+  const auto gK = from_device_bf16(dK.get(), K.size()), gV = from_device_bf16(dV.get(), V.size());
+  const size_t r0 = size_t(ctx) * NKV * hd, r1 = r0 + size_t(NKV) * hd;
+  EXPECT_REL(std::vector<float>(gK.begin() + r0, gK.begin() + r1),
+             std::vector<float>(K.begin() + r0, K.begin() + r1), kTolBf16, "  new k in the cache");
+  for (size_t i = 0; i < K.size(); ++i) {
+    if (i >= r0 && i < r1) {
+      ASSERT_EQ(gV[i], V[i]) << what << ": new v at " << i - r0;
+      continue;
+    }
+    ASSERT_EQ(gK[i], K[i]) << what << ": cached k changed at " << i;
+    ASSERT_EQ(gV[i], V[i]) << what << ": cached v changed at " << i;
+  }
+}
+
+TEST(Attention, DecodeFused) {
+  // tile (32 keys), stage ring (3 tiles) and split (>= 16 keys) boundaries
+  for (int ctx : {0, 1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 95, 96, 97, 127, 128, 129, 1000, 4095, 5000})
+    check_attention_fused(16, 2, ctx, 64);
+  check_attention_fused(16, 2, 40000, 64);
+  for (int splits : {1, 2, 7, 128, 256}) check_attention_fused(16, 2, 1000, splits);  // many tiles per split
+  check_attention_fused(8, 2, 300, 64);                                               // 4 heads per kv head
+  check_attention_fused(4, 2, 300, 64);                                               // 2: the demo model
+  check_attention_fused(2, 1, 10, 4);                                                 // 2: tiny goldens
+  check_attention_fused(4, 4, 300, 64);                                               // 1
+}
+
+TEST(Attention, DecodeFusedRejectsBadShapes) {
+  cuda::QkvLayout L;
+  L.n_heads = 16;
+  L.n_kv = 1;  // 16 query heads per kv head: not supported
+  L.ld = L.v_off() + 256;
+  DeviceBuffer<bf16> rows(L.ld), K(256), V(256), out(16 * 256);
+  DeviceBuffer<float> w(256), scratch(cuda::attn_scratch_floats(1, 16, 4));
+  DeviceBuffer<int> pos = to_device(std::vector<int>{0});
+  L.base = rows.get();
+  EXPECT_THROW(cuda::attention_decode_fused(L, pos.get(), w.get(), w.get(), 1e-6f, 64, 1e7, K.get(), V.get(),
+                                            4, scratch.get(), out.get(), 16 * 256, 0),
+               Error);
+  L.n_kv = 2;
+  L.ld = L.v_off() + 512;
+  DeviceBuffer<bf16> rows2(L.ld);
+  L.base = rows2.get();
+  EXPECT_THROW(cuda::attention_decode_fused(L, pos.get(), w.get(), w.get(), 1e-6f, 40, 1e7, K.get(), V.get(),
+                                            4, scratch.get(), out.get(), 16 * 256, 0),
+               Error);  // rotary_dim not a multiple of 16
+  EXPECT_THROW(cuda::attention_decode_fused(L, pos.get(), w.get(), w.get(), 1e-6f, 64, 1e7, K.get(), V.get(),
+                                            0, scratch.get(), out.get(), 16 * 256, 0),
+               Error);  // no split
+}
+
+// ---- prefill ----
+
+struct AttnCase {
+  int n_heads, n_kv, p0, n;
+  bool gate;
+  int n_random;  // sampled query rows when n > 256
+};
+
+void check_attention(const AttnCase& c) {
+  constexpr int hd = cuda::kHeadDim;
+  const int ctx = c.p0 + c.n, pad_rows = 40;
+  const std::string label = "attention heads " + str(c.n_heads) + "/" + str(c.n_kv) + " p0=" + str(c.p0) +
+                            " n=" + str(c.n) + (c.gate ? " gated" : "");
+  // Cache [ctx + pad, n_kv, 256]: rows past ctx hold NaN, which must never leak into the output.
+  const size_t kv_row = size_t(c.n_kv) * hd;
+  auto K = randn(size_t(ctx) * kv_row), V = randn(size_t(ctx) * kv_row);
+  round_bf16_inplace(K);
+  round_bf16_inplace(V);
+  DeviceBuffer<bf16> dK((ctx + pad_rows) * kv_row), dV((ctx + pad_rows) * kv_row);
+  poison(dK);
+  poison(dV);
+  const auto hK = to_bf16(K), hV = to_bf16(V);
+  CUDA_CHECK(cudaMemcpy(dK.get(), hK.data(), hK.size() * 2, cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaMemcpy(dV.get(), hV.data(), hV.size() * 2, cudaMemcpyHostToDevice));
+  // Queries in the q_proj layout: per token n_heads x [q (256) | gate (256)], plus 16 spare columns.
+  const int64_t ldq = int64_t(c.n_heads) * 2 * hd + 16;
+  auto qg = randn(size_t(c.n) * ldq, 1.5f);  // scores of std ~1.5: softmax neither flat nor one-hot
+  round_bf16_inplace(qg);
+  auto dq = to_device_bf16(qg);
+  const int64_t ldo = int64_t(c.n_heads) * hd;
+  DeviceBuffer<bf16> out(size_t(c.n) * ldo);
+  poison(out);
+
+  cuda::AttnPrefillArgs a;
+  a.q = dq.get();
+  a.q_stride_t = ldq;
+  a.q_stride_h = 2 * hd;
+  a.k_cache = dK.get();
+  a.v_cache = dV.get();
+  a.p0 = c.p0;
+  a.n = c.n;
+  a.n_heads = c.n_heads;
+  a.n_kv = c.n_kv;
+  if (c.gate) {
+    a.gate = dq.get() + hd;
+    a.gate_stride_t = ldq;
+    a.gate_stride_h = 2 * hd;
+  }
+  a.out = out.get();
+  a.out_stride_t = ldo;
+  a.out_stride_h = hd;
+  cuda::attention_prefill(a, 0);
+  const auto got_all = from_device_bf16(out.get(), out.size());
+  EXPECT_TRUE(all_finite(got_all)) << label << ": unwritten or non-finite output";
+
+  const auto rows = rows_to_check(c.n, c.n_random);
+  std::vector<float> ref(rows.size() * ldo);
+  ThreadPool::global().parallel_for(int64_t(rows.size()), [&](int64_t r0, int64_t r1) {
+    std::vector<float> q(ldo);
+    for (int64_t ri = r0; ri < r1; ++ri) {
+      const int i = rows[ri];
+      for (int h = 0; h < c.n_heads; ++h)
+        std::copy_n(qg.begin() + i * ldq + h * 2 * hd, hd, q.begin() + h * hd);
+      float* o = ref.data() + ri * ldo;
+      cpu::attention(q.data(), K.data(), V.data(), c.p0 + i + 1, c.n_heads, c.n_kv, hd, o);
+      if (c.gate)
+        for (int h = 0; h < c.n_heads; ++h)
+          for (int d = 0; d < hd; ++d) o[h * hd + d] *= sigmoid(qg[i * ldq + h * 2 * hd + hd + d]);
+    }
+  });
+  EXPECT_REL(take_rows(got_all, ldo, int(ldo), rows), ref, kTolBf16, label);
+}
+
+TEST(Attention, Prefill) {
+  const AttnCase cases[] = {
+      {16, 2, 0, 1, false, 0},    {16, 2, 0, 63, true, 0},
+      {16, 2, 0, 64, false, 0},   {16, 2, 0, 65, true, 0},
+      {16, 2, 0, 200, true, 0},   {16, 2, 37, 200, true, 0},   // continuing a cache
+      {16, 2, 0, 4096, true, 24}, {16, 2, 1000, 3, false, 0},  // few queries, long cache
+      {4, 2, 0, 65, false, 0},    {6, 1, 10, 70, true, 0},
+      {2, 2, 5, 33, false, 0},  // tiny-model groups 2, 6, 1
+      {16, 1, 0, 40, true, 0},  // group 16 (the limit)
+  };
+  for (const auto& c : cases) check_attention(c);
+}
+
+TEST(Attention, PrefillLongContext) {
+  // ~32K cached positions; a few query rows checked (each reference row costs 32K x 16 heads).
+  check_attention({16, 2, 32768 - 64, 64, true, 0});
+  check_attention({16, 2, 32768 - 600, 600, false, 3});
+}
+
+TEST(Attention, PrefillRejectsBadShapes) {
+  DeviceBuffer<bf16> buf(4 * 4096);
+  cuda::AttnPrefillArgs a;
+  a.q = a.k_cache = a.v_cache = buf.get();
+  a.out = buf.get();
+  a.q_stride_t = 2048;
+  a.q_stride_h = 512;
+  a.out_stride_t = 1024;
+  a.out_stride_h = 256;
+  a.n = 1;
+  a.n_heads = 3;  // not a multiple of n_kv
+  a.n_kv = 2;
+  EXPECT_THROW(cuda::attention_prefill(a, 0), Error);
+  a.n_heads = 34;  // group 17 > limit
+  EXPECT_THROW(cuda::attention_prefill(a, 0), Error);
+  a.n_heads = 4;
+  a.q_stride_h = 500;  // misaligned heads
+  EXPECT_THROW(cuda::attention_prefill(a, 0), Error);
+  a.q_stride_h = 512;
+  a.n = 0;
+  EXPECT_THROW(cuda::attention_prefill(a, 0), Error);
+}
+
+}  // namespace
+}  // namespace tansy

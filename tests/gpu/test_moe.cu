@@ -1,0 +1,329 @@
+// The sparse MoE block (src/cuda/moe/, and the grouped GEMM of src/cuda/gemm/) against
+// cpu::route_topk, cpu::matmul per expert + cpu::swiglu and the weighted combine: routing (alone and
+// fused into the router product), the routed experts of decode, and MoE prefill (routing sort, grouped
+// gate|up and down, combine). Tolerances in gpu_test_util.h.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "cpu/ops.h"
+#include "cuda/gemm/gemm.cuh"
+#include "cuda/matvec/matvec.cuh"
+#include "cuda/moe/moe.cuh"
+#include "gpu_test_util.h"
+
+namespace tansy {
+namespace {
+
+using namespace gpu_test;
+using cuda::bf16;
+using cuda::DeviceBuffer;
+
+// ---- routing ----
+
+TEST(Moe, RouteTopkTiesAtTheBoundary) {
+  // Equal logits across the top-k boundary, in one lane (experts 1 and 33) and across lanes (20):
+  // the lower expert indices are chosen, as cpu::route_topk does.
+  const int E = 40, k = 2;
+  std::vector<float> l(E);
+  for (int e = 0; e < E; ++e) l[e] = -0.01f * float(e);
+  l[33] = l[20] = l[1] = 5.f;
+  DeviceBuffer<float> dl = to_device(l);
+  DeviceBuffer<int> idx(k);
+  DeviceBuffer<float> w(k);
+  cuda::route_topk(dl.get(), E, 1, E, k, idx.get(), w.get(), 0);
+  std::vector<int> ri(k);
+  std::vector<float> rw(k);
+  cpu::route_topk(l.data(), E, k, ri.data(), rw.data());
+  EXPECT_EQ(ri, (std::vector<int>{1, 20}));
+  EXPECT_EQ(from_device(idx.get(), k), ri);
+  const auto gw = from_device(w.get(), k);
+  EXPECT_NEAR(gw[0], 0.5f, 1e-6);
+  EXPECT_NEAR(gw[1], 0.5f, 1e-6);
+}
+
+TEST(Moe, RouteTopk) {
+  for (auto [E, k, n] : {std::tuple{256, 8, 5}, std::tuple{8, 2, 3}, std::tuple{16, 16, 1}}) {
+    const int ld = E + 2;
+    auto logits = randn(size_t(n) * ld, 2.f);
+    // a tie between two of the largest: the lower index must win
+    logits[5] = logits[9] = 50.f;
+    DeviceBuffer<float> dl = to_device(logits);
+    DeviceBuffer<int> idx(size_t(n) * k);
+    DeviceBuffer<float> w(size_t(n) * k);
+    poison(idx);
+    poison(w);
+    cuda::route_topk(dl.get(), ld, n, E, k, idx.get(), w.get(), 0);
+    const auto gi = from_device(idx.get(), idx.size());
+    const auto gw = from_device(w.get(), w.size());
+    for (int t = 0; t < n; ++t) {
+      std::vector<int> ri(k);
+      std::vector<float> rw(k);
+      cpu::route_topk(&logits[size_t(t) * ld], E, k, ri.data(), rw.data());
+      // compare as sets keyed by expert (order within equal weights may differ)
+      std::vector<std::pair<int, float>> a, b;
+      for (int j = 0; j < k; ++j) {
+        a.push_back({gi[size_t(t) * k + j], gw[size_t(t) * k + j]});
+        b.push_back({ri[j], rw[j]});
+      }
+      std::sort(a.begin(), a.end());
+      std::sort(b.begin(), b.end());
+      for (int j = 0; j < k; ++j) {
+        EXPECT_EQ(a[j].first, b[j].first) << "E=" << E << " token " << t;
+        EXPECT_NEAR(a[j].second, b[j].second, 1e-5) << "E=" << E << " token " << t;
+      }
+    }
+    std::printf("  route_topk E=%d k=%d n=%d checked\n", E, k, n);
+  }
+}
+
+TEST(Moe, RouterWithRouting) {
+  for (auto [E, k, H, shared] : {std::tuple{256, 8, 2048, true}, std::tuple{8, 2, 64, true},
+                                 std::tuple{16, 4, 128, false}, std::tuple{512, 10, 256, true}}) {
+    const int rows = E + 2;  // experts | shared gate | pad
+    TestMatrix W = make_matrix(WFormat::kAffine8, rows, H);
+    const NormCase c = make_norm_case(H);
+    NormDev d(c);
+    DeviceBuffer<float> logits(rows);
+    DeviceBuffer<int> idx(k + 1);
+    DeviceBuffer<float> w(k + 1);
+    DeviceBuffer<unsigned> counter(1);
+    CUDA_CHECK(cudaMemset(counter.get(), 0, 4));
+    cuda::RouteEpilogue re;
+    re.E = E;
+    re.k = k;
+    re.shared_slot = shared;
+    re.idx = idx.get();
+    re.w = w.get();
+    re.counter = counter.get();
+    for (int rep = 0; rep < 3; ++rep) {  // the counter must come back to zero for the next launch
+      poison(idx);
+      poison(w);
+      poison(logits);
+      cuda::matvec_norm_route(W.dev, d.in, logits.get(), re, 0);
+      const auto gl = from_device(logits.get(), rows);
+      std::vector<float> ref(rows);
+      cpu::matmul(W.host, c.x.data(), 1, ref.data());
+      if (rep == 0) EXPECT_REL(gl, ref, 3e-3, "router logits E=" + std::to_string(E));
+      // routing from the kernel's own logits must match the CPU's exactly
+      std::vector<int> ri(k);
+      std::vector<float> rw(k);
+      cpu::route_topk(gl.data(), E, k, ri.data(), rw.data());
+      const auto gi = from_device(idx.get(), k + 1);
+      const auto gw = from_device(w.get(), k + 1);
+      for (int j = 0; j < k; ++j) {
+        EXPECT_EQ(gi[j], ri[j]) << "E=" << E << " slot " << j << " rep " << rep;
+        EXPECT_NEAR(gw[j], rw[j], 1e-5) << "E=" << E << " slot " << j;
+      }
+      if (shared) {
+        EXPECT_EQ(gi[k], E) << "shared slot";
+        EXPECT_NEAR(gw[k], 1.f / (1.f + std::exp(-gl[E])), 1e-5) << "shared weight";
+      }
+      EXPECT_EQ(from_device(counter.get(), 1)[0], 0u) << "counter reset";
+    }
+    std::printf("  router+routing E=%d k=%d H=%d shared=%d: 3 launches checked\n", E, k, H, int(shared));
+  }
+}
+
+// ---- decode experts ----
+
+// Routed experts: gate|up per slot, then down + weighted combine + gated shared expert.
+void check_experts(WFormat fmt, int E, int H, int I, int k, int n) {
+  TestMatrix GU = make_matrix(fmt, E * 2 * I, H);
+  TestMatrix D = make_matrix(fmt, E * H, I);
+  auto x = randn(size_t(n) * H);
+  round_bf16_inplace(x);
+  std::vector<int> idx(size_t(n) * k);
+  std::vector<float> wts(size_t(n) * k);
+  for (int t = 0; t < n; ++t) {
+    std::vector<int> perm(E);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng());
+    float s = 0;
+    for (int j = 0; j < k; ++j) {
+      idx[size_t(t) * k + j] = perm[j];
+      wts[size_t(t) * k + j] = std::uniform_real_distribution<float>(0.05f, 1.f)(rng());
+      s += wts[size_t(t) * k + j];
+    }
+    for (int j = 0; j < k; ++j) wts[size_t(t) * k + j] /= s;
+  }
+  auto shared = randn(size_t(n) * H, 0.5f);
+  round_bf16_inplace(shared);
+  const int ld = 7;  // shared gate logit in column 3 of rows 7 apart
+  auto logits = randn(size_t(n) * ld);
+
+  // reference
+  std::vector<float> act_ref(size_t(n) * k * I), out_ref(size_t(n) * H);
+  for (int t = 0; t < n; ++t) {
+    for (int j = 0; j < k; ++j) {
+      const int e = idx[size_t(t) * k + j];
+      std::vector<float> rows(2 * I);
+      cpu::matmul(GU.host.rows(e * 2 * I, 2 * I), &x[size_t(t) * H], 1, rows.data());
+      const auto a = swiglu_ref(rows, 1, I);
+      std::copy(a.begin(), a.end(), &act_ref[(size_t(t) * k + j) * I]);
+    }
+  }
+  // down reads the kernel's own bf16 activations (checked separately above)
+  DeviceBuffer<int> didx = to_device(idx);
+  DeviceBuffer<float> dw = to_device(wts), dlog = to_device(logits);
+  auto dx = to_device_bf16(x);
+  DeviceBuffer<bf16> act(size_t(n) * k * I);
+  poison(act);
+  cuda::matvec_swiglu_experts(GU.dev, E, didx.get(), n, k, dx.get(), H, act.get(), 0);
+  const auto act_got = from_device_bf16(act.get(), act.size());
+  EXPECT_REL(act_got, act_ref, kTolBf16,
+             std::string("experts gate|up ") + fmt_name(fmt) + " E=" + std::to_string(E) +
+                 " n=" + std::to_string(n));
+  for (int t = 0; t < n; ++t) {
+    const float sg = 1.f / (1.f + std::exp(-logits[size_t(t) * ld + 3]));
+    for (int r = 0; r < H; ++r) out_ref[size_t(t) * H + r] = sg * shared[size_t(t) * H + r];
+    for (int j = 0; j < k; ++j) {
+      const int e = idx[size_t(t) * k + j];
+      std::vector<float> y(H);
+      cpu::matmul(D.host.rows(e * H, H), &act_got[(size_t(t) * k + j) * I], 1, y.data());
+      for (int r = 0; r < H; ++r) out_ref[size_t(t) * H + r] += wts[size_t(t) * k + j] * y[r];
+    }
+  }
+  auto dout = to_device_bf16(shared);  // shared output aliases out, as in the backend
+  cuda::moe_down_combine(D.dev, E, didx.get(), dw.get(), act.get(), n, k, dout.get(), dlog.get() + 3, ld,
+                         dout.get(), 0);
+  EXPECT_REL(from_device_bf16(dout.get(), dout.size()), out_ref, kTolBf16, "  experts down + combine");
+}
+
+TEST(Moe, Experts) {
+  check_experts(WFormat::kAffine4, 16, 2048, 512, 8, 1);  // real per-expert shapes (16 of 256 experts)
+  check_experts(WFormat::kAffine4, 16, 2048, 512, 8, 3);
+  check_experts(WFormat::kAffine4, 8, 64, 64, 2, 2);  // tiny golden shapes
+  check_experts(WFormat::kBF16, 8, 128, 64, 4, 2);
+  check_experts(WFormat::kAffine8, 4, 256, 128, 3, 1);
+}
+
+// ---- prefill ----
+
+void check_moe(WFormat fmt, int E, int H, int I, int k, int n) {
+  const std::string label =
+      "moe E=" + str(E) + " H=" + str(H) + " I=" + str(I) + " k=" + str(k) + " n=" + str(n);
+  TestMatrix GU = make_matrix(fmt, E * 2 * I, H);  // per expert: interleaved gate/up rows
+  TestMatrix D = make_matrix(fmt, E * H, I);
+  auto x = randn(size_t(n) * H);
+  round_bf16_inplace(x);
+  auto dx = to_device_bf16(x);
+  std::vector<int> idx;
+  std::vector<float> wts;
+  random_routing(n, E, k, idx, wts);
+  auto didx = to_device(idx);
+  auto dw = to_device(wts);
+  const int rows = n * k;
+
+  // Routing sort: a permutation grouping slots by expert, with consistent offsets and tiles.
+  DeviceRouting R;
+  const cuda::MoeRouting rv = R.view(E, rows);
+  CUDA_CHECK(cudaMemset(R.sorted.get(), 0xff, R.sorted.bytes()));
+  CUDA_CHECK(cudaMemset(R.slot_row.get(), 0xff, R.slot_row.bytes()));
+  cuda::moe_route_sort(didx.get(), n, k, E, rv, 0);
+  const auto off = from_device(R.offsets.get(), E + 1), tiles = from_device(R.tiles.get(), E + 1);
+  const auto sorted = from_device(R.sorted.get(), rows), slot_row = from_device(R.slot_row.get(), rows);
+  std::vector<int> count(E, 0);
+  for (int e : idx) ++count[e];
+  bool ok = off[0] == 0 && tiles[0] == 0;
+  for (int e = 0; e < E && ok; ++e)
+    ok = off[e + 1] - off[e] == count[e] &&
+         tiles[e + 1] - tiles[e] == (count[e] + cuda::kGroupedBM - 1) / cuda::kGroupedBM;
+  std::vector<int> seen(rows, 0);
+  for (int e = 0; e < E && ok; ++e)
+    for (int r = off[e]; r < off[e + 1] && ok; ++r) {
+      const int s = sorted[r];
+      ok = s >= 0 && s < rows && idx[s] == e && slot_row[s] == r && ++seen[s] == 1;
+    }
+  ASSERT_TRUE(ok) << label << ": routing sort produced an inconsistent permutation";
+
+  // gate|up with the SwiGLU epilogue, token rows gathered in place.
+  DeviceBuffer<bf16> act(size_t(rows) * I);
+  poison(act);
+  cuda::gemm_grouped(GU.dev, E, dx.get(), H, /*gather=*/true, n, k, rv,
+                     {act.get(), cuda::GemmOutType::kBF16, I, cuda::GemmEpilogue::kSwiGlu}, 0);
+  const auto hact = from_device_bf16(act.get(), act.size());
+  // Reference per expert over the tokens routed to it (one cpu::matmul per expert).
+  std::vector<float> ref_act(size_t(rows) * I), got_act(size_t(rows) * I);
+  for (int e = 0; e < E; ++e) {
+    std::vector<int> slots;
+    for (int s = 0; s < rows; ++s)
+      if (idx[s] == e) slots.push_back(s);
+    if (slots.empty()) continue;
+    std::vector<float> xe, ye(slots.size() * 2 * I);
+    for (int s : slots) xe.insert(xe.end(), x.begin() + size_t(s / k) * H, x.begin() + size_t(s / k + 1) * H);
+    cpu::matmul(GU.host.rows(e * 2 * I, 2 * I), xe.data(), int(slots.size()), ye.data());
+    for (size_t j = 0; j < slots.size(); ++j)
+      for (int i = 0; i < I; ++i)
+        ref_act[size_t(slots[j]) * I + i] = silu(ye[j * 2 * I + 2 * i]) * ye[j * 2 * I + 2 * i + 1];
+  }
+  for (int s = 0; s < rows; ++s)
+    std::copy_n(hact.begin() + size_t(slot_row[s]) * I, I, got_act.begin() + size_t(s) * I);
+  EXPECT_REL(got_act, ref_act, kTolBf16, label + " gate|up swiglu");
+
+  // down_proj over the sorted activations (no gather); reference fed the GPU's activations.
+  DeviceBuffer<bf16> yd(size_t(rows) * H);
+  poison(yd);
+  cuda::gemm_grouped(D.dev, E, act.get(), I, /*gather=*/false, n, k, rv,
+                     {yd.get(), cuda::GemmOutType::kBF16, H, cuda::GemmEpilogue::kStore}, 0);
+  const auto hyd = from_device_bf16(yd.get(), yd.size());
+  std::vector<float> ref_yd(size_t(rows) * H), got_yd(size_t(rows) * H);
+  for (int e = 0; e < E; ++e) {
+    if (off[e + 1] == off[e]) continue;
+    const int cnt = off[e + 1] - off[e];
+    cpu::matmul(D.host.rows(e * H, H), hact.data() + size_t(off[e]) * I, cnt,
+                ref_yd.data() + size_t(off[e]) * H);
+  }
+  EXPECT_REL(hyd, ref_yd, kTolBf16, label + " down");
+
+  // Combine into the residual in place, with the gated shared expert (logit in column 1 of rows 3 apart).
+  auto resid = randn(size_t(n) * H);
+  auto shared = randn(size_t(n) * H, 0.5f);
+  auto logits = randn(size_t(n) * 3);
+  round_bf16_inplace(resid);
+  round_bf16_inplace(shared);
+  auto dres = to_device_bf16(resid), dsh = to_device_bf16(shared);
+  auto dlog = to_device(logits);
+  cuda::moe_combine(yd.get(), R.slot_row.get(), dw.get(), n, k, H, dres.get(), dsh.get(), dlog.get() + 1, 3,
+                    dres.get(), 0);
+  std::vector<float> ref_out(size_t(n) * H);
+  for (int t = 0; t < n; ++t) {
+    const float sg = sigmoid(logits[size_t(t) * 3 + 1]);
+    for (int d = 0; d < H; ++d) {
+      float acc = 0;
+      for (int j = 0; j < k; ++j) acc += wts[size_t(t) * k + j] * hyd[size_t(slot_row[t * k + j]) * H + d];
+      ref_out[size_t(t) * H + d] = resid[size_t(t) * H + d] + acc + sg * shared[size_t(t) * H + d];
+    }
+  }
+  EXPECT_REL(from_device_bf16(dres.get(), dres.size()), ref_out, kTolBf16, label + " combine");
+}
+
+TEST(Moe, Grouped) {
+  check_moe(WFormat::kAffine4, 256, 2048, 512, 8, 1);    // real shapes, one token
+  check_moe(WFormat::kAffine4, 256, 2048, 512, 8, 200);  // real shapes, most experts 1 partial tile
+  check_moe(WFormat::kAffine4, 8, 256, 128, 2, 300);     // ~75 rows per expert: 2 tiles each
+  check_moe(WFormat::kAffine8, 4, 128, 64, 1, 65);       // 8-bit, top-1
+  check_moe(WFormat::kBF16, 16, 192, 64, 4, 33);
+}
+
+TEST(Moe, RejectsBadShapes) {
+  DeviceRouting R;
+  DeviceBuffer<int> idx(8);
+  EXPECT_THROW(cuda::moe_route_sort(idx.get(), 4, 2, cuda::kRouteMaxExperts + 1, R.view(4, 8), 0), Error);
+  EXPECT_THROW(cuda::moe_route_sort(idx.get(), 4, 0, 4, R.view(4, 8), 0), Error);
+  TestMatrix W = make_matrix(WFormat::kAffine4, 3 * 64, 128);
+  DeviceBuffer<bf16> x(8 * 128), y(8 * 64);
+  // 192 stacked rows do not split into 5 experts
+  EXPECT_THROW(cuda::gemm_grouped(W.dev, 5, x.get(), 128, true, 4, 2, R.view(5, 8),
+                                  {y.get(), cuda::GemmOutType::kBF16, 64, cuda::GemmEpilogue::kStore}, 0),
+               Error);
+  EXPECT_THROW(cuda::moe_combine(y.get(), R.slot_row.get(), nullptr, 4, 2, 60, nullptr, nullptr, nullptr, 0,
+                                 y.get(), 0),
+               Error);
+}
+
+}  // namespace
+}  // namespace tansy
