@@ -55,7 +55,8 @@ using T = Value::T;
 std::string int_str(__int128 v) {
   if (v == 0) return "0";
   bool neg = v < 0;
-  unsigned __int128 u = neg ? static_cast<unsigned __int128>(-(v + 1)) + 1 : static_cast<unsigned __int128>(v);
+  unsigned __int128 u =
+      neg ? static_cast<unsigned __int128>(-(v + 1)) + 1 : static_cast<unsigned __int128>(v);
   std::string s;
   while (u) {
     s += char('0' + int(u % 10));
@@ -67,18 +68,30 @@ std::string int_str(__int128 v) {
 
 const char* type_name(const Value& v) {
   switch (v.t) {
-    case T::Undef: return "Undefined";
-    case T::None: return "NoneType";
-    case T::Bool: return "bool";
-    case T::Int: return "int";
-    case T::Float: return "float";
-    case T::Str: return "str";
-    case T::List: return "list";
-    case T::Tuple: return "tuple";
-    case T::Dict: return "dict";
-    case T::Ns: return "Namespace";
-    case T::Fn: return v.fn->macro ? "Macro" : "builtin_function_or_method";
-    case T::Loop: return "LoopContext";
+    case T::Undef:
+      return "Undefined";
+    case T::None:
+      return "NoneType";
+    case T::Bool:
+      return "bool";
+    case T::Int:
+      return "int";
+    case T::Float:
+      return "float";
+    case T::Str:
+      return "str";
+    case T::List:
+      return "list";
+    case T::Tuple:
+      return "tuple";
+    case T::Dict:
+      return "dict";
+    case T::Ns:
+      return "Namespace";
+    case T::Fn:
+      return v.fn->macro ? "Macro" : "builtin_function_or_method";
+    case T::Loop:
+      return "LoopContext";
   }
   return "object";
 }
@@ -98,20 +111,29 @@ std::string repr(const Value& v);
 
 std::string str(const Value& v) {
   switch (v.t) {
-    case T::Undef: return "";
-    case T::Str: return v.sv();
-    default: return repr(v);
+    case T::Undef:
+      return "";
+    case T::Str:
+      return v.sv();
+    default:
+      return repr(v);
   }
 }
 
 std::string repr(const Value& v) {
   switch (v.t) {
-    case T::Undef: return "Undefined";
-    case T::None: return "None";
-    case T::Bool: return v.b ? "True" : "False";
-    case T::Int: return int_str(v.i);
-    case T::Float: return python_float_repr(v.f);
-    case T::Str: return python_str_repr(v.sv());
+    case T::Undef:
+      return "Undefined";
+    case T::None:
+      return "None";
+    case T::Bool:
+      return v.b ? "True" : "False";
+    case T::Int:
+      return int_str(v.i);
+    case T::Float:
+      return python_float_repr(v.f);
+    case T::Str:
+      return python_str_repr(v.sv());
     case T::List:
     case T::Tuple: {
       std::string out = v.t == T::List ? "[" : "(";
@@ -127,8 +149,10 @@ std::string repr(const Value& v) {
         out += (k ? ", " : "") + python_str_repr(d[k].first) + ": " + repr(d[k].second);
       return out + (v.t == T::Ns ? "}>" : "}");
     }
-    case T::Fn: return "<" + std::string(type_name(v)) + " '" + v.fn->name + "'>";
-    case T::Loop: return fmt::format("<LoopContext {}/{}>", v.loop->index0 + 1, v.loop->items->size());
+    case T::Fn:
+      return "<" + std::string(type_name(v)) + " '" + v.fn->name + "'>";
+    case T::Loop:
+      return fmt::format("<LoopContext {}/{}>", v.loop->index0 + 1, v.loop->items->size());
   }
   return "";
 }
@@ -156,15 +180,23 @@ Text to_text(const Value& v) {
 bool truthy(const Value& v) {
   switch (v.t) {
     case T::Undef:
-    case T::None: return false;
-    case T::Bool: return v.b;
-    case T::Int: return v.i != 0;
-    case T::Float: return v.f != 0;
-    case T::Str: return !v.sv().empty();
+    case T::None:
+      return false;
+    case T::Bool:
+      return v.b;
+    case T::Int:
+      return v.i != 0;
+    case T::Float:
+      return v.f != 0;
+    case T::Str:
+      return !v.sv().empty();
     case T::List:
-    case T::Tuple: return !v.list->empty();
-    case T::Dict: return !v.dict->empty();
-    default: return true;
+    case T::Tuple:
+      return !v.list->empty();
+    case T::Dict:
+      return !v.dict->empty();
+    default:
+      return true;
   }
 }
 
@@ -195,8 +227,10 @@ bool py_eq(const Value& a, const Value& b) {
   if (a.t != b.t) return false;
   switch (a.t) {
     case T::Undef:
-    case T::None: return true;
-    case T::Str: return a.sv() == b.sv();
+    case T::None:
+      return true;
+    case T::Str:
+      return a.sv() == b.sv();
     case T::List:
     case T::Tuple:
       if (a.list->size() != b.list->size()) return false;
@@ -216,19 +250,27 @@ bool py_eq(const Value& a, const Value& b) {
         if (!found) return false;
       }
       return true;
-    case T::Ns: return a.ns == b.ns;
-    case T::Fn: return a.fn == b.fn;
-    case T::Loop: return a.loop == b.loop;
-    default: return false;
+    case T::Ns:
+      return a.ns == b.ns;
+    case T::Fn:
+      return a.fn == b.fn;
+    case T::Loop:
+      return a.loop == b.loop;
+    default:
+      return false;
   }
 }
 
 const char* cmp_symbol(int op) {
   switch (op) {
-    case kLt: return "<";
-    case kLe: return "<=";
-    case kGt: return ">";
-    default: return ">=";
+    case kLt:
+      return "<";
+    case kLe:
+      return "<=";
+    case kGt:
+      return ">";
+    default:
+      return ">=";
   }
 }
 
@@ -260,9 +302,11 @@ int py_order(const Value& a, const Value& b, int op) {
 
 bool py_in(const Value& needle, const Value& hay) {
   switch (hay.t) {
-    case T::Undef: return false;
+    case T::Undef:
+      return false;
     case T::Str:
-      if (needle.t != T::Str) fail("'in <string>' requires string as left operand, not {}", type_name(needle));
+      if (needle.t != T::Str)
+        fail("'in <string>' requires string as left operand, not {}", type_name(needle));
       return hay.sv().find(needle.sv()) != std::string::npos;
     case T::List:
     case T::Tuple:
@@ -275,7 +319,8 @@ bool py_in(const Value& needle, const Value& hay) {
       for (const auto& kv : *hay.dict)
         if (kv.first == needle.sv()) return true;
       return false;
-    default: fail("argument of type '{}' is not iterable", type_name(hay));
+    default:
+      fail("argument of type '{}' is not iterable", type_name(hay));
   }
 }
 
@@ -287,9 +332,11 @@ Value key_value(const std::string& k, bool data) {
 
 List iterate(const Value& v) {
   switch (v.t) {
-    case T::Undef: return {};
+    case T::Undef:
+      return {};
     case T::List:
-    case T::Tuple: return *v.list;
+    case T::Tuple:
+      return *v.list;
     case T::Dict: {
       List out;
       for (const auto& kv : *v.dict) out.push_back(key_value(kv.first, v.data));
@@ -301,14 +348,16 @@ List iterate(const Value& v) {
       for (size_t k = 0; k + 1 < off.size(); ++k) out.push_back(Value::str(v.s->sub(off[k], off[k + 1])));
       return out;
     }
-    case T::Loop: return *v.loop->items;
-    default: fail("'{}' object is not iterable", type_name(v));
+    case T::Loop:
+      return *v.loop->items;
+    default:
+      fail("'{}' object is not iterable", type_name(v));
   }
 }
 
 Value undef_attr(const Value& obj, const std::string& name) {
-  return Value::undefined(fmt::format("{} has no attribute {}", python_str_repr(object_type_repr(obj)),
-                                      python_str_repr(name)));
+  return Value::undefined(
+      fmt::format("{} has no attribute {}", python_str_repr(object_type_repr(obj)), python_str_repr(name)));
 }
 
 Value undef_item(const Value& obj, const Value& key) {
@@ -362,13 +411,13 @@ Text strip_text(const Text& t, bool left, bool right, const std::vector<char32_t
 char32_t case_map(char32_t c, bool upper) {
   // ASCII, Latin-1, Greek and Cyrillic basic letters; other scripts are left as they are.
   if (upper) {
-    if ((c >= 'a' && c <= 'z') || (c >= 0xE0 && c <= 0xFE && c != 0xF7) || (c >= 0x3B1 && c <= 0x3C9 && c != 0x3C2) ||
-        (c >= 0x430 && c <= 0x44F))
+    if ((c >= 'a' && c <= 'z') || (c >= 0xE0 && c <= 0xFE && c != 0xF7) ||
+        (c >= 0x3B1 && c <= 0x3C9 && c != 0x3C2) || (c >= 0x430 && c <= 0x44F))
       return c - 0x20;
     if (c >= 0x450 && c <= 0x45F) return c - 0x50;
   } else {
-    if ((c >= 'A' && c <= 'Z') || (c >= 0xC0 && c <= 0xDE && c != 0xD7) || (c >= 0x391 && c <= 0x3A9 && c != 0x3A2) ||
-        (c >= 0x410 && c <= 0x42F))
+    if ((c >= 'A' && c <= 'Z') || (c >= 0xC0 && c <= 0xDE && c != 0xD7) ||
+        (c >= 0x391 && c <= 0x3A9 && c != 0x3A2) || (c >= 0x410 && c <= 0x42F))
       return c + 0x20;
     if (c >= 0x400 && c <= 0x40F) return c + 0x50;
   }
@@ -382,7 +431,8 @@ Text change_case(const Text& t, Case how) {
   bool prev_cased = false;
   size_t k = 0;
   for (char32_t cp : code_points(t.s)) {
-    bool upper = how == Case::Upper || (how == Case::Capitalize && k == 0) || (how == Case::Title && !prev_cased);
+    bool upper =
+        how == Case::Upper || (how == Case::Capitalize && k == 0) || (how == Case::Title && !prev_cased);
     char32_t m = case_map(cp, upper);
     prev_cased = case_map(cp, true) != cp || case_map(cp, false) != cp;
     utf8_encode(out, m);
@@ -447,8 +497,7 @@ List split_text(const Text& t, const Text* sep, long long maxsplit, bool from_ri
       long long n = 0;
       for (;;) {
         size_t f = std::string_view::npos;
-        if ((maxsplit < 0 || n < maxsplit) && end >= sep->s.size())
-          f = s.substr(0, end).rfind(sep->s);
+        if ((maxsplit < 0 || n < maxsplit) && end >= sep->s.size()) f = s.substr(0, end).rfind(sep->s);
         if (f == std::string_view::npos) {
           pieces.emplace_back(0, end);
           break;
@@ -493,7 +542,8 @@ List split_text(const Text& t, const Text* sep, long long maxsplit, bool from_ri
     size_t keep_from = words.size() - size_t(maxsplit);
     size_t head_end = words[keep_from - 1].second;
     parts.push_back(Value::str(strip_text(t.sub(0, head_end), true, false, nullptr)));
-    for (size_t k = keep_from; k < words.size(); ++k) parts.push_back(Value::str(t.sub(words[k].first, words[k].second)));
+    for (size_t k = keep_from; k < words.size(); ++k)
+      parts.push_back(Value::str(t.sub(words[k].first, words[k].second)));
     return parts;
   }
   for (auto [b, e] : words) parts.push_back(Value::str(t.sub(b, e)));
@@ -517,18 +567,33 @@ void json_string(std::string& out, std::string_view s, bool ensure_ascii) {
     size_t n = utf8_decode(s, i, cp);
     if (!n) fail("string is not valid UTF-8");
     switch (cp) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      case '\b': out += "\\b"; break;
-      case '\f': out += "\\f"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      case '\b':
+        out += "\\b";
+        break;
+      case '\f':
+        out += "\\f";
+        break;
       default:
         if (cp < 0x20 || (ensure_ascii && cp >= 0x7F)) {
           if (cp >= 0x10000) {
             char32_t v = cp - 0x10000;
-            out += fmt::format("\\u{:04x}\\u{:04x}", unsigned(0xD800 + (v >> 10)), unsigned(0xDC00 + (v & 0x3FF)));
+            out += fmt::format("\\u{:04x}\\u{:04x}", unsigned(0xD800 + (v >> 10)),
+                               unsigned(0xDC00 + (v & 0x3FF)));
           } else {
             out += fmt::format("\\u{:04x}", unsigned(cp));
           }
@@ -549,15 +614,26 @@ void json_dump(std::string& out, const Value& v, const JsonStyle& st, int level,
     out.append(size_t(st.indent) * size_t(lvl), ' ');
   };
   switch (v.t) {
-    case T::None: out += "null"; return;
-    case T::Bool: out += v.b ? "true" : "false"; return;
-    case T::Int: out += int_str(v.i); return;
-    case T::Float:
-      if (std::isnan(v.f)) out += "NaN";
-      else if (std::isinf(v.f)) out += v.f > 0 ? "Infinity" : "-Infinity";
-      else out += python_float_repr(v.f);
+    case T::None:
+      out += "null";
       return;
-    case T::Str: json_string(out, v.sv(), st.ensure_ascii); return;
+    case T::Bool:
+      out += v.b ? "true" : "false";
+      return;
+    case T::Int:
+      out += int_str(v.i);
+      return;
+    case T::Float:
+      if (std::isnan(v.f))
+        out += "NaN";
+      else if (std::isinf(v.f))
+        out += v.f > 0 ? "Infinity" : "-Infinity";
+      else
+        out += python_float_repr(v.f);
+      return;
+    case T::Str:
+      json_string(out, v.sv(), st.ensure_ascii);
+      return;
     case T::List:
     case T::Tuple: {
       if (v.list->empty()) {
@@ -595,18 +671,29 @@ void json_dump(std::string& out, const Value& v, const JsonStyle& st, int level,
       out += '}';
       return;
     }
-    default: fail("Object of type {} is not JSON serializable", type_name(v));
+    default:
+      fail("Object of type {} is not JSON serializable", type_name(v));
   }
 }
 
 Value from_json(const Json& j) {
   Value v;
   switch (j.type()) {
-    case Json::value_t::null: v = Value::none(); break;
-    case Json::value_t::boolean: v = Value::boolean(j.get<bool>()); break;
-    case Json::value_t::number_integer: v = Value::integer(j.get<int64_t>()); break;
-    case Json::value_t::number_unsigned: v = Value::integer(j.get<uint64_t>()); break;
-    case Json::value_t::number_float: v = Value::real(j.get<double>()); break;
+    case Json::value_t::null:
+      v = Value::none();
+      break;
+    case Json::value_t::boolean:
+      v = Value::boolean(j.get<bool>());
+      break;
+    case Json::value_t::number_integer:
+      v = Value::integer(j.get<int64_t>());
+      break;
+    case Json::value_t::number_unsigned:
+      v = Value::integer(j.get<uint64_t>());
+      break;
+    case Json::value_t::number_float:
+      v = Value::real(j.get<double>());
+      break;
     case Json::value_t::string: {
       Text t;
       t.append_data(j.get_ref<const std::string&>(), true);
@@ -627,7 +714,8 @@ Value from_json(const Json& j) {
       v = Value::make_dict(std::move(d));
       break;
     }
-    default: fail("binary JSON values are not supported");
+    default:
+      fail("binary JSON values are not supported");
   }
   v.data = true;
   return v;
@@ -729,7 +817,8 @@ long long need_int(const Value& v, const char* what) {
   if (v.is_undef()) raise_undefined(v);
   if (!is_intlike(v)) fail("'{}' object cannot be interpreted as an integer ({})", type_name(v), what);
   __int128 x = as_int(v);
-  if (x > (__int128)INT64_MAX || x < (__int128)INT64_MIN) fail("Python int too large to convert to C ssize_t");
+  if (x > (__int128)INT64_MAX || x < (__int128)INT64_MIN)
+    fail("Python int too large to convert to C ssize_t");
   return (long long)x;
 }
 
@@ -852,7 +941,8 @@ const Scope& globals() {
             if (count > 100000)
               fail("Range too big. The sandbox blocks ranges larger than MAX_RANGE (100000).");
             List l;
-            for (long long x = start; step > 0 ? x < stop : x > stop; x += step) l.push_back(Value::integer(x));
+            for (long long x = start; step > 0 ? x < stop : x > stop; x += step)
+              l.push_back(Value::integer(x));
             return Value::make_list(std::move(l));
           }));
     return s;
@@ -864,7 +954,8 @@ const Scope& globals() {
 
 Value Interp::call_macro(const Callable& c, Args& args, Kwargs& kwargs) {
   const Node& m = *c.macro;
-  if (depth_ >= lim_.max_call_depth) fail("chat template exceeded {} nested macro calls", lim_.max_call_depth);
+  if (depth_ >= lim_.max_call_depth)
+    fail("chat template exceeded {} nested macro calls", lim_.max_call_depth);
   auto sc = std::make_shared<Scope>();
   sc->parent = c.closure.lock();
   if (args.size() > m.params.size())
@@ -913,11 +1004,13 @@ Value Interp::call_macro(const Callable& c, Args& args, Kwargs& kwargs) {
 Value Interp::method(const Value& self, const std::string& name) {
   auto bind = [&](auto f) {
     Value s = self;
-    return make_fn(name, [s, f, name](Interp& in, Args& a, Kwargs& k) -> Value { return f(in, s, a, k, name); });
+    return make_fn(name,
+                   [s, f, name](Interp& in, Args& a, Kwargs& k) -> Value { return f(in, s, a, k, name); });
   };
   if (self.t == T::Str) {
-    static const char* kStr[] = {"startswith", "endswith", "split", "rsplit", "strip", "lstrip", "rstrip", "replace",
-                                 "upper", "lower", "title", "capitalize", "find", "count", "join"};
+    static const char* kStr[] = {"startswith", "endswith",   "split",   "rsplit", "strip",
+                                 "lstrip",     "rstrip",     "replace", "upper",  "lower",
+                                 "title",      "capitalize", "find",    "count",  "join"};
     bool known = false;
     for (const char* n : kStr) known |= name == n;
     if (!known) return Value();
@@ -929,12 +1022,16 @@ Value Interp::method(const Value& self, const std::string& name) {
         Value p = b.get(0, "prefix", Value());
         if (p.is_undef() && a.empty()) fail("{}() takes at least 1 argument (0 given)", nm);
         List options;
-        if (p.t == T::Tuple) options = *p.list;
-        else options.push_back(p);
+        if (p.t == T::Tuple)
+          options = *p.list;
+        else
+          options.push_back(p);
         for (const Value& o : options) {
           if (o.t != T::Str)
-            fail("{} first arg must be str or a tuple of str, not {}", nm, type_name(p.t == T::Tuple ? o : p));
-          if (nm == "startswith" ? t.s.starts_with(o.sv()) : t.s.ends_with(o.sv())) return Value::boolean(true);
+            fail("{} first arg must be str or a tuple of str, not {}", nm,
+                 type_name(p.t == T::Tuple ? o : p));
+          if (nm == "startswith" ? t.s.starts_with(o.sv()) : t.s.ends_with(o.sv()))
+            return Value::boolean(true);
         }
         return Value::boolean(false);
       }
@@ -943,28 +1040,31 @@ Value Interp::method(const Value& self, const std::string& name) {
         Value sep = b.get(0, "sep", Value::none());
         long long maxsplit = need_int(b.get(1, "maxsplit", Value::integer(-1)), "maxsplit");
         if (sep.t != T::None && sep.t != T::Str) fail("must be str or None, not {}", type_name(sep));
-        return Value::make_list(split_text(t, sep.t == T::Str ? sep.s.get() : nullptr, maxsplit, nm == "rsplit"));
+        return Value::make_list(
+            split_text(t, sep.t == T::Str ? sep.s.get() : nullptr, maxsplit, nm == "rsplit"));
       }
       if (nm == "strip" || nm == "lstrip" || nm == "rstrip") {
         b.check(1, {});
         Value chars = b.get(0, "chars", Value::none());
-        if (chars.t != T::None && chars.t != T::Str)
-          fail("{} arg must be None or str", nm);
+        if (chars.t != T::None && chars.t != T::Str) fail("{} arg must be None or str", nm);
         auto set = strip_chars(chars, "chars");
         return Value::str(strip_text(t, nm != "rstrip", nm != "lstrip", chars.t == T::None ? nullptr : &set));
       }
       if (nm == "replace") {
         b.check(3, {"count"});
         if (a.size() < 2) fail("replace expected at least 2 arguments, got {}", a.size());
-        Text r = replace_text(t, need_str(a[0], "replace() argument 1"), need_str(a[1], "replace() argument 2"),
-                              need_int(b.get(2, "count", Value::integer(-1)), "count"));
+        Text r =
+            replace_text(t, need_str(a[0], "replace() argument 1"), need_str(a[1], "replace() argument 2"),
+                         need_int(b.get(2, "count", Value::integer(-1)), "count"));
         in.check_size(r.s.size());
         return Value::str(std::move(r));
       }
       if (nm == "upper" || nm == "lower" || nm == "title" || nm == "capitalize") {
         b.check(0, {});
-        return Value::str(change_case(t, nm == "upper" ? Case::Upper : nm == "lower" ? Case::Lower
-                                                                  : nm == "title" ? Case::Title : Case::Capitalize));
+        return Value::str(change_case(t, nm == "upper"   ? Case::Upper
+                                         : nm == "lower" ? Case::Lower
+                                         : nm == "title" ? Case::Title
+                                                         : Case::Capitalize));
       }
       if (nm == "find" || nm == "count") {
         b.check(1, {});
@@ -985,7 +1085,8 @@ Value Interp::method(const Value& self, const std::string& name) {
       Text out;
       List items = iterate(a[0]);
       for (size_t k = 0; k < items.size(); ++k) {
-        if (items[k].t != T::Str) fail("sequence item {}: expected str instance, {} found", k, type_name(items[k]));
+        if (items[k].t != T::Str)
+          fail("sequence item {}: expected str instance, {} found", k, type_name(items[k]));
         if (k) out.append(t);
         out.append(*items[k].s);
         in.check_size(out.s.size());
@@ -1008,9 +1109,12 @@ Value Interp::method(const Value& self, const std::string& name) {
         b.check(0, {});
         List l;
         for (const auto& kv : *s.dict) {
-          if (nm == "keys") l.push_back(key_value(kv.first, s.data));
-          else if (nm == "values") l.push_back(kv.second);
-          else l.push_back(Value::make_list({key_value(kv.first, s.data), kv.second}, true));
+          if (nm == "keys")
+            l.push_back(key_value(kv.first, s.data));
+          else if (nm == "values")
+            l.push_back(kv.second);
+          else
+            l.push_back(Value::make_list({key_value(kv.first, s.data), kv.second}, true));
         }
         return Value::make_list(std::move(l));
       });
@@ -1020,7 +1124,8 @@ Value Interp::method(const Value& self, const std::string& name) {
         return Value::undefined(fmt::format("access to attribute '{}' of 'dict' object is unsafe.", name));
   }
   if (self.is_seq()) {
-    static const char* kUnsafe[] = {"append", "extend", "insert", "pop", "remove", "reverse", "sort", "clear"};
+    static const char* kUnsafe[] = {"append", "extend",  "insert", "pop",
+                                    "remove", "reverse", "sort",   "clear"};
     if (self.t == T::List)
       for (const char* n : kUnsafe)
         if (name == n)
@@ -1043,7 +1148,8 @@ Value Interp::method(const Value& self, const std::string& name) {
 
 Value Interp::get_attr(const Value& obj, const std::string& name) {
   switch (obj.t) {
-    case T::Undef: raise_undefined(obj);
+    case T::Undef:
+      raise_undefined(obj);
     case T::Dict: {
       Value m = method(obj, name);
       if (m.t != T::Undef || m.undef) return m;
@@ -1067,8 +1173,10 @@ Value Interp::get_attr(const Value& obj, const std::string& name) {
       if (name == "length") return Value::integer(n);
       if (name == "depth") return Value::integer(1);
       if (name == "depth0") return Value::integer(0);
-      if (name == "previtem") return i > 0 ? (*l.items)[size_t(i - 1)] : Value::undefined("there is no previous item");
-      if (name == "nextitem") return i + 1 < n ? (*l.items)[size_t(i + 1)] : Value::undefined("there is no next item");
+      if (name == "previtem")
+        return i > 0 ? (*l.items)[size_t(i - 1)] : Value::undefined("there is no previous item");
+      if (name == "nextitem")
+        return i + 1 < n ? (*l.items)[size_t(i + 1)] : Value::undefined("there is no next item");
       if (name == "cycle") {
         size_t idx = l.index0;
         return make_fn("cycle", [idx](Interp&, Args& a, Kwargs&) -> Value {
@@ -1120,7 +1228,8 @@ Value Interp::get_item(const Value& obj, const Value& key) {
     case T::Loop:
       if (key.t == T::Str) return get_attr(obj, key.sv());
       return undef_item(obj, key);
-    default: return undef_item(obj, key);
+    default:
+      return undef_item(obj, key);
   }
 }
 
@@ -1137,12 +1246,19 @@ Value Interp::binary(int op, const Value& a, const Value& b) {
       __int128 x = as_int(a), y = as_int(b), r = 0;
       bool of = false;
       switch (op) {
-        case kAdd: of = __builtin_add_overflow(x, y, &r); break;
-        case kSub: of = __builtin_sub_overflow(x, y, &r); break;
-        case kMul: of = __builtin_mul_overflow(x, y, &r); break;
+        case kAdd:
+          of = __builtin_add_overflow(x, y, &r);
+          break;
+        case kSub:
+          of = __builtin_sub_overflow(x, y, &r);
+          break;
+        case kMul:
+          of = __builtin_mul_overflow(x, y, &r);
+          break;
         case kFloorDiv:
         case kMod: {
-          if (y == 0) fail("integer division or modulo by zero");
+          if (y == 0)
+            fail("{}", op == kMod ? "integer modulo by zero" : "integer division or modulo by zero");
           __int128 q = x / y, m = x % y;
           if (m != 0 && ((m < 0) != (y < 0))) {
             --q;
@@ -1164,9 +1280,12 @@ Value Interp::binary(int op, const Value& a, const Value& b) {
     }
     double x = double(as_ld(a)), y = double(as_ld(b));
     switch (op) {
-      case kAdd: return Value::real(x + y);
-      case kSub: return Value::real(x - y);
-      case kMul: return Value::real(x * y);
+      case kAdd:
+        return Value::real(x + y);
+      case kSub:
+        return Value::real(x - y);
+      case kMul:
+        return Value::real(x * y);
       case kDiv:
         if (y == 0) fail("{}", fl ? "float division by zero" : "division by zero");
         return Value::real(x / y);
@@ -1179,7 +1298,8 @@ Value Interp::binary(int op, const Value& a, const Value& b) {
         if (m != 0 && ((m < 0) != (y < 0))) m += y;
         return Value::real(m);
       }
-      default: return Value::real(std::pow(x, y));
+      default:
+        return Value::real(std::pow(x, y));
     }
   }
   if (op == kAdd) {
@@ -1191,7 +1311,8 @@ Value Interp::binary(int op, const Value& a, const Value& b) {
       return Value::str(std::move(t));
     }
     if (a.is_seq()) {
-      if (b.t != a.t) fail("can only concatenate {} (not \"{}\") to {}", type_name(a), type_name(b), type_name(a));
+      if (b.t != a.t)
+        fail("can only concatenate {} (not \"{}\") to {}", type_name(a), type_name(b), type_name(a));
       List l = *a.list;
       l.insert(l.end(), b.list->begin(), b.list->end());
       return Value::make_list(std::move(l), a.t == T::Tuple);
@@ -1226,7 +1347,8 @@ void Interp::assign(const std::vector<std::string>& targets, const Value& v, Sco
     return;
   }
   if (v.is_undef()) raise_undefined(v);
-  if (v.t != T::Str && !v.is_seq() && v.t != T::Dict) fail("cannot unpack non-iterable {} object", type_name(v));
+  if (v.t != T::Str && !v.is_seq() && v.t != T::Dict)
+    fail("cannot unpack non-iterable {} object", type_name(v));
   List items = iterate(v);
   if (items.size() < targets.size())
     fail("not enough values to unpack (expected {}, got {})", targets.size(), items.size());
@@ -1236,7 +1358,8 @@ void Interp::assign(const std::vector<std::string>& targets, const Value& v, Sco
 
 Value Interp::eval(const Expr& e, const ScopeP& sc) {
   switch (e.k) {
-    case Expr::K::Const: return e.value;
+    case Expr::K::Const:
+      return e.value;
     case Expr::K::Name: {
       if (const Value* v = sc->find(e.name)) return *v;
       if (const Value* v = globals().find(e.name)) return *v;
@@ -1261,7 +1384,8 @@ Value Interp::eval(const Expr& e, const ScopeP& sc) {
       }
       return Value::make_dict(std::move(d));
     }
-    case Expr::K::Attr: return get_attr(eval(*e.args[0], sc), e.name);
+    case Expr::K::Attr:
+      return get_attr(eval(*e.args[0], sc), e.name);
     case Expr::K::Item: {
       Value obj = eval(*e.args[0], sc);
       const Expr& k = *e.args[1];
@@ -1271,14 +1395,15 @@ Value Interp::eval(const Expr& e, const ScopeP& sc) {
         Value a = part(0), b = part(1), c = part(2);
         if (obj.t != T::Str && !obj.is_seq()) {
           if (obj.t == T::Dict) fail("unhashable type: 'slice'");
-          return Value::undefined(fmt::format("{} has no element slice({}, {}, {})", object_type_repr(obj), repr(a),
-                                              repr(b), repr(c)));
+          return Value::undefined(fmt::format("{} has no element slice({}, {}, {})", object_type_repr(obj),
+                                              repr(a), repr(b), repr(c)));
         }
         return slice_value(obj, a, b, c);
       }
       return get_item(obj, eval(k, sc));
     }
-    case Expr::K::Slice: fail("unsupported: a slice outside a subscript");
+    case Expr::K::Slice:
+      fail("unsupported: a slice outside a subscript");
     case Expr::K::Call: {
       Value callee = eval(*e.args[0], sc);
       Args args;
@@ -1287,14 +1412,18 @@ Value Interp::eval(const Expr& e, const ScopeP& sc) {
       for (const auto& [n, x] : e.kwargs) kwargs.emplace_back(n, eval(*x, sc));
       return call(callee, args, kwargs);
     }
-    case Expr::K::Filter: return apply_filter(e, sc);
-    case Expr::K::Test: return Value::boolean(apply_test(e, sc) != e.negated);
-    case Expr::K::Not: return Value::boolean(!truthy(eval(*e.args[0], sc)));
+    case Expr::K::Filter:
+      return apply_filter(e, sc);
+    case Expr::K::Test:
+      return Value::boolean(apply_test(e, sc) != e.negated);
+    case Expr::K::Not:
+      return Value::boolean(!truthy(eval(*e.args[0], sc)));
     case Expr::K::Neg:
     case Expr::K::Pos: {
       Value v = eval(*e.args[0], sc);
       if (v.is_undef()) raise_undefined(v);
-      if (!v.is_number()) fail("bad operand type for unary {}: '{}'", e.k == Expr::K::Neg ? "-" : "+", type_name(v));
+      if (!v.is_number())
+        fail("bad operand type for unary {}: '{}'", e.k == Expr::K::Neg ? "-" : "+", type_name(v));
       if (e.k == Expr::K::Pos) return v.t == T::Bool ? Value::integer(v.b) : v;
       return v.t == T::Float ? Value::real(-v.f) : Value::integer(-as_int(v));
     }
@@ -1309,13 +1438,21 @@ Value Interp::eval(const Expr& e, const ScopeP& sc) {
         Value right = eval(*e.args[k + 1], sc);
         bool r;
         switch (e.ops[k]) {
-          case kEq: r = py_eq(left, right); break;
-          case kNe: r = !py_eq(left, right); break;
-          case kIn: r = py_in(left, right); break;
-          case kNotIn: r = !py_in(left, right); break;
+          case kEq:
+            r = py_eq(left, right);
+            break;
+          case kNe:
+            r = !py_eq(left, right);
+            break;
+          case kIn:
+            r = py_in(left, right);
+            break;
+          case kNotIn:
+            r = !py_in(left, right);
+            break;
           default: {
             int c = py_order(left, right, e.ops[k]);
-            r = c == 2 ? false
+            r = c == 2            ? false
                 : e.ops[k] == kLt ? c < 0
                 : e.ops[k] == kLe ? c <= 0
                 : e.ops[k] == kGt ? c > 0
@@ -1374,7 +1511,8 @@ Value Interp::apply_filter(const Expr& e, const ScopeP& sc) {
       }
       Value seps = b.get(2, "separators", Value::none());
       if (seps.t != T::None) {
-        if (!seps.is_seq() || seps.list->size() != 2 || (*seps.list)[0].t != T::Str || (*seps.list)[1].t != T::Str)
+        if (!seps.is_seq() || seps.list->size() != 2 || (*seps.list)[0].t != T::Str ||
+            (*seps.list)[1].t != T::Str)
           fail("tojson: separators must be a pair of strings");
         st.item_sep = (*seps.list)[0].sv();
         st.key_sep = (*seps.list)[1].sv();
@@ -1392,19 +1530,26 @@ Value Interp::apply_filter(const Expr& e, const ScopeP& sc) {
       if (v.is_undef()) return Value::make_list({});
       if (v.t != T::Dict) fail("Can only get item pairs from a mapping.");
       List l;
-      for (const auto& kv : *v.dict) l.push_back(Value::make_list({key_value(kv.first, v.data), kv.second}, true));
+      for (const auto& kv : *v.dict)
+        l.push_back(Value::make_list({key_value(kv.first, v.data), kv.second}, true));
       return Value::make_list(std::move(l));
     }
     case kFLength:
       b.check(0, {});
       switch (v.t) {
-        case T::Undef: return Value::integer(0);
-        case T::Str: return Value::integer((long long)cp_count(v.sv()));
+        case T::Undef:
+          return Value::integer(0);
+        case T::Str:
+          return Value::integer((long long)cp_count(v.sv()));
         case T::List:
-        case T::Tuple: return Value::integer((long long)v.list->size());
-        case T::Dict: return Value::integer((long long)v.dict->size());
-        case T::Loop: return Value::integer((long long)v.loop->items->size());
-        default: fail("object of type '{}' has no len()", type_name(v));
+        case T::Tuple:
+          return Value::integer((long long)v.list->size());
+        case T::Dict:
+          return Value::integer((long long)v.dict->size());
+        case T::Loop:
+          return Value::integer((long long)v.loop->items->size());
+        default:
+          fail("object of type '{}' has no len()", type_name(v));
       }
     case kFTrim: {
       b.check(1, {"chars"});
@@ -1417,13 +1562,16 @@ Value Interp::apply_filter(const Expr& e, const ScopeP& sc) {
     case kFCapitalize:
     case kFTitle:
       b.check(0, {});
-      return Value::str(change_case(soft_str(v), e.id == kFLower ? Case::Lower : e.id == kFUpper ? Case::Upper
-                                                            : e.id == kFTitle ? Case::Title : Case::Capitalize));
+      return Value::str(change_case(soft_str(v), e.id == kFLower   ? Case::Lower
+                                                 : e.id == kFUpper ? Case::Upper
+                                                 : e.id == kFTitle ? Case::Title
+                                                                   : Case::Capitalize));
     case kFReplace: {
       b.check(3, {"old", "new", "count"});
       Value cnt = b.get(2, "count", Value::none());
-      Text r = replace_text(soft_str(v), soft_str(b.get(0, "old", Value())), soft_str(b.get(1, "new", Value())),
-                            cnt.t == T::None ? -1 : need_int(cnt, "count"));
+      Text r =
+          replace_text(soft_str(v), soft_str(b.get(0, "old", Value())), soft_str(b.get(1, "new", Value())),
+                       cnt.t == T::None ? -1 : need_int(cnt, "count"));
       check_size(r.s.size());
       return Value::str(std::move(r));
     }
@@ -1512,7 +1660,8 @@ Value Interp::apply_filter(const Expr& e, const ScopeP& sc) {
       b.check(0, {});
       if (v.is_undef()) raise_undefined(v);
       if (!v.is_number()) fail("bad operand type for abs(): '{}'", type_name(v));
-      return v.t == T::Float ? Value::real(std::fabs(v.f)) : Value::integer(as_int(v) < 0 ? -as_int(v) : as_int(v));
+      return v.t == T::Float ? Value::real(std::fabs(v.f))
+                             : Value::integer(as_int(v) < 0 ? -as_int(v) : as_int(v));
     case kFReverse: {
       b.check(0, {});
       if (v.t == T::Str) {
@@ -1538,23 +1687,38 @@ bool Interp::apply_test(const Expr& e, const ScopeP& sc) {
     return a[0];
   };
   switch (e.id) {
-    case kTDefined: return !v.is_undef();
-    case kTUndefined: return v.is_undef();
-    case kTNone: return v.t == T::None;
-    case kTString: return v.t == T::Str;
-    case kTNumber: return v.is_number();
-    case kTMapping: return v.t == T::Dict;
+    case kTDefined:
+      return !v.is_undef();
+    case kTUndefined:
+      return v.is_undef();
+    case kTNone:
+      return v.t == T::None;
+    case kTString:
+      return v.t == T::Str;
+    case kTNumber:
+      return v.is_number();
+    case kTMapping:
+      return v.t == T::Dict;
     case kTIterable:
     case kTSequence:
-      return v.is_undef() || v.t == T::Str || v.is_seq() || v.t == T::Dict || (e.id == kTIterable && v.t == T::Loop);
-    case kTTrue: return v.t == T::Bool && v.b;
-    case kTFalse: return v.t == T::Bool && !v.b;
-    case kTBoolean: return v.t == T::Bool;
-    case kTInteger: return v.t == T::Int;
-    case kTFloat: return v.t == T::Float;
-    case kTEq: return py_eq(v, arg());
-    case kTNe: return !py_eq(v, arg());
-    case kTIn: return py_in(v, arg());
+      return v.is_undef() || v.t == T::Str || v.is_seq() || v.t == T::Dict ||
+             (e.id == kTIterable && v.t == T::Loop);
+    case kTTrue:
+      return v.t == T::Bool && v.b;
+    case kTFalse:
+      return v.t == T::Bool && !v.b;
+    case kTBoolean:
+      return v.t == T::Bool;
+    case kTInteger:
+      return v.t == T::Int;
+    case kTFloat:
+      return v.t == T::Float;
+    case kTEq:
+      return py_eq(v, arg());
+    case kTNe:
+      return !py_eq(v, arg());
+    case kTIn:
+      return py_in(v, arg());
     case kTOdd:
     case kTEven:
     case kTDivisibleby: {
@@ -1562,20 +1726,28 @@ bool Interp::apply_test(const Expr& e, const ScopeP& sc) {
       bool zero = !truthy(m);
       return e.id == kTOdd ? !zero : zero;
     }
-    case kTCallable: return v.t == T::Fn || v.is_undef();
+    case kTCallable:
+      return v.t == T::Fn || v.is_undef();
     case kTSameas: {
       const Value& o = arg();
       if (v.t != o.t) return false;
       switch (v.t) {
         case T::None:
-        case T::Undef: return v.t == T::None || v.undef == o.undef;
-        case T::Bool: return v.b == o.b;
-        case T::Str: return v.s == o.s;
+        case T::Undef:
+          return v.t == T::None || v.undef == o.undef;
+        case T::Bool:
+          return v.b == o.b;
+        case T::Str:
+          return v.s == o.s;
         case T::List:
-        case T::Tuple: return v.list == o.list;
-        case T::Dict: return v.dict == o.dict;
-        case T::Ns: return v.ns == o.ns;
-        default: return py_eq(v, o) && v.t != T::Float;
+        case T::Tuple:
+          return v.list == o.list;
+        case T::Dict:
+          return v.dict == o.dict;
+        case T::Ns:
+          return v.ns == o.ns;
+        default:
+          return py_eq(v, o) && v.t != T::Float;
       }
     }
     case kTLower:
@@ -1711,9 +1883,12 @@ Interp::Flow Interp::exec_node(const Node& n, const ScopeP& sc, Text& out) {
       check_size(out.s.size());
       return Flow::Normal;
     }
-    case Node::K::Break: return Flow::Break;
-    case Node::K::Continue: return Flow::Continue;
-    case Node::K::Generation: return exec(n.body, sc, out);
+    case Node::K::Break:
+      return Flow::Break;
+    case Node::K::Continue:
+      return Flow::Continue;
+    case Node::K::Generation:
+      return exec(n.body, sc, out);
   }
   return Flow::Normal;
 }

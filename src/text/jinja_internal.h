@@ -135,15 +135,33 @@ using ExprP = std::unique_ptr<Expr>;
 
 struct Expr {
   enum class K : uint8_t {
-    Const, Name, List, Tuple, Dict, Attr, Item, Slice, Call, Filter, Test, Not, Neg, Pos,
-    Binary, Compare, And, Or, Cond, Concat
+    Const,
+    Name,
+    List,
+    Tuple,
+    Dict,
+    Attr,
+    Item,
+    Slice,
+    Call,
+    Filter,
+    Test,
+    Not,
+    Neg,
+    Pos,
+    Binary,
+    Compare,
+    And,
+    Or,
+    Cond,
+    Concat
   };
   K k = K::Const;
   int line = 0;
-  bool negated = false;  // `is not`
-  int id = 0;            // filter/test id, binary operator
-  Value value;           // Const
-  std::string name;      // Name, Attr, Filter, Test
+  bool negated = false;     // `is not`
+  int id = 0;               // filter/test id, binary operator
+  Value value;              // Const
+  std::string name;         // Name, Attr, Filter, Test
   std::vector<ExprP> args;  // operands; for Call/Filter/Test: [callee/subject, positional...]
   std::vector<std::pair<std::string, ExprP>> kwargs;
   std::vector<int> ops;  // Compare: one operator per following operand
@@ -154,19 +172,31 @@ using NodeP = std::unique_ptr<Node>;
 using Body = std::vector<NodeP>;
 
 struct Node {
-  enum class K : uint8_t { Text, Output, If, For, Set, SetBlock, Macro, CallBlock, Break, Continue, Generation };
+  enum class K : uint8_t {
+    Text,
+    Output,
+    If,
+    For,
+    Set,
+    SetBlock,
+    Macro,
+    CallBlock,
+    Break,
+    Continue,
+    Generation
+  };
   K k = K::Text;
   int line = 0;
-  std::string text;                   // Text
-  ExprP expr;                         // Output, Set value, For iterable, CallBlock call
-  ExprP cond;                         // For's `if` filter
-  std::vector<std::string> targets;   // Set / For names; Set on a namespace: {ns, attr}
-  bool ns_attr = false;               // Set targets[0].targets[1]
+  std::string text;                              // Text
+  ExprP expr;                                    // Output, Set value, For iterable, CallBlock call
+  ExprP cond;                                    // For's `if` filter
+  std::vector<std::string> targets;              // Set / For names; Set on a namespace: {ns, attr}
+  bool ns_attr = false;                          // Set targets[0].targets[1]
   std::vector<std::pair<ExprP, Body>> branches;  // If: (condition or null for else, body)
   Body body, else_body;
-  std::string name;                   // Macro name
+  std::string name;                                   // Macro name
   std::vector<std::pair<std::string, ExprP>> params;  // Macro / CallBlock parameters with defaults
-  std::vector<int> filters;           // SetBlock's filters (ids), applied in order
+  std::vector<int> filters;                           // SetBlock's filters (ids), applied in order
 };
 
 struct Program {
@@ -175,13 +205,51 @@ struct Program {
 
 // Filter and test ids, resolved when the template is parsed.
 enum Filter : int {
-  kFTojson, kFItems, kFLength, kFTrim, kFLower, kFUpper, kFReplace, kFJoin, kFFirst, kFLast,
-  kFDefault, kFList, kFString, kFInt, kFFloat, kFSafe, kFAbs, kFCapitalize, kFTitle, kFReverse
+  kFTojson,
+  kFItems,
+  kFLength,
+  kFTrim,
+  kFLower,
+  kFUpper,
+  kFReplace,
+  kFJoin,
+  kFFirst,
+  kFLast,
+  kFDefault,
+  kFList,
+  kFString,
+  kFInt,
+  kFFloat,
+  kFSafe,
+  kFAbs,
+  kFCapitalize,
+  kFTitle,
+  kFReverse
 };
 enum TestId : int {
-  kTDefined, kTUndefined, kTNone, kTString, kTNumber, kTMapping, kTIterable, kTSequence, kTTrue,
-  kTFalse, kTBoolean, kTInteger, kTFloat, kTEq, kTNe, kTIn, kTOdd, kTEven, kTDivisibleby, kTCallable,
-  kTSameas, kTLower, kTUpper
+  kTDefined,
+  kTUndefined,
+  kTNone,
+  kTString,
+  kTNumber,
+  kTMapping,
+  kTIterable,
+  kTSequence,
+  kTTrue,
+  kTFalse,
+  kTBoolean,
+  kTInteger,
+  kTFloat,
+  kTEq,
+  kTNe,
+  kTIn,
+  kTOdd,
+  kTEven,
+  kTDivisibleby,
+  kTCallable,
+  kTSameas,
+  kTLower,
+  kTUpper
 };
 enum BinOp : int { kAdd, kSub, kMul, kDiv, kFloorDiv, kMod, kPow };
 enum CmpOp : int { kEq, kNe, kLt, kLe, kGt, kGe, kIn, kNotIn };

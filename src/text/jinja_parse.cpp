@@ -106,7 +106,10 @@ std::string decode_string(std::string_view body, int line) {
       for (size_t k = 1; k <= n; ++k) {
         if (i + k >= body.size()) syntax(line, "truncated escape in string literal");
         char h = body[i + k];
-        int d = h >= '0' && h <= '9' ? h - '0' : h >= 'a' && h <= 'f' ? h - 'a' + 10 : h >= 'A' && h <= 'F' ? h - 'A' + 10 : -1;
+        int d = h >= '0' && h <= '9'   ? h - '0'
+                : h >= 'a' && h <= 'f' ? h - 'a' + 10
+                : h >= 'A' && h <= 'F' ? h - 'A' + 10
+                                       : -1;
         if (d < 0) syntax(line, "truncated escape in string literal");
         v = v * 16 + uint32_t(d);
       }
@@ -115,21 +118,49 @@ std::string decode_string(std::string_view body, int line) {
       utf8_encode(out, v);
     };
     switch (e) {
-      case '\n': break;
-      case '\\': out += '\\'; break;
-      case '\'': out += '\''; break;
-      case '"': out += '"'; break;
-      case 'a': out += '\a'; break;
-      case 'b': out += '\b'; break;
-      case 'f': out += '\f'; break;
-      case 'n': out += '\n'; break;
-      case 'r': out += '\r'; break;
-      case 't': out += '\t'; break;
-      case 'v': out += '\v'; break;
-      case 'x': hex(2); break;
-      case 'u': hex(4); break;
-      case 'U': hex(8); break;
-      case 'N': syntax(line, "\\N{...} escapes are not supported");
+      case '\n':
+        break;
+      case '\\':
+        out += '\\';
+        break;
+      case '\'':
+        out += '\'';
+        break;
+      case '"':
+        out += '"';
+        break;
+      case 'a':
+        out += '\a';
+        break;
+      case 'b':
+        out += '\b';
+        break;
+      case 'f':
+        out += '\f';
+        break;
+      case 'n':
+        out += '\n';
+        break;
+      case 'r':
+        out += '\r';
+        break;
+      case 't':
+        out += '\t';
+        break;
+      case 'v':
+        out += '\v';
+        break;
+      case 'x':
+        hex(2);
+        break;
+      case 'u':
+        hex(4);
+        break;
+      case 'U':
+        hex(8);
+        break;
+      case 'N':
+        syntax(line, "\\N{...} escapes are not supported");
       default:
         if (e >= '0' && e <= '7') {
           uint32_t v = uint32_t(e - '0');
@@ -144,7 +175,7 @@ std::string decode_string(std::string_view body, int line) {
           if (!n) syntax(line, "invalid UTF-8 in string literal");
           i += n - 1;
           out += '\\';
-          out += cp < 0x100 ? fmt::format("x{:02x}", uint32_t(cp))
+          out += cp < 0x100     ? fmt::format("x{:02x}", uint32_t(cp))
                  : cp < 0x10000 ? fmt::format("u{:04x}", uint32_t(cp))
                                 : fmt::format("U{:08x}", uint32_t(cp));
         } else {
@@ -297,8 +328,9 @@ class Lexer {
         if (s[i] == '\n') ++line_;
         i += n;
       }
-      if (i >= s.size()) syntax(line_, end_char == '}' ? "unexpected end of template, expected '}}'"
-                                                      : "unexpected end of template, expected '%}'");
+      if (i >= s.size())
+        syntax(line_, end_char == '}' ? "unexpected end of template, expected '}}'"
+                                      : "unexpected end of template, expected '%}'");
       if (depth == 0) {
         bool minus = s[i] == '-' && i + 2 < s.size() + 0 && s.substr(i + 1, 2) == std::string{end_char, '}'};
         bool plus = end_char == '%' && s[i] == '+' && s.substr(i + 1, 2) == "%}";
@@ -324,8 +356,8 @@ class Lexer {
         line_ += count_nl(body);
         i = j + 1;
       } else {
-        static const char* ops[] = {"//", "**", "==", "!=", ">=", "<=", "+", "-", "/", "*", "%", "~", "[", "]",
-                                    "(", ")", "{", "}", ">", "<", "=", ".", ":", "|", ",", ";"};
+        static const char* ops[] = {"//", "**", "==", "!=", ">=", "<=", "+", "-", "/", "*", "%", "~", "[",
+                                    "]",  "(",  ")",  "{",  "}",  ">",  "<", "=", ".", ":", "|", ",", ";"};
         std::string op;
         for (const char* o : ops)
           if (s.substr(i, std::strlen(o)) == o) {
@@ -347,8 +379,9 @@ class Lexer {
   size_t lex_number(std::string_view s, size_t i) {
     size_t j = i;
     auto digits = [&] {
-      while (j < s.size() && (std::isdigit(static_cast<unsigned char>(s[j])) ||
-                              (s[j] == '_' && j + 1 < s.size() && std::isdigit(static_cast<unsigned char>(s[j + 1])))))
+      while (j < s.size() &&
+             (std::isdigit(static_cast<unsigned char>(s[j])) ||
+              (s[j] == '_' && j + 1 < s.size() && std::isdigit(static_cast<unsigned char>(s[j + 1])))))
         ++j;
     };
     digits();
@@ -389,21 +422,39 @@ class Lexer {
 };
 
 const std::pair<const char*, int> kFilters[] = {
-    {"tojson", kFTojson}, {"items", kFItems},   {"length", kFLength}, {"count", kFLength},
-    {"trim", kFTrim},     {"lower", kFLower},   {"upper", kFUpper},   {"replace", kFReplace},
-    {"join", kFJoin},     {"first", kFFirst},   {"last", kFLast},     {"default", kFDefault},
-    {"d", kFDefault},     {"list", kFList},     {"string", kFString}, {"int", kFInt},
-    {"float", kFFloat},   {"safe", kFSafe},     {"abs", kFAbs},       {"capitalize", kFCapitalize},
+    {"tojson", kFTojson}, {"items", kFItems},    {"length", kFLength}, {"count", kFLength},
+    {"trim", kFTrim},     {"lower", kFLower},    {"upper", kFUpper},   {"replace", kFReplace},
+    {"join", kFJoin},     {"first", kFFirst},    {"last", kFLast},     {"default", kFDefault},
+    {"d", kFDefault},     {"list", kFList},      {"string", kFString}, {"int", kFInt},
+    {"float", kFFloat},   {"safe", kFSafe},      {"abs", kFAbs},       {"capitalize", kFCapitalize},
     {"title", kFTitle},   {"reverse", kFReverse}};
 
-const std::pair<const char*, int> kTests[] = {
-    {"defined", kTDefined},   {"undefined", kTUndefined}, {"none", kTNone},         {"string", kTString},
-    {"number", kTNumber},     {"mapping", kTMapping},     {"iterable", kTIterable}, {"sequence", kTSequence},
-    {"true", kTTrue},         {"false", kTFalse},         {"boolean", kTBoolean},   {"integer", kTInteger},
-    {"float", kTFloat},       {"eq", kTEq},               {"equalto", kTEq},        {"==", kTEq},
-    {"ne", kTNe},             {"!=", kTNe},               {"in", kTIn},             {"odd", kTOdd},
-    {"even", kTEven},         {"divisibleby", kTDivisibleby}, {"callable", kTCallable}, {"sameas", kTSameas},
-    {"lower", kTLower},       {"upper", kTUpper}};
+const std::pair<const char*, int> kTests[] = {{"defined", kTDefined},
+                                              {"undefined", kTUndefined},
+                                              {"none", kTNone},
+                                              {"string", kTString},
+                                              {"number", kTNumber},
+                                              {"mapping", kTMapping},
+                                              {"iterable", kTIterable},
+                                              {"sequence", kTSequence},
+                                              {"true", kTTrue},
+                                              {"false", kTFalse},
+                                              {"boolean", kTBoolean},
+                                              {"integer", kTInteger},
+                                              {"float", kTFloat},
+                                              {"eq", kTEq},
+                                              {"equalto", kTEq},
+                                              {"==", kTEq},
+                                              {"ne", kTNe},
+                                              {"!=", kTNe},
+                                              {"in", kTIn},
+                                              {"odd", kTOdd},
+                                              {"even", kTEven},
+                                              {"divisibleby", kTDivisibleby},
+                                              {"callable", kTCallable},
+                                              {"sameas", kTSameas},
+                                              {"lower", kTLower},
+                                              {"upper", kTUpper}};
 
 class Parser {
  public:
@@ -460,7 +511,8 @@ class Parser {
   struct Depth {
     Parser& p;
     explicit Depth(Parser& parser) : p(parser) {
-      if (++p.depth_ > kMaxNesting) syntax(p.cur().line, fmt::format("nesting deeper than {} levels", kMaxNesting));
+      if (++p.depth_ > kMaxNesting)
+        syntax(p.cur().line, fmt::format("nesting deeper than {} levels", kMaxNesting));
     }
     ~Depth() { --p.depth_; }
   };
@@ -480,7 +532,8 @@ class Parser {
     for (;;) {
       const Token& t = cur();
       if (t.type == Tok::Eof) {
-        if (ends.size()) syntax(t.line, fmt::format("unexpected end of template, expected '{}'", *ends.begin()));
+        if (ends.size())
+          syntax(t.line, fmt::format("unexpected end of template, expected '{}'", *ends.begin()));
         return body;
       }
       if (t.type == Tok::Data) {
@@ -609,7 +662,8 @@ class Parser {
       n->body = parse_body({"endgeneration"}, stop);
       expect_block_end();
     } else {
-      static const char* known[] = {"elif", "else", "endif", "endfor", "endset", "endmacro", "endcall", "endgeneration"};
+      static const char* known[] = {"elif",   "else",     "endif",   "endfor",
+                                    "endset", "endmacro", "endcall", "endgeneration"};
       for (const char* k : known)
         if (kw == k) syntax(n->line, fmt::format("unexpected '{}'", kw));
       syntax(n->line, fmt::format("unsupported construct: the '{}' tag", kw));
@@ -714,7 +768,13 @@ class Parser {
       int op = -1;
       if (cur().type == Tok::Op) {
         const std::string& o = cur().text;
-        op = o == "==" ? kEq : o == "!=" ? kNe : o == "<" ? kLt : o == "<=" ? kLe : o == ">" ? kGt : o == ">=" ? kGe : -1;
+        op = o == "=="   ? kEq
+             : o == "!=" ? kNe
+             : o == "<"  ? kLt
+             : o == "<=" ? kLe
+             : o == ">"  ? kGt
+             : o == ">=" ? kGe
+                         : -1;
         if (op >= 0) next();
       } else if (is_name("in")) {
         op = kIn;
