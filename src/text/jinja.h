@@ -25,7 +25,7 @@ using Json = nlohmann::ordered_json;
 // render error naming the bound.
 struct Limits {
   size_t max_output = size_t(64) << 20;  // bytes of rendered text, and of any one string value
-  uint64_t max_steps = 20'000'000;       // loop iterations + macro calls + output writes
+  uint64_t max_steps = 5'000'000;        // loop iterations + macro calls + output writes
   int max_call_depth = 100;              // nested macro calls
 };
 

@@ -48,6 +48,11 @@ struct Scope {
   }
 };
 
+uint32_t Value::check_depth(uint32_t d) {
+  if (d > kMaxDepth) fail("chat template value nested deeper than {} levels", kMaxDepth);
+  return d;
+}
+
 namespace {
 
 using T = Value::T;
@@ -676,7 +681,8 @@ void json_dump(std::string& out, const Value& v, const JsonStyle& st, int level,
   }
 }
 
-Value from_json(const Json& j) {
+Value from_json(const Json& j, uint32_t depth = 0) {
+  if (depth > Value::kMaxDepth) fail("request value nested deeper than {} levels", Value::kMaxDepth);
   Value v;
   switch (j.type()) {
     case Json::value_t::null:
@@ -703,14 +709,14 @@ Value from_json(const Json& j) {
     case Json::value_t::array: {
       List l;
       l.reserve(j.size());
-      for (const Json& x : j) l.push_back(from_json(x));
+      for (const Json& x : j) l.push_back(from_json(x, depth + 1));
       v = Value::make_list(std::move(l));
       break;
     }
     case Json::value_t::object: {
       Dict d;
       d.reserve(j.size());
-      for (auto& [k, x] : j.items()) d.emplace_back(k, from_json(x));
+      for (auto& [k, x] : j.items()) d.emplace_back(k, from_json(x, depth + 1));
       v = Value::make_dict(std::move(d));
       break;
     }
@@ -775,6 +781,15 @@ class Interp {
 };
 
 namespace {
+
+// A namespace holding a namespace could hold itself: printing it would never end.
+void check_no_namespace(const Value& v) {
+  if (v.t == T::Ns) fail("unsupported: a namespace stored inside a namespace");
+  if (v.is_seq())
+    for (const Value& x : *v.list) check_no_namespace(x);
+  if (v.t == T::Dict)
+    for (const auto& kv : *v.dict) check_no_namespace(kv.second);
+}
 
 Value make_fn(std::string name, std::function<Value(Interp&, Args&, Kwargs&)> f) {
   Value v;
@@ -899,9 +914,11 @@ const Scope& globals() {
             if (a.size() > 1) fail("Namespace expected at most 1 argument, got {}", a.size());
             if (a.size() == 1) {
               if (a[0].t != T::Dict) fail("'{}' object is not iterable", type_name(a[0]));
+              check_no_namespace(a[0]);
               *v.ns = *a[0].dict;
             }
             for (auto& [kn, kv] : k) {
+              check_no_namespace(kv);
               bool set = false;
               for (auto& [n2, v2] : *v.ns)
                 if (n2 == kn) v2 = kv, set = true;
@@ -1788,31 +1805,31 @@ Interp::Flow Interp::exec_node(const Node& n, const ScopeP& sc, Text& out) {
       } else if (it.t != T::Str && !it.is_seq() && it.t != T::Dict && it.t != T::Loop) {
         fail("'{}' object is not iterable", type_name(it));
       }
-      List items = iterate(it);
+      std::shared_ptr<const List> items = it.is_seq() ? it.list : std::make_shared<const List>(iterate(it));
       if (n.cond) {
         List kept;
-        for (Value& x : items) {
+        for (const Value& x : *items) {
           step();
           auto fs = std::make_shared<Scope>();
           fs->parent = sc;
           assign(n.targets, x, *fs);
-          if (truthy(eval(*n.cond, fs))) kept.push_back(std::move(x));
+          if (truthy(eval(*n.cond, fs))) kept.push_back(x);
         }
-        items = std::move(kept);
+        items = std::make_shared<const List>(std::move(kept));
       }
-      if (items.empty()) return exec(n.else_body, sc, out);
+      if (items->empty()) return exec(n.else_body, sc, out);
       Value loop;
       loop.t = T::Loop;
       loop.loop = std::make_shared<LoopState>();
-      loop.loop->items = std::make_shared<const List>(std::move(items));
+      loop.loop->items = std::move(items);
+      // One scope object, emptied for each iteration: what one iteration sets is gone in the next.
+      auto is = std::make_shared<Scope>();
+      is->parent = sc;
       for (size_t k = 0; k < loop.loop->items->size(); ++k) {
         step();
         loop.loop->index0 = k;
-        auto is = std::make_shared<Scope>();
-        is->parent = sc;
-        Value self_loop = loop;
-        self_loop.loop = std::make_shared<LoopState>(*loop.loop);  // a snapshot per iteration
-        is->set("loop", self_loop);
+        is->vars.clear();
+        is->vars.emplace_back("loop", loop);
         assign(n.targets, (*loop.loop->items)[k], *is);
         Flow f = exec(n.body, is, out);
         if (f == Flow::Break) break;
@@ -1825,6 +1842,7 @@ Interp::Flow Interp::exec_node(const Node& n, const ScopeP& sc, Text& out) {
         const Value* target = sc->find(n.targets[0]);
         if (!target) target = globals().find(n.targets[0]);
         if (!target || target->t != T::Ns) fail("cannot assign attribute on non-namespace object");
+        check_no_namespace(v);
         for (auto& kv : *target->ns)
           if (kv.first == n.targets[1]) {
             kv.second = std::move(v);

@@ -1,6 +1,8 @@
 // Internals of the Jinja interpreter (text/jinja.h): values with Python semantics, the syntax
 // tree, and the parser's entry point. Only jinja_parse.cpp and jinja_eval.cpp include this.
 #pragma once
+#include <algorithm>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -57,7 +59,8 @@ struct LoopState;
 struct Value {
   enum class T : uint8_t { Undef, None, Bool, Int, Float, Str, List, Tuple, Dict, Ns, Fn, Loop };
   T t = T::Undef;
-  bool data = false;  // a non-string value taken from the render context
+  bool data = false;   // a non-string value taken from the render context
+  uint32_t depth = 0;  // container nesting, bounded so that printing and comparing cannot overflow the stack
   bool b = false;
   __int128 i = 0;
   double f = 0;
@@ -108,14 +111,25 @@ struct Value {
     t.s = x;
     return str(std::move(t));
   }
+  static constexpr uint32_t kMaxDepth = 512;
+  static uint32_t nested_depth(const List& l) {
+    uint32_t d = 0;
+    for (const Value& x : l) d = std::max(d, x.depth);
+    return check_depth(d + 1);
+  }
+  static uint32_t check_depth(uint32_t d);  // throws past kMaxDepth
   static Value make_list(List l, bool tuple = false) {
     Value v;
+    v.depth = nested_depth(l);
     v.t = tuple ? T::Tuple : T::List;
     v.list = std::make_shared<const List>(std::move(l));
     return v;
   }
   static Value make_dict(Dict d) {
     Value v;
+    uint32_t depth = 0;
+    for (const auto& kv : d) depth = std::max(depth, kv.second.depth);
+    v.depth = check_depth(depth + 1);
     v.t = T::Dict;
     v.dict = std::make_shared<const Dict>(std::move(d));
     return v;
