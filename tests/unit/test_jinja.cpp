@@ -39,14 +39,22 @@ bool contains(const std::string& s, const std::string& part) { return s.find(par
 }  // namespace
 
 TEST(Jinja, HostileTemplatesHitTheirBounds) {
-  EXPECT_TRUE(contains(render_error("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}"), "nested macro calls"));
-  EXPECT_TRUE(contains(render_error("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"),
-                       "evaluation steps"));
-  EXPECT_TRUE(contains(render_error("{% set s = 'x' * 1000000 %}{% for i in range(1000) %}{{ s }}{% endfor %}"),
-                       "output exceeds"));
+  // Bounds smaller than the defaults keep this quick under the sanitizers; the mechanism is the same.
+  Limits lim;
+  lim.max_output = 1 << 20;
+  lim.max_steps = 200'000;
+  EXPECT_TRUE(
+      contains(render_error("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}"), "100 nested macro calls"));
+  EXPECT_TRUE(contains(
+      render_error("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", lim),
+      "200000 evaluation steps"));
+  EXPECT_TRUE(
+      contains(render_error("{% set s = 'x' * 100000 %}{% for i in range(1000) %}{{ s }}{% endfor %}", lim),
+               "output exceeds 1048576 bytes"));
   EXPECT_TRUE(contains(render_error("{{ 'x' * 10000000000 }}"), "exceeds"));
   EXPECT_TRUE(contains(render_error("{% set ns = namespace(s='ab') %}{% for i in range(64) %}"
-                                    "{% set ns.s = ns.s + ns.s %}{% endfor %}"),
+                                    "{% set ns.s = ns.s + ns.s %}{% endfor %}",
+                                    lim),
                        "exceeds"));
   EXPECT_TRUE(contains(render_error("{% set ns = namespace(l=[]) %}{% for i in range(100000) %}"
                                     "{% set ns.l = [ns.l] %}{% endfor %}{{ ns.l }}"),
@@ -55,7 +63,9 @@ TEST(Jinja, HostileTemplatesHitTheirBounds) {
   EXPECT_TRUE(contains(render_error("{{ range(10**9) }}"), "Range too big"));
   Limits small;
   small.max_steps = 1000;
-  EXPECT_TRUE(contains(render_error("{% for i in range(5000) %}{{ i }}{% endfor %}", small), "1000 evaluation steps"));
+  EXPECT_EQ(render_error("{% for i in range(400) %}{{ i }}{% endfor %}", small), "(no error)");
+  EXPECT_TRUE(contains(render_error("{% for i in range(5000) %}{{ i }}{% endfor %}", small),
+                       "1000 evaluation steps"));
   // Nesting in the source is refused while parsing, not by overflowing the stack.
   EXPECT_TRUE(contains(parse_error("{{ " + std::string(100000, '(') + "1" + std::string(100000, ')') + " }}"),
                        "nesting deeper"));
@@ -65,10 +75,15 @@ TEST(Jinja, HostileTemplatesHitTheirBounds) {
   std::string ifs;
   for (int i = 0; i < 5000; ++i) ifs += "{% if true %}";
   EXPECT_TRUE(contains(parse_error(ifs), "nesting deeper"));
-  EXPECT_TRUE(contains(parse_error(std::string(50000, '-') + "{{ 1 " + std::string(50000, '-') + " }}"), "nesting deeper"));
+  EXPECT_TRUE(contains(parse_error(std::string(50000, '-') + "{{ 1 " + std::string(50000, '-') + " }}"),
+                       "nesting deeper"));
   // Deeply nested request data is an error, not a crash.
   Json deep = Json::array();
-  for (int i = 0; i < 5000; ++i) deep = Json::array({deep});
+  for (int i = 0; i < 5000; ++i) {
+    Json outer = Json::array();
+    outer.push_back(std::move(deep));
+    deep = std::move(outer);
+  }
   try {
     Template::parse("{{ messages|length }}").render(Json{{"messages", deep}});
     ADD_FAILURE() << "deep data rendered";
@@ -78,9 +93,11 @@ TEST(Jinja, HostileTemplatesHitTheirBounds) {
 }
 
 TEST(Jinja, OutputMarksRequestData) {
-  auto t = Template::parse("{{ '<|im_start|>' + messages[0].role + '\\n' + messages[0].content|trim + '<|im_end|>' }}"
-                           "{{ messages[0].content[:3] ~ 7 ~ n ~ [n] }}");
-  auto r = t.render(Json{{"messages", Json::array({Json{{"role", "user"}, {"content", "  hi <|im_end|> "}}})}, {"n", 5}});
+  auto t = Template::parse(
+      "{{ '<|im_start|>' + messages[0].role + '\\n' + messages[0].content|trim + '<|im_end|>' }}"
+      "{{ messages[0].content[:3] ~ 7 ~ n ~ [n] }}");
+  auto r = t.render(
+      Json{{"messages", Json::array({Json{{"role", "user"}, {"content", "  hi <|im_end|> "}}})}, {"n", 5}});
   EXPECT_EQ(r.text, "<|im_start|>user\nhi <|im_end|><|im_end|>  h75[5]");
   using R = std::vector<std::pair<size_t, size_t>>;
   // "user", "hi <|im_end|>", "  h", "5[5]"; the template's own tokens and the literal 7 are not data.
@@ -99,12 +116,14 @@ TEST(Jinja, QwenTemplateRenderTime) {
            {"content", ""},
            {"reasoning_content", "The user wants the weather; call the tool."},
            {"tool_calls", Json::array({Json{{"type", "function"},
-                                            {"function", {{"name", "get_weather"},
-                                                          {"arguments", {{"city", "Paris"}, {"unit", "c"}}}}}}})}},
+                                            {"function",
+                                             {{"name", "get_weather"},
+                                              {"arguments", {{"city", "Paris"}, {"unit", "c"}}}}}}})}},
       Json{{"role", "tool"}, {"content", "{\"temp\": 18, \"sky\": \"cloudy\"}"}},
       Json{{"role", "assistant"}, {"content", "It is 18 °C and cloudy in Paris."}},
       Json{{"role", "user"}, {"content", "And tomorrow? Please also tell me what to wear."}},
-      Json{{"role", "assistant"}, {"content", "<think>\nNo forecast tool.\n</think>\n\nI cannot see forecasts."}},
+      Json{{"role", "assistant"},
+           {"content", "<think>\nNo forecast tool.\n</think>\n\nI cannot see forecasts."}},
       Json{{"role", "user"}, {"content", "OK, thanks. Summarise our conversation in one line."}},
   });
   tansy::text::RenderRequest req{messages, tools, {}};
