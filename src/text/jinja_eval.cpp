@@ -824,7 +824,7 @@ struct Bind {
 
 const Text& need_str(const Value& v, const char* what) {
   if (v.is_undef()) raise_undefined(v);
-  if (v.t != T::Str) fail("{} must be str, not {}", what, type_name(v));
+  if (v.t != T::Str) fail("{}{}must be str, not {}", what, *what ? " " : "", type_name(v));
   return *v.s;
 }
 
@@ -1025,9 +1025,9 @@ Value Interp::method(const Value& self, const std::string& name) {
                    [s, f, name](Interp& in, Args& a, Kwargs& k) -> Value { return f(in, s, a, k, name); });
   };
   if (self.t == T::Str) {
-    static const char* kStr[] = {"startswith", "endswith",   "split",   "rsplit", "strip",
-                                 "lstrip",     "rstrip",     "replace", "upper",  "lower",
-                                 "title",      "capitalize", "find",    "count",  "join"};
+    static const char* kStr[] = {"startswith", "endswith", "split", "rsplit", "strip", "lstrip",
+                                 "rstrip",     "replace",  "upper", "lower",  "title", "capitalize",
+                                 "find",       "index",    "count", "join"};
     bool known = false;
     for (const char* n : kStr) known |= name == n;
     if (!known) return Value();
@@ -1083,12 +1083,13 @@ Value Interp::method(const Value& self, const std::string& name) {
                                          : nm == "title" ? Case::Title
                                                          : Case::Capitalize));
       }
-      if (nm == "find" || nm == "count") {
+      if (nm == "find" || nm == "index" || nm == "count") {
         b.check(1, {});
         if (a.empty()) fail("{}() takes at least 1 argument (0 given)", nm);
-        const std::string& sub = need_str(a[0], "argument").s;
-        if (nm == "find") {
+        const std::string& sub = need_str(a[0], "").s;
+        if (nm != "count") {
           size_t f = t.s.find(sub);
+          if (f == std::string::npos && nm == "index") fail("substring not found");
           return Value::integer(f == std::string::npos ? -1 : (long long)cp_count(t.s.substr(0, f)));
         }
         if (sub.empty()) return Value::integer((long long)cp_count(t.s) + 1);
@@ -1337,8 +1338,9 @@ Value Interp::binary(int op, const Value& a, const Value& b) {
     return unsupported();
   }
   if (op == kMul) {
-    const Value* seq = a.is_number() ? &b : &a;
-    const Value* n = a.is_number() ? &a : &b;
+    const bool a_seq = a.t == T::Str || a.is_seq();
+    const Value* seq = a_seq ? &a : &b;
+    const Value* n = a_seq ? &b : &a;
     if (seq->t == T::Str || seq->is_seq()) {
       if (!is_intlike(*n)) fail("can't multiply sequence by non-int of type '{}'", type_name(*n));
       __int128 times = std::max<__int128>(0, as_int(*n));
@@ -1410,10 +1412,10 @@ Value Interp::eval(const Expr& e, const ScopeP& sc) {
         if (obj.is_undef()) raise_undefined(obj);
         auto part = [&](size_t i) { return k.args[i] ? eval(*k.args[i], sc) : Value::none(); };
         Value a = part(0), b = part(1), c = part(2);
+        // jinja2 compiles slices to plain Python subscripts, bypassing its undefined-returning getitem.
         if (obj.t != T::Str && !obj.is_seq()) {
           if (obj.t == T::Dict) fail("unhashable type: 'slice'");
-          return Value::undefined(fmt::format("{} has no element slice({}, {}, {})", object_type_repr(obj),
-                                              repr(a), repr(b), repr(c)));
+          fail("'{}' object is not subscriptable", type_name(obj));
         }
         return slice_value(obj, a, b, c);
       }
@@ -1675,7 +1677,6 @@ Value Interp::apply_filter(const Expr& e, const ScopeP& sc) {
     }
     case kFAbs:
       b.check(0, {});
-      if (v.is_undef()) raise_undefined(v);
       if (!v.is_number()) fail("bad operand type for abs(): '{}'", type_name(v));
       return v.t == T::Float ? Value::real(std::fabs(v.f))
                              : Value::integer(as_int(v) < 0 ? -as_int(v) : as_int(v));
@@ -1687,6 +1688,8 @@ Value Interp::apply_filter(const Expr& e, const ScopeP& sc) {
         for (size_t k = off.size() - 1; k > 0; --k) t.append(v.s->sub(off[k - 1], off[k]));
         return Value::str(std::move(t));
       }
+      if (v.t != T::Undef && !v.is_seq() && v.t != T::Dict && v.t != T::Loop)
+        fail("argument must be iterable");
       List items = iterate(v);
       std::reverse(items.begin(), items.end());
       return Value::make_list(std::move(items));

@@ -827,6 +827,8 @@ class Parser {
     while (is_op("*") || is_op("/") || is_op("//") || is_op("%")) {
       int op = is_op("*") ? kMul : is_op("/") ? kDiv : is_op("//") ? kFloorDiv : kMod;
       next();
+      if (op == kMod && l->k == Expr::K::Const && l->value.is_str())
+        syntax(l->line, "unsupported construct: printf-style string formatting with %");
       l = binary(op, std::move(l), parse_pow());
     }
     return l;
@@ -1026,6 +1028,16 @@ class Parser {
     return c;
   }
 
+  // jinja2 reads `|a.b` as a filter named "a.b" (likewise tests).
+  std::string dotted_name() {
+    std::string name = expect_name();
+    while (is_op(".")) {
+      next();
+      name += "." + expect_name();
+    }
+    return name;
+  }
+
   int filter_id(const std::string& name, bool test) {
     if (test) {
       for (auto& [n, id] : kTests)
@@ -1042,7 +1054,7 @@ class Parser {
       if (is_op("|")) {
         next();
         auto f = make(Expr::K::Filter);
-        f->name = expect_name();
+        f->name = dotted_name();
         f->id = filter_id(f->name, false);
         f->args.push_back(std::move(node));
         if (is_op("(")) parse_call_args(*f);
@@ -1052,7 +1064,7 @@ class Parser {
         bool negated = skip_name("not");
         auto t = make(Expr::K::Test);
         t->negated = negated;
-        t->name = expect_name();
+        t->name = dotted_name();
         t->id = filter_id(t->name, true);
         t->args.push_back(std::move(node));
         if (is_op("(")) {

@@ -568,7 +568,9 @@ SNIPPETS = [
     "{{ 'a'.startswith(1) }}", "{{ range(200000) }}", "{{ [1, 2][::0] }}",
     "{% macro m(a) %}{% endmacro %}{{ m(1, 2) }}", "{% macro m(a) %}{% endmacro %}{{ m(b=1) }}",
     "{% macro m(a) %}{{ a + 1 }}{% endmacro %}{{ m() }}", "{% for x in [1] %}{{ loop.previtem + 1 }}{% endfor %}",
-    "{{ [1, 2]|first + u }}", "{{ ('a' if false) + 'b' }}",
+    "{{ [1, 2]|first + u }}", "{{ ('a' if false) + 'b' }}", "{{ u|abs }}", "{{ 5|reverse }}", "{{ 'x'|abs }}",
+    "{% set v = 5 %}{{ v[1:] }}", "{% set v = none %}{{ v[::-1] }}", "{% set v = {} %}{{ v[:1] }}", "{{ u[1:] }}",
+    "{{ 'abc'.index('z') }}", "{{ 'abc'.find(1) }}", "{{ none * [1] }}", "{{ [1] * [2] }}", "{{ 2.5 * 'a' }}",
 ]
 
 
