@@ -502,6 +502,10 @@ RenderRequest parse_render_request(const Json& body) {
   if (auto kw = body.find("chat_template_kwargs"); kw != body.end() && !kw->is_null()) {
     if (!kw->is_object()) fail("'chat_template_kwargs' must be an object");
     read_switches(*kw, req.options);
+    for (auto& [key, value] : kw->items())
+      if (key != "add_generation_prompt" && key != "enable_thinking" && key != "preserve_thinking" &&
+          key != "messages" && key != "tools" && key != "documents")
+        req.options.extra[key] = value;
   }
   return req;
 }
@@ -625,6 +629,7 @@ const ChatTemplate& ChatTemplate::qwen36() {
 
 RenderedPrompt ChatTemplate::render(const RenderRequest& req) const {
   Json ctx = special_tokens_;
+  for (auto& [key, value] : req.options.extra.items()) ctx[key] = value;
   ctx["messages"] = req.messages;
   ctx["tools"] = req.tools;
   ctx["documents"] = nullptr;

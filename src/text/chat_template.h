@@ -27,6 +27,9 @@ struct TemplateOptions {
   bool add_generation_prompt = true;
   std::optional<Json> enable_thinking;
   std::optional<Json> preserve_thinking;
+  // Every other key of chat_template_kwargs (as vLLM passes them), e.g. Qwen's add_vision_id; a
+  // key naming messages, tools or documents is ignored.
+  Json extra = Json::object();
 };
 
 // What a chat-completions request body asks the template for.

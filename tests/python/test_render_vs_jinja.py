@@ -111,6 +111,10 @@ def reference(body, template=None, extra=None):
             for key in ("enable_thinking", "preserve_thinking"):
                 if key in source:
                     kwargs[key] = source[key]
+        for key, value in (body.get("chat_template_kwargs") or {}).items():
+            if key not in ("add_generation_prompt", "enable_thinking", "preserve_thinking", "messages", "tools",
+                           "documents"):
+                kwargs[key] = value
     except ServerSideError:
         return ("server", None)
     try:
@@ -331,6 +335,9 @@ def rand_body(rng):
                 if key == "add_generation_prompt" and rng.random() < 0.9:
                     value = rng.choice([True, False, None])
                 where[key] = value
+    if rng.random() < 0.15:
+        kwargs[rng.choice(["add_vision_id", "add_vision_id", "custom_flag", "tools", "messages"])] = \
+            rng.choice([True, False, 1, "yes", None])
     if kwargs or rng.random() < 0.1:
         body["chat_template_kwargs"] = kwargs
     return body
@@ -615,3 +622,18 @@ def test_syntax_errors_fail_at_load(tmp_path, source):
     (tmp_path / "chat_template.jinja").write_text(source, encoding="utf-8")
     proc = run_render(b'{"messages": [{"role": "user", "content": "x"}]}', tmp_path)
     assert proc.returncode != 0 and b"chat template line" in proc.stderr, proc.stderr
+
+
+def test_chat_template_kwargs_reach_the_template():
+    """Other chat_template_kwargs are template variables (as vLLM passes them): Qwen's add_vision_id."""
+    image = {"type": "image", "image": "file:///x.png"}
+    body = {"messages": [{"role": "user", "content": [image, {"type": "text", "text": "and"}, image]},
+                         {"role": "assistant", "content": "ok"}, {"role": "user", "content": [image]}],
+            "chat_template_kwargs": {"add_vision_id": True, "messages": "ignored", "documents": 5}}
+    [got] = tansy_jsonl([body])
+    kind, want = reference(body)
+    assert kind == "ok" and got["prompt"] == want
+    assert "Picture 1: <|vision_start|>" in want and "Picture 3: " in want
+    del body["chat_template_kwargs"]["add_vision_id"]
+    [got] = tansy_jsonl([body])
+    assert "Picture" not in got["prompt"] and got["prompt"] == reference(body)[1]
