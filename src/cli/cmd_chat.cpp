@@ -71,16 +71,17 @@ int run(const std::vector<std::string>& args) {
     messages.push_back({{"role", "user"}, {"content", line}});
     tansy::text::TemplateOptions opt;
     opt.enable_thinking = think;
-    std::string prompt;
+    tansy::text::RenderedPrompt rendered;
     try {
-      prompt = tansy::text::render_chat(messages, nullptr, opt);
+      rendered = loaded.chat_template->render({messages, nullptr, opt});
     } catch (const tansy::Error& e) {
       std::printf("error: %s\n", e.what());
       messages.erase(messages.end() - 1);
       continue;
     }
+    const std::string& prompt = rendered.text;
     tansy::GenRequest req;
-    req.prompt = engine.tokenizer().encode(prompt, true);
+    req.prompt = tansy::text::encode_prompt(engine.tokenizer(), rendered);
     const long room = long(engine.options().max_seq) - long(req.prompt.size());
     if (room < 1) {
       std::printf("error: the conversation (%zu tokens) fills the context (%d); /reset to start over\n",

@@ -15,6 +15,7 @@ int run(const std::vector<std::string>& args) {
   std::vector<std::string> values = tansy::cli::engine_flags();
   values.insert(values.end(),
                 {"host", "port", "api-key", "served-model-name", "max-queue", "timeout", "max-body-mb"});
+  values.push_back("special-tokens-in-content");
   tansy::cli::Flags flags(args, values);
   tansy::server::ServerOptions so;
   so.host = flags.get("host", "127.0.0.1");
@@ -24,6 +25,10 @@ int run(const std::vector<std::string>& args) {
   so.request_timeout_s = flags.get_double("timeout", 600);
   if (!(so.request_timeout_s > 0)) tansy::fail("--timeout must be a positive number of seconds");
   so.max_body_bytes = size_t(flags.get_int("max-body-mb", 8, 1, 1024)) << 20;
+  const std::string special = flags.get("special-tokens-in-content", "plain");
+  if (special != "plain" && special != "parse")
+    tansy::fail("--special-tokens-in-content must be plain or parse, got '{}'", special);
+  so.special_tokens_in_content_parse = special == "parse";
 
   // Signals go to a dedicated thread, which stops the server cleanly.
   sigset_t set;
@@ -38,6 +43,7 @@ int run(const std::vector<std::string>& args) {
   if (so.model_id.empty()) so.model_id = "tansy";
   so.defaults = loaded.defaults.sampling;
   so.defaults_source = loaded.defaults.source;
+  so.chat_template = loaded.chat_template;
   tansy::server::Server server(*loaded.engine, so);
   std::thread sig([&server, set] {
     int s = 0;

@@ -66,8 +66,8 @@ std::string cuda_precision_from_flags(const Flags& flags, const std::string& bac
 LoadedEngine load_engine(const Flags& flags) {
   LoadedEngine le;
   le.dir = resolve_model_dir(flags);
-  auto check = text::check_checkpoint_template(le.dir);
-  if (!check.identical) fail("{}", check.description);
+  le.chat_template = std::make_shared<const text::ChatTemplate>(text::ChatTemplate::load(le.dir));
+  std::fprintf(stderr, "tansy: %s\n", le.chat_template->describe().c_str());
   ModelOptions mo;
   mo.backend = backend_from_flags(flags);
   mo.cuda_precision = cuda_precision_from_flags(flags, mo.backend, le.dir);

@@ -9,6 +9,7 @@
 
 #include "cli/command.h"
 #include "engine/engine.h"
+#include "text/chat_template.h"
 
 namespace tansy::cli {
 
@@ -33,6 +34,7 @@ struct LoadedEngine {
   std::filesystem::path dir;
   std::unique_ptr<Engine> engine;
   GenerationDefaults defaults;
+  std::shared_ptr<const text::ChatTemplate> chat_template;  // the checkpoint's own
 };
 LoadedEngine load_engine(const Flags& flags);
 

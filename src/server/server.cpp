@@ -214,14 +214,15 @@ struct Server::Impl {
     j.api = parse_chat_request(body, opt.defaults, engine.config().vocab_size);
     check_model(j.api);
     log_ignored(j.api, j.endpoint);
-    std::string prompt;
+    text::RenderedPrompt rendered;
     try {
-      prompt = text::render_chat(j.api.render.messages, j.api.render.tools, j.api.render.options);
+      rendered = (opt.chat_template ? *opt.chat_template : text::ChatTemplate::qwen36()).render(j.api.render);
     } catch (const Error& e) {
       api_fail(400, "messages", e.what());
     }
     const Tokenizer& tok = engine.tokenizer();
-    j.gen.prompt = tok.encode(prompt, true);
+    j.gen.prompt = text::encode_prompt(tok, rendered, opt.special_tokens_in_content_parse);
+    const std::string& prompt = rendered.text;
     fit_context(j, j.api.max_tokens, "messages");
     fill_sampling(j);
     j.starts_in_reasoning = ends_with(prompt, "<think>\n");

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "engine/engine.h"
+#include "text/chat_template.h"
 
 namespace tansy::server {
 
@@ -20,6 +21,10 @@ struct ServerOptions {
   size_t max_body_bytes = 8u << 20;  // larger bodies get 413
   SamplingParams defaults;           // for fields a request leaves out
   std::string defaults_source;       // where they came from (logged, /v1/models)
+  // The checkpoint's chat template (null: the built-in Qwen3.6 one), and whether special tokens
+  // written in message content are matched as control tokens (Hugging Face) or kept as text.
+  std::shared_ptr<const text::ChatTemplate> chat_template;
+  bool special_tokens_in_content_parse = false;
 };
 
 class Server {

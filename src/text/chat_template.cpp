@@ -205,28 +205,6 @@ bool python_isspace(char32_t c) {
          c == 0x3000;
 }
 
-const char* python_type_name(const Json& v) {
-  switch (v.type()) {
-    case Json::value_t::null:
-      return "NoneType";
-    case Json::value_t::boolean:
-      return "bool";
-    case Json::value_t::number_integer:
-    case Json::value_t::number_unsigned:
-      return "int";
-    case Json::value_t::number_float:
-      return "float";
-    case Json::value_t::string:
-      return "str";
-    case Json::value_t::array:
-      return "list";
-    case Json::value_t::object:
-      return "dict";
-    default:
-      return "bytes";
-  }
-}
-
 // Python's str.isprintable() per code point: false for categories C* and Z* except U+0020.
 // PCRE2 carries the Unicode tables so they are not duplicated here.
 bool python_isprintable(std::string_view utf8_char) {
@@ -246,7 +224,8 @@ bool python_isprintable(std::string_view utf8_char) {
   return rc < 0;
 }
 
-// Python's repr() of a str.
+}  // namespace
+
 std::string python_str_repr(std::string_view s) {
   bool has_single = s.find('\'') != std::string_view::npos;
   bool has_double = s.find('"') != std::string_view::npos;
@@ -283,45 +262,7 @@ std::string python_str_repr(std::string_view s) {
   return out;
 }
 
-std::string python_repr(const Json& v) {
-  switch (v.type()) {
-    case Json::value_t::null:
-      return "None";
-    case Json::value_t::boolean:
-      return v.get<bool>() ? "True" : "False";
-    case Json::value_t::number_integer:
-      return std::to_string(v.get<int64_t>());
-    case Json::value_t::number_unsigned:
-      return std::to_string(v.get<uint64_t>());
-    case Json::value_t::number_float:
-      return python_float_repr(v.get<double>());
-    case Json::value_t::string:
-      return python_str_repr(v.get_ref<const std::string&>());
-    case Json::value_t::array: {
-      std::string out = "[";
-      for (size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + python_repr(v[i]);
-      return out + "]";
-    }
-    case Json::value_t::object: {
-      std::string out = "{";
-      bool first = true;
-      for (auto& [k, x] : v.items()) {
-        out += (first ? "" : ", ") + python_str_repr(k) + ": " + python_repr(x);
-        first = false;
-      }
-      return out + "}";
-    }
-    default:
-      fail("binary JSON values are not supported");
-  }
-}
-
-// What `{{ value }}` prints: str(value), and nothing for an undefined value (nullptr).
-std::string python_str(const Json* v) {
-  if (!v) return "";
-  if (v->is_string()) return v->get<std::string>();
-  return python_repr(*v);
-}
+namespace {
 
 void append_json_string(std::string& out, std::string_view s) {
   out += '"';
@@ -476,230 +417,6 @@ std::string_view python_strip(std::string_view s) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The template
-// ---------------------------------------------------------------------------------------------
-namespace {
-
-constexpr std::string_view kToolsPreamble =
-    "# Tools\n\nYou have access to the following functions:\n\n<tools>";
-constexpr std::string_view kToolsInstructions =
-    "\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n"
-    "<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n"
-    "</parameter>\n<parameter=example_parameter_2>\nThis is the value for the second parameter\n"
-    "that can span\nmultiple lines\n</parameter>\n</function>\n</tool_call>\n\n<IMPORTANT>\n"
-    "Reminder:\n- Function calls MUST follow the specified format: an inner <function=...></function> "
-    "block must be nested within <tool_call></tool_call> XML tags\n- Required parameters MUST be "
-    "specified\n- You may provide optional reasoning for your function call in natural language "
-    "BEFORE the function call, but NOT after\n- If there is no function call available, answer the "
-    "question like normal with your current knowledge and do not tell the user about function "
-    "calls\n</IMPORTANT>";
-
-// Jinja's `obj.name`: an item of a dict, otherwise undefined (nullptr). None of the attribute
-// names the template uses exist as Python attributes of dict, str or list.
-const Json* attr(const Json* obj, const char* name) {
-  if (!obj || !obj->is_object()) return nullptr;
-  auto it = obj->find(name);
-  return it == obj->end() ? nullptr : &*it;
-}
-
-bool is_str(const Json* v, std::string_view s) {
-  return v && v->is_string() && v->get_ref<const std::string&>() == s;
-}
-
-bool role_is(const Json& message, std::string_view role) { return is_str(attr(&message, "role"), role); }
-
-// Python's `key in item` for the content-part tests.
-bool contains(const Json& item, const std::string& key) {
-  if (item.is_object()) return item.contains(key);
-  if (item.is_string()) return item.get_ref<const std::string&>().find(key) != std::string::npos;
-  if (item.is_array()) {
-    for (auto& x : item)
-      if (x.is_string() && x.get_ref<const std::string&>() == key) return true;
-    return false;
-  }
-  fail("argument of type '{}' is not iterable", python_type_name(item));
-}
-
-// Lines 3-41, macro render_content. Image/video counting only matters with add_vision_id, which
-// the template never receives.
-std::string render_content(const Json* content, bool is_system_content) {
-  if (!content || content->is_null()) return "";  // undefined iterates as empty; none -> ''
-  if (content->is_string()) return content->get<std::string>();
-  if (!content->is_array()) fail("Unexpected content type.");
-  std::string out;
-  for (const Json& item : *content) {
-    const Json* type = attr(&item, "type");
-    if (contains(item, "image") || contains(item, "image_url") || is_str(type, "image")) {
-      if (is_system_content) fail("System message cannot contain images.");
-      out += "<|vision_start|><|image_pad|><|vision_end|>";
-    } else if (contains(item, "video") || is_str(type, "video")) {
-      if (is_system_content) fail("System message cannot contain videos.");
-      out += "<|vision_start|><|video_pad|><|vision_end|>";
-    } else if (contains(item, "text")) {
-      out += python_str(attr(&item, "text"));
-    } else {
-      fail("Unexpected item type in content.");
-    }
-  }
-  return out;
-}
-
-std::string trimmed_content(const Json& message, bool is_system_content) {
-  return std::string(python_strip(render_content(attr(&message, "content"), is_system_content)));
-}
-
-// Jinja's `'literal' + obj.name`: str + str, or the exception Python/Jinja raise otherwise.
-const std::string& concat_operand(const Json& obj, const char* name) {
-  const Json* v = attr(&obj, name);
-  if (!v) {
-    std::string type = obj.is_null() ? "None" : std::string(python_type_name(obj)) + " object";
-    fail("'{}' has no attribute '{}'", type, name);
-  }
-  if (!v->is_string()) fail("can only concatenate str (not \"{}\") to str", python_type_name(*v));
-  return v->get_ref<const std::string&>();
-}
-
-std::string_view lstrip_newlines(std::string_view s) {
-  while (!s.empty() && s.front() == '\n') s.remove_prefix(1);
-  return s;
-}
-
-std::string_view rstrip_newlines(std::string_view s) {
-  while (!s.empty() && s.back() == '\n') s.remove_suffix(1);
-  return s;
-}
-
-// Lines 105-129.
-void render_tool_calls(std::string& out, const Json& tool_calls, const std::string& content) {
-  // A non-empty string passes the template's `is iterable and is not mapping` test; its first
-  // character has no `name`.
-  if (tool_calls.is_string()) fail("'str object' has no attribute 'name'");
-  bool first = true;
-  for (const Json& element : tool_calls) {
-    const Json* call = &element;
-    if (const Json* fn = attr(call, "function")) call = fn;
-    const std::string& name = concat_operand(*call, "name");
-    if (!first)
-      out += "\n<tool_call>\n<function=";
-    else if (!python_strip(content).empty())
-      out += "\n\n<tool_call>\n<function=";
-    else
-      out += "<tool_call>\n<function=";
-    first = false;
-    out += name;
-    out += ">\n";
-    if (const Json* args = attr(call, "arguments")) {
-      if (!args->is_object()) fail("Can only get item pairs from a mapping.");
-      for (auto& [arg_name, arg_value] : args->items()) {
-        out += "<parameter=" + arg_name + ">\n";
-        if (arg_value.is_string())
-          out += arg_value.get_ref<const std::string&>();
-        else
-          append_json(out, arg_value);
-        out += "\n</parameter>\n";
-      }
-    }
-    out += "</function>\n</tool_call>";
-  }
-}
-
-// Lines 89-130.
-void render_assistant(std::string& out, const Json& message, std::string content, bool with_thinking) {
-  std::string reasoning;
-  if (const Json* rc = attr(&message, "reasoning_content"); rc && rc->is_string()) {
-    reasoning = rc->get<std::string>();
-  } else if (content.find("</think>") != std::string::npos) {
-    std::string_view before = rstrip_newlines(std::string_view(content).substr(0, content.find("</think>")));
-    size_t open = before.rfind("<think>");
-    if (open != std::string_view::npos) before.remove_prefix(open + 7);
-    reasoning = std::string(lstrip_newlines(before));
-    content = std::string(lstrip_newlines(std::string_view(content).substr(content.rfind("</think>") + 8)));
-  }
-  reasoning = std::string(python_strip(reasoning));
-  out += "<|im_start|>assistant\n";
-  if (with_thinking) out += "<think>\n" + reasoning + "\n</think>\n\n";
-  out += content;
-  const Json* calls = attr(&message, "tool_calls");
-  bool truthy_sequence = calls && ((calls->is_array() && !calls->empty()) ||
-                                   (calls->is_string() && !calls->get_ref<const std::string&>().empty()));
-  if (truthy_sequence) render_tool_calls(out, *calls, content);
-  out += "<|im_end|>\n";
-}
-
-}  // namespace
-
-std::string render_chat(const Json& messages, const Json& tools, const TemplateOptions& options) {
-  // Lines 42-44.
-  if (messages.is_null() || (messages.is_array() && messages.empty())) fail("No messages provided.");
-  if (!messages.is_array()) fail("messages must be a JSON array");
-  if (!tools.is_null() && !tools.is_array()) fail("tools must be null or a JSON array");
-  const size_t n = messages.size();
-  std::string out;
-
-  // Lines 45-66: the system turn, with the tools block when tools are given.
-  const bool first_is_system = role_is(messages[0], "system");
-  if (tools.is_array() && !tools.empty()) {
-    out += "<|im_start|>system\n";
-    out += kToolsPreamble;
-    for (const Json& tool : tools) {
-      out += '\n';
-      append_json(out, tool);
-    }
-    out += "\n</tools>";
-    out += kToolsInstructions;
-    if (first_is_system) {
-      std::string content = trimmed_content(messages[0], true);
-      if (!content.empty()) out += "\n\n" + content;
-    }
-    out += "<|im_end|>\n";
-  } else if (first_is_system) {
-    out += "<|im_start|>system\n" + trimmed_content(messages[0], true) + "<|im_end|>\n";
-  }
-
-  // Lines 67-80: the last user message that is not just a wrapped tool response.
-  bool multi_step_tool = true;
-  size_t last_query_index = n - 1;
-  for (size_t k = n; k-- > 0 && multi_step_tool;) {
-    if (!role_is(messages[k], "user")) continue;
-    std::string content = trimmed_content(messages[k], false);
-    bool tool_response = content.starts_with("<tool_response>") && content.ends_with("</tool_response>");
-    if (!tool_response) {
-      multi_step_tool = false;
-      last_query_index = k;
-    }
-  }
-  if (multi_step_tool) fail("No user query found in messages.");
-
-  // Lines 81-146.
-  const bool preserve_thinking = options.preserve_thinking == true;
-  for (size_t i = 0; i < n; ++i) {
-    const Json& message = messages[i];
-    std::string content = trimmed_content(message, false);
-    if (role_is(message, "system")) {
-      if (i != 0) fail("System message must be at the beginning.");
-    } else if (role_is(message, "user")) {
-      out += "<|im_start|>user\n" + content + "<|im_end|>\n";
-    } else if (role_is(message, "assistant")) {
-      render_assistant(out, message, std::move(content), preserve_thinking || i > last_query_index);
-    } else if (role_is(message, "tool")) {
-      // Every earlier message passed the role checks, so loop.previtem is a non-empty dict.
-      if (i > 0 && !role_is(messages[i - 1], "tool")) out += "<|im_start|>user";
-      out += "\n<tool_response>\n" + content + "\n</tool_response>";
-      if (i + 1 == n || !role_is(messages[i + 1], "tool")) out += "<|im_end|>\n";
-    } else {
-      fail("Unexpected message role.");
-    }
-  }
-
-  // Lines 147-154.
-  if (options.add_generation_prompt) {
-    out += "<|im_start|>assistant\n";
-    out += options.enable_thinking == false ? "<think>\n\n</think>\n\n" : "<think>\n";
-  }
-  return out;
-}
-
-// ---------------------------------------------------------------------------------------------
 // Requests and checkpoints
 // ---------------------------------------------------------------------------------------------
 namespace {
@@ -709,15 +426,9 @@ void read_switches(const Json& obj, TemplateOptions& options) {
     if (!it->is_boolean()) fail("add_generation_prompt must be a boolean");
     options.add_generation_prompt = it->get<bool>();
   }
-  // Passed to the template as given: only a real boolean can pass `is false` / `is true`, so
-  // any other value is equivalent to not passing the variable.
-  auto tri_state = [&](const char* key, std::optional<bool>& slot) {
-    auto it = obj.find(key);
-    if (it == obj.end()) return;
-    slot = it->is_boolean() ? std::optional<bool>(it->get<bool>()) : std::nullopt;
-  };
-  tri_state("enable_thinking", options.enable_thinking);
-  tri_state("preserve_thinking", options.preserve_thinking);
+  // Passed to the template as given: the template's own tests decide what a value means.
+  if (auto it = obj.find("enable_thinking"); it != obj.end()) options.enable_thinking = *it;
+  if (auto it = obj.find("preserve_thinking"); it != obj.end()) options.preserve_thinking = *it;
 }
 
 // OpenAI sends tool-call arguments as a JSON string; the template iterates them as a mapping.
@@ -791,62 +502,163 @@ RenderRequest parse_render_request(const Json& body) {
   if (auto kw = body.find("chat_template_kwargs"); kw != body.end() && !kw->is_null()) {
     if (!kw->is_object()) fail("'chat_template_kwargs' must be an object");
     read_switches(*kw, req.options);
+    for (auto& [key, value] : kw->items())
+      if (key != "add_generation_prompt" && key != "enable_thinking" && key != "preserve_thinking" &&
+          key != "messages" && key != "tools" && key != "documents")
+        req.options.extra[key] = value;
   }
   return req;
 }
 
-std::string render_request(const Json& body) {
-  RenderRequest req = parse_render_request(body);
-  return render_chat(req.messages, req.tools, req.options);
+std::string sha256_hex(std::string_view bytes) {
+  static const uint32_t k[64] = {
+      0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
+      0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
+      0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
+      0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
+      0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
+      0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
+      0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+      0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2};
+  uint32_t h[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
+                   0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+  std::string msg(bytes);
+  const uint64_t bits = uint64_t(bytes.size()) * 8;
+  msg += char(0x80);
+  while (msg.size() % 64 != 56) msg += char(0);
+  for (int i = 7; i >= 0; --i) msg += char((bits >> (i * 8)) & 0xFF);
+  auto rotr = [](uint32_t x, int n) { return (x >> n) | (x << (32 - n)); };
+  for (size_t off = 0; off < msg.size(); off += 64) {
+    uint32_t w[64];
+    for (int i = 0; i < 16; ++i)
+      w[i] = uint32_t(uint8_t(msg[off + 4 * i])) << 24 | uint32_t(uint8_t(msg[off + 4 * i + 1])) << 16 |
+             uint32_t(uint8_t(msg[off + 4 * i + 2])) << 8 | uint32_t(uint8_t(msg[off + 4 * i + 3]));
+    for (int i = 16; i < 64; ++i) {
+      uint32_t s0 = rotr(w[i - 15], 7) ^ rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
+      uint32_t s1 = rotr(w[i - 2], 17) ^ rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
+      w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+    }
+    uint32_t a = h[0], b = h[1], c = h[2], d = h[3], e = h[4], f = h[5], g = h[6], hh = h[7];
+    for (int i = 0; i < 64; ++i) {
+      uint32_t t1 = hh + (rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25)) + ((e & f) ^ (~e & g)) + k[i] + w[i];
+      uint32_t t2 = (rotr(a, 2) ^ rotr(a, 13) ^ rotr(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
+      hh = g;
+      g = f;
+      f = e;
+      e = d + t1;
+      d = c;
+      c = b;
+      b = a;
+      a = t1 + t2;
+    }
+    h[0] += a, h[1] += b, h[2] += c, h[3] += d, h[4] += e, h[5] += f, h[6] += g, h[7] += hh;
+  }
+  std::string out;
+  for (uint32_t x : h) out += fmt::format("{:08x}", x);
+  return out;
 }
 
-TemplateCheck check_checkpoint_template(const std::filesystem::path& model_dir) {
-  TemplateCheck check;
-  std::string text, source;
-  const auto jinja = model_dir / "chat_template.jinja";
-  const auto config = model_dir / "tokenizer_config.json";
-  if (std::filesystem::is_regular_file(jinja)) {
-    text = read_file(jinja);
-    source = jinja.string();
-    check.found = true;
-  } else if (std::filesystem::is_regular_file(config)) {
-    Json cfg = Json::parse(read_file(config), nullptr, false);
-    if (cfg.is_discarded()) fail("{} is not valid JSON", config.string());
-    source = config.string() + " (chat_template)";
-    const Json* t = cfg.is_object() && cfg.contains("chat_template") ? &cfg["chat_template"] : nullptr;
-    if (t && t->is_array()) {  // the older list-of-named-templates form
-      const Json* named = nullptr;
-      for (const Json& e : *t)
-        if (e.is_object() && is_str(attr(&e, "name"), "default")) named = attr(&e, "template");
-      t = named;
-    }
-    if (t && t->is_string()) {
-      text = t->get<std::string>();
-      check.found = true;
-    }
-  }
-  if (!check.found) {
-    check.description = fmt::format(
-        "no chat template in {} (neither chat_template.jinja nor tokenizer_config.json's chat_template)",
-        model_dir.string());
-    return check;
-  }
+ChatTemplate ChatTemplate::from_source(std::string source, std::string origin) {
+  ChatTemplate t;
+  t.sha256_ = sha256_hex(source);
   // jinja2 drops one trailing newline of a template source (keep_trailing_newline=False), so a
   // file saved with a final newline renders identically.
-  std::string_view body = text;
+  std::string_view body = source;
   if (body.ends_with('\n')) body.remove_suffix(1);
-  check.identical = body == kQwen36Template;
-  if (check.identical) {
-    check.description = fmt::format("chat template from {} is the Qwen3.6 template", source);
-  } else {
-    size_t k = 0;
-    while (k < body.size() && k < kQwen36Template.size() && body[k] == kQwen36Template[k]) ++k;
-    check.description = fmt::format(
-        "chat template from {} differs from the Qwen3.6 template implemented here ({} bytes vs {}, first "
-        "difference at byte {}); only the Qwen3.6 template is supported",
-        source, text.size(), kQwen36Template.size(), k);
+  t.is_qwen36_ = body == kQwen36Template;
+  try {
+    t.compiled_ = std::make_shared<const jinja::Template>(jinja::Template::parse(source));
+  } catch (const Error& e) {
+    fail("{}: {}", origin, e.what());
   }
-  return check;
+  t.source_ = std::move(source);
+  t.origin_ = std::move(origin);
+  return t;
+}
+
+ChatTemplate ChatTemplate::load(const std::filesystem::path& model_dir) {
+  const auto jinja_file = model_dir / "chat_template.jinja";
+  const auto config = model_dir / "tokenizer_config.json";
+  Json cfg;
+  if (std::filesystem::is_regular_file(config)) {
+    cfg = Json::parse(read_file(config), nullptr, false);
+    if (cfg.is_discarded() || !cfg.is_object()) fail("{} is not a valid JSON object", config.string());
+  }
+  std::string text, origin;
+  bool found = false;
+  if (std::filesystem::is_regular_file(jinja_file)) {
+    text = read_file(jinja_file);
+    origin = jinja_file.string();
+    found = true;
+  } else if (cfg.is_object() && cfg.contains("chat_template")) {
+    origin = config.string() + " (chat_template)";
+    const Json* t = &cfg["chat_template"];
+    if (t->is_array()) {  // the older list-of-named-templates form
+      const Json* named = nullptr;
+      for (const Json& e : *t)
+        if (e.is_object() && e.contains("name") && e["name"] == "default" && e.contains("template"))
+          named = &e["template"];
+      if (!named) fail("{} has no template named \"default\"", origin);
+      t = named;
+    }
+    if (!t->is_string()) fail("{} must be a string or a list of named templates", origin);
+    text = t->get<std::string>();
+    found = true;
+  }
+  if (!found)
+    fail("no chat template in {} (neither chat_template.jinja nor tokenizer_config.json's chat_template)",
+         model_dir.string());
+  ChatTemplate t = from_source(std::move(text), std::move(origin));
+  // transformers passes the tokenizer's special-token strings to the template.
+  if (cfg.is_object())
+    for (const char* key : {"bos_token", "eos_token", "pad_token", "unk_token"}) {
+      auto it = cfg.find(key);
+      if (it == cfg.end()) continue;
+      if (it->is_string())
+        t.special_tokens_[key] = *it;
+      else if (it->is_object() && it->contains("content") && (*it)["content"].is_string())
+        t.special_tokens_[key] = (*it)["content"];
+    }
+  return t;
+}
+
+const ChatTemplate& ChatTemplate::qwen36() {
+  static const ChatTemplate t = from_source(std::string(kQwen36Template), "the built-in Qwen3.6 template");
+  return t;
+}
+
+RenderedPrompt ChatTemplate::render(const RenderRequest& req) const {
+  Json ctx = special_tokens_;
+  for (auto& [key, value] : req.options.extra.items()) ctx[key] = value;
+  ctx["messages"] = req.messages;
+  ctx["tools"] = req.tools;
+  ctx["documents"] = nullptr;
+  ctx["add_generation_prompt"] = req.options.add_generation_prompt;
+  if (req.options.enable_thinking) ctx["enable_thinking"] = *req.options.enable_thinking;
+  if (req.options.preserve_thinking) ctx["preserve_thinking"] = *req.options.preserve_thinking;
+  return compiled_->render(ctx);
+}
+
+std::string ChatTemplate::describe() const {
+  return fmt::format(
+      "chat template from {} (sha256 {}, {} bytes): {}", origin_, sha256_.substr(0, 12), source_.size(),
+      is_qwen36_ ? "the known Qwen3.6 template" : "not the known Qwen3.6 template, rendered as written");
+}
+
+std::vector<int32_t> encode_prompt(const Tokenizer& tok, const RenderedPrompt& prompt,
+                                   bool parse_special_in_content) {
+  if (parse_special_in_content) return tok.encode(prompt.text, true);
+  return tok.encode_plain_ranges(prompt.text, prompt.data);
+}
+
+std::string render_chat(const Json& messages, const Json& tools, const TemplateOptions& options) {
+  if (!messages.is_array() && !messages.is_null()) fail("messages must be a JSON array");
+  if (!tools.is_null() && !tools.is_array()) fail("tools must be null or a JSON array");
+  return ChatTemplate::qwen36().render_text({messages, tools, options});
+}
+
+std::string render_request(const Json& body) {
+  return ChatTemplate::qwen36().render_text(parse_render_request(body));
 }
 
 }  // namespace tansy::text

@@ -1,36 +1,36 @@
-// The Qwen3.6 chat template, rendered by hand-written C++ that follows the Jinja source
-// (tests/fixtures/qwen3.6/chat_template.jinja) statement by statement, so that the prompt is
-// byte-identical to what transformers' jinja2 environment produces, errors included.
+// Chat templates: the checkpoint's own Jinja template, rendered by the interpreter in
+// text/jinja.h exactly as transformers' jinja2 environment renders it, errors included; the
+// request-side preparation (switches, wire-format tool-call arguments) shared by every caller.
 //
 // JSON values must be nlohmann::ordered_json: the template's `tojson` keeps the caller's key
 // order (Python dicts are insertion-ordered), which plain nlohmann::json would sort.
 #pragma once
 #include <filesystem>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
+
+#include "text/jinja.h"
+#include "text/tokenizer.h"
 
 namespace tansy::text {
 
 using Json = nlohmann::ordered_json;
 
-// The switches the template reads. An empty optional is a variable the template never received
-// (Jinja-undefined). The template only tests `enable_thinking is false` and
-// `preserve_thinking is true` (identity tests), so a JSON value that is not a boolean behaves
-// exactly like an absent one and maps to nullopt.
+// The switches a request passes to the template. An empty optional is a variable the template
+// never receives (Jinja-undefined); a present one is passed exactly as the client sent it, so
+// the template's own tests (`is false`, truthiness, ...) decide what a non-boolean means.
 struct TemplateOptions {
   bool add_generation_prompt = true;
-  std::optional<bool> enable_thinking;
-  std::optional<bool> preserve_thinking;
+  std::optional<Json> enable_thinking;
+  std::optional<Json> preserve_thinking;
+  // Every other key of chat_template_kwargs (as vLLM passes them), e.g. Qwen's add_vision_id; a
+  // key naming messages, tools or documents is ignored.
+  Json extra = Json::object();
 };
-
-// Renders messages (a JSON array) and tools (null or an array). Throws tansy::Error with the
-// template's own message (e.g. "No messages provided.") or, where jinja2 would raise a Python
-// TypeError / UndefinedError, with Python's message. Values are used exactly as given: an
-// assistant tool call whose `arguments` is still a JSON string fails as in jinja2 ("Can only get
-// item pairs from a mapping."); parse_render_request turns wire-format strings into objects.
-std::string render_chat(const Json& messages, const Json& tools, const TemplateOptions& options);
 
 // What a chat-completions request body asks the template for.
 struct RenderRequest {
@@ -52,21 +52,59 @@ RenderRequest parse_render_request(const Json& body);
 // error messages.
 Json parse_json_exact(std::string_view text, std::string_view what);
 
-// Convenience: parse_render_request + render_chat.
-std::string render_request(const Json& body);
+// A rendered prompt: the text, and the byte ranges of it that came from the request (message
+// content, tool definitions, ...) rather than from the template's own text.
+using RenderedPrompt = jinja::Rendered;
 
-// The exact template text this renderer implements (7,764 bytes, no trailing newline).
-std::string_view implemented_template();
+// A checkpoint's chat template, compiled by the Jinja interpreter (text/jinja.h) and rendered
+// with the variables transformers passes: messages, tools, documents (None), add_generation_prompt
+// and the switches a request sets, plus the tokenizer's special-token strings when known.
+class ChatTemplate {
+ public:
+  // chat_template.jinja (preferred, as transformers does) or tokenizer_config.json's
+  // `chat_template` (a string, or the list of named templates, taking "default"). Throws Error
+  // when there is none or it uses a construct outside the supported subset.
+  static ChatTemplate load(const std::filesystem::path& model_dir);
+  static ChatTemplate from_source(std::string source, std::string origin);
+  // The Qwen3.6 template (implemented_template()), compiled once.
+  static const ChatTemplate& qwen36();
 
-struct TemplateCheck {
-  bool found = false;       // the checkpoint has a chat template at all
-  bool identical = false;   // it is the template implemented here
-  std::string description;  // one line for the startup log or an error message
+  RenderedPrompt render(const RenderRequest& req) const;
+  std::string render_text(const RenderRequest& req) const { return render(req).text; }
+
+  const std::string& source() const { return source_; }
+  const std::string& sha256() const { return sha256_; }  // hex of the source as loaded
+  bool is_qwen36() const { return is_qwen36_; }
+  // One line for the startup log: where the template came from, its hash, known or not.
+  std::string describe() const;
+
+ private:
+  std::string source_, origin_, sha256_;
+  bool is_qwen36_ = false;
+  Json special_tokens_ = Json::object();
+  std::shared_ptr<const jinja::Template> compiled_;
 };
 
-// Looks for chat_template.jinja (preferred, as transformers does) or tokenizer_config.json's
-// `chat_template` in model_dir and compares it with implemented_template().
-TemplateCheck check_checkpoint_template(const std::filesystem::path& model_dir);
+// The token ids of a rendered prompt. Special tokens (<|im_start|>, <|im_end|>, ...) are matched
+// only in the template's own text; spelled inside message content or tools they are encoded as
+// plain text, so a message cannot open a turn of another role. parse_special_in_content restores
+// Hugging Face's behaviour of matching them everywhere.
+std::vector<int32_t> encode_prompt(const Tokenizer& tok, const RenderedPrompt& prompt,
+                                   bool parse_special_in_content = false);
+
+// Renders messages (a JSON array) and tools (null or an array) with the Qwen3.6 template.
+// Throws tansy::Error with the template's own message (e.g. "No messages provided.") or, where
+// jinja2 would raise a Python TypeError / UndefinedError, with Python's message.
+std::string render_chat(const Json& messages, const Json& tools, const TemplateOptions& options);
+
+// Convenience: parse_render_request + the Qwen3.6 template.
+std::string render_request(const Json& body);
+
+// The exact text of the Qwen3.6 template (7,764 bytes, no trailing newline).
+std::string_view implemented_template();
+
+// sha256 of bytes, lowercase hex.
+std::string sha256_hex(std::string_view bytes);
 
 // Python's json.dumps(x, ensure_ascii=False) with default separators: the template's `tojson`
 // and the serialisation used for tool-call arguments in API responses.
@@ -74,6 +112,9 @@ std::string python_json_dumps(const Json& value);
 
 // Python's repr() of a float (shortest round-trip digits, "1.0", "1e-05", "1e+16", "inf").
 std::string python_float_repr(double value);
+
+// Python's repr() of a str.
+std::string python_str_repr(std::string_view s);
 
 // Python's str.strip(): removes the 29 code points for which str.isspace() is true.
 std::string_view python_strip(std::string_view s);

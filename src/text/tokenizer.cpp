@@ -430,8 +430,22 @@ struct Tokenizer::Impl {
   void model_encode(std::string_view piece, std::vector<int32_t>& out) const;
   void pretokenize(std::string_view s, size_t stage, Matcher& m, std::vector<int32_t>& out) const;
   void split_added(std::string_view s, const AddedMatcher& am, bool parse_special,
-                   const std::function<void(std::string_view)>& text, std::vector<int32_t>& out) const;
+                   const std::function<void(std::string_view)>& text, std::vector<int32_t>& out,
+                   std::span<const std::pair<size_t, size_t>> plain = {}) const;
+  std::vector<int32_t> encode(std::string_view text, bool parse_special,
+                              std::span<const std::pair<size_t, size_t>> plain) const;
 };
+
+namespace {
+
+// Whether [b, e) overlaps one of the sorted, disjoint ranges.
+bool overlaps(std::span<const std::pair<size_t, size_t>> ranges, size_t b, size_t e) {
+  auto it = std::lower_bound(ranges.begin(), ranges.end(), b,
+                             [](const std::pair<size_t, size_t>& r, size_t x) { return r.second <= x; });
+  return it != ranges.end() && it->first < e;
+}
+
+}  // namespace
 
 void Tokenizer::Impl::bpe(std::string_view piece, std::vector<int32_t>& out) const {
   // HF's Word::merge_all: a heap of candidate merges by (rank, position), skipping stale ones.
@@ -537,7 +551,8 @@ void Tokenizer::Impl::pretokenize(std::string_view s, size_t stage, Matcher& m,
 // HF AddedVocabulary::find_matches, including its lstrip/rstrip/single_word rules.
 void Tokenizer::Impl::split_added(std::string_view s, const AddedMatcher& am, bool parse_special,
                                   const std::function<void(std::string_view)>& text,
-                                  std::vector<int32_t>& out) const {
+                                  std::vector<int32_t>& out,
+                                  std::span<const std::pair<size_t, size_t>> plain) const {
   if (am.empty()) {
     text(s);
     return;
@@ -546,7 +561,7 @@ void Tokenizer::Impl::split_added(std::string_view s, const AddedMatcher& am, bo
   while (const AddedToken* t = am.find(s, search, at)) {
     size_t start = at, stop = at + t->content.size();
     search = stop;
-    if (t->special && !parse_special) continue;
+    if (t->special && (!parse_special || overlaps(plain, start, stop))) continue;
     if (t->single_word) {
       bool start_ok = start == 0 || !rust_word(cp_at(s, prev_cp_start(s, start)));
       bool stop_ok = stop == s.size() || !rust_word(cp_at(s, stop));
@@ -789,22 +804,35 @@ Tokenizer Tokenizer::from_json(std::string_view text) {
 // ---------------------------------------------------------------------------------------------
 
 std::vector<int32_t> Tokenizer::encode(std::string_view text, bool parse_special) const {
+  return impl_->encode(text, parse_special, {});
+}
+
+std::vector<int32_t> Tokenizer::encode_plain_ranges(std::string_view text,
+                                                    std::span<const std::pair<size_t, size_t>> plain) const {
+  return impl_->encode(text, true, plain);
+}
+
+std::vector<int32_t> Tokenizer::Impl::encode(std::string_view text, bool parse_special,
+                                             std::span<const std::pair<size_t, size_t>> plain) const {
   size_t bad = first_invalid_utf8(text);
   if (bad != std::string_view::npos) fail("input is not valid UTF-8 (byte offset {})", bad);
   std::vector<int32_t> out;
   out.reserve(text.size() / 3 + 4);
   Matcher m;
-  const Impl& im = *impl_;
+  const Impl& im = *this;
   auto pretok = [&](std::string_view s) { im.pretokenize(s, 0, m, out); };
   auto normalize_then_split = [&](std::string_view s) {
+    // Normalization moves offsets, so a piece touching a plain range matches no special token.
+    const size_t off = size_t(s.data() - text.data());
+    const bool special = parse_special && !overlaps(plain, off, off + s.size());
     if (im.normalizer.empty()) {
-      im.split_added(s, im.normalized_added, parse_special, pretok, out);
+      im.split_added(s, im.normalized_added, special, pretok, out);
       return;
     }
     std::string n = im.normalizer.apply(s);
-    im.split_added(n, im.normalized_added, parse_special, pretok, out);
+    im.split_added(n, im.normalized_added, special, pretok, out);
   };
-  im.split_added(text, im.raw_added, parse_special, normalize_then_split, out);
+  im.split_added(text, im.raw_added, parse_special, normalize_then_split, out, plain);
   return out;
 }
 

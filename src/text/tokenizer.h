@@ -10,6 +10,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace tansy {
@@ -29,6 +30,11 @@ class Tokenizer {
   // without it they are tokenized as plain text (HF's encode_special_tokens). Non-special added
   // tokens are always matched, as in HF.
   std::vector<int32_t> encode(std::string_view text, bool parse_special = true) const;
+  // Like encode(text, true), except that a special token overlapping one of the `plain` byte
+  // ranges (sorted, disjoint) is tokenized as ordinary text: a rendered prompt's message content
+  // cannot spell the template's control tokens.
+  std::vector<int32_t> encode_plain_ranges(std::string_view text,
+                                           std::span<const std::pair<size_t, size_t>> plain) const;
   // Invalid UTF-8 in the joined token bytes becomes U+FFFD per maximal subpart, as HF does.
   // Unknown ids are an error (HF would drop them silently).
   std::string decode(std::span<const int32_t> ids, bool skip_special = false) const;

@@ -1,6 +1,8 @@
-"""`tansy render` against Python jinja2 rendering the Qwen3.6 chat template in the environment
-transformers uses (see tests/fixtures/README.md): the fixtures plus generated conversations,
-byte for byte, errors included.
+"""`tansy render` against Python jinja2 rendering chat templates in the environment transformers
+uses (see tests/fixtures/README.md): the Qwen3.6 fixtures plus generated conversations over the
+Qwen3.6 template, the Qwen3 template of the tokenizer fixture and edited variants of Qwen3.6 (as
+fine-tunes ship them), byte for byte, errors included; then small templates exercising each
+construct of the supported Jinja subset (docs/API.md).
 
 The reference does what the server does before rendering: it reads the switches from the top
 level or `chat_template_kwargs` (which wins) and parses OpenAI wire-format `arguments` strings into
@@ -8,6 +10,7 @@ objects. Switch values are handed to jinja2 unchanged, so Jinja's own `is false`
 semantics decide for non-boolean values.
 """
 import json
+from datetime import datetime
 import os
 import random
 import subprocess
@@ -36,15 +39,21 @@ def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False)
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def make_template():
+def make_env():
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
-    with open(FIXTURES / "chat_template.jinja", encoding="utf-8", newline="") as f:
-        return env.from_string(f.read())
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
 
 
-TEMPLATE = make_template()
+def compile_template(source):
+    return make_env().from_string(source)
+
+
+with open(FIXTURES / "chat_template.jinja", encoding="utf-8", newline="") as f:
+    QWEN36 = f.read()
+TEMPLATE = compile_template(QWEN36)
 
 
 def parse_arguments(messages):
@@ -84,8 +93,9 @@ def check_integers(value):
             check_integers(v)
 
 
-def reference(body):
+def reference(body, template=None, extra=None):
     """('ok', prompt) | ('error', message) | ('server', None)."""
+    template = template or TEMPLATE
     try:
         check_integers(body)
         body = json.loads(json.dumps(body))  # a private copy
@@ -101,31 +111,36 @@ def reference(body):
             for key in ("enable_thinking", "preserve_thinking"):
                 if key in source:
                     kwargs[key] = source[key]
+        for key, value in (body.get("chat_template_kwargs") or {}).items():
+            if key not in ("add_generation_prompt", "enable_thinking", "preserve_thinking", "messages", "tools",
+                           "documents"):
+                kwargs[key] = value
     except ServerSideError:
         return ("server", None)
     try:
-        return ("ok", TEMPLATE.render(messages=messages, tools=body.get("tools"), documents=None, **kwargs))
+        return ("ok", template.render(messages=messages, tools=body.get("tools"), documents=None, **(extra or {}),
+                                      **kwargs))
     except Exception as e:  # jinja2 errors, and Python's TypeError as transformers would see them
         return ("error", str(e))
 
 
-def tansy_jsonl(bodies):
+def tansy_jsonl(bodies, model=FIXTURES, *flags):
     lines = "".join(json.dumps(b, ensure_ascii=False) + "\n" for b in bodies)
-    proc = subprocess.run([str(TANSY), "render", "--model", str(FIXTURES), "--jsonl"], input=lines.encode(),
-                          capture_output=True, timeout=120)
+    proc = subprocess.run([str(TANSY), "render", "--model", str(model), "--jsonl", *flags], input=lines.encode(),
+                          capture_output=True, timeout=300)
     assert proc.returncode == 0, proc.stderr.decode()
     out = proc.stdout.decode().split("\n")
     assert out[-1] == ""
     return [json.loads(line) for line in out[:-1]]
 
 
-def compare(bodies, names):
-    results = tansy_jsonl(bodies)
+def compare(bodies, names, model=FIXTURES, template=None, extra=None):
+    results = tansy_jsonl(bodies, model)
     assert len(results) == len(bodies)
     mismatches = []
     counts = {"ok": 0, "error": 0, "server": 0}
     for body, name, got in zip(bodies, names, results):
-        kind, want = reference(body)
+        kind, want = reference(body, template, extra)
         counts[kind] += 1
         if kind == "ok":
             good = got.get("prompt") == want
@@ -177,9 +192,12 @@ def rand_value(rng, depth=0):
     return {rand_text(rng, 1) or "k": rand_value(rng, depth + 1) for _ in range(rng.randint(0, 3))}
 
 
+TEXT_SHARE = [0.65]  # how often content is a plain string (templates that only take strings raise the rest)
+
+
 def rand_content(rng, allow_images):
     r = rng.random()
-    if r < 0.65:
+    if r < TEXT_SHARE[0]:
         return rand_text(rng)
     if r < 0.75:
         return None
@@ -317,6 +335,9 @@ def rand_body(rng):
                 if key == "add_generation_prompt" and rng.random() < 0.9:
                     value = rng.choice([True, False, None])
                 where[key] = value
+    if rng.random() < 0.15:
+        kwargs[rng.choice(["add_vision_id", "add_vision_id", "custom_flag", "tools", "messages"])] = \
+            rng.choice([True, False, 1, "yes", None])
     if kwargs or rng.random() < 0.1:
         body["chat_template_kwargs"] = kwargs
     return body
@@ -373,9 +394,246 @@ def test_cli_plain_mode():
     assert proc.returncode != 0 and b"not valid JSON" in proc.stderr
 
 
-def test_cli_refuses_a_different_template(tmp_path):
-    # Qwen3's own tokenizer_config.json carries the original Qwen3 template.
-    proc = run_render(b'{"messages": [{"role": "user", "content": "x"}]}', FIXTURES.parent / "qwen3-tokenizer")
-    assert proc.returncode != 0 and b"differs" in proc.stderr
+def test_cli_without_a_template(tmp_path):
     proc = run_render(b'{"messages": [{"role": "user", "content": "x"}]}', tmp_path)
     assert proc.returncode != 0 and b"no chat template" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Other templates: Qwen3's, and Qwen3.6 as fine-tunes and converters re-save it
+# ---------------------------------------------------------------------------------------------
+QWEN3_DIR = FIXTURES.parent / "qwen3-tokenizer"
+QWEN3_CONFIG = json.loads((QWEN3_DIR / "tokenizer_config.json").read_text(encoding="utf-8"))
+
+
+def special_tokens(config):
+    """What transformers passes besides the request: the tokenizer's special-token strings."""
+    out = {}
+    for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        v = config.get(key)
+        if isinstance(v, dict):
+            v = v.get("content")
+        if isinstance(v, str):
+            out[key] = v
+    return out
+
+
+def edited(old, new, source=QWEN36):
+    assert source.count(old) == 1, old
+    return source.replace(old, new)
+
+
+GEN_PROMPT = """{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- else %}
+        {{- '<think>\\n' }}
+    {%- endif %}
+{%- endif %}"""
+PARAM_LOOP = """                {%- if tool_call.arguments is defined %}
+                    {%- for args_name, args_value in tool_call.arguments|items %}
+                        {{- '<parameter=' + args_name + '>\\n' }}
+                        {%- set args_value = args_value | string if args_value is string else args_value | tojson | safe %}
+                        {{- args_value }}
+                        {{- '\\n</parameter>\\n' }}
+                    {%- endfor %}
+                {%- endif %}
+                {{- '</function>\\n</tool_call>' }}"""
+
+VARIANTS = {
+    # A converter's banner comment, and a comment line inside the body, with a trailing newline.
+    "comment": "{#- Converted for tansy; edit freely. -#}\n" +
+               edited("{%- if not messages %}", "{# validation #}\n{%- if not messages %}") + "\n",
+    # A fine-tune's own system preamble before the tools block, and a default system prompt.
+    "preamble": edited("# Tools\\n\\nYou have access to the following functions:",
+                       "# Tools\\n\\nYou are Tansy, a careful assistant. You may call these functions:",
+                       edited("{%- else %}\n    {%- if messages[0].role == 'system' %}",
+                              "{%- else %}\n    {%- if messages[0].role != 'system' %}\n"
+                              "        {{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}\n"
+                              "    {%- endif %}\n    {%- if messages[0].role == 'system' %}")),
+    # Hermes-style JSON tool calls instead of Qwen3.6's XML parameters.
+    "toolcall-json": edited(PARAM_LOOP, """                {{- '{"name": ' + tool_call.name|tojson + ', "arguments": ' }}
+                {%- if tool_call.arguments is defined %}
+                    {{- tool_call.arguments|tojson(indent=2) if tool_call.arguments|length > 2 else tool_call.arguments|tojson }}
+                {%- else %}
+                    {{- {}|tojson }}
+                {%- endif %}
+                {{- '}\\n</function>\\n</tool_call>' }}"""),
+    # Thinking forced off, whatever the request says.
+    "nothink": edited(GEN_PROMPT, """{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' }}
+{%- endif %}"""),
+    # The Qwen3.5 template (two lines differ; fixtures README): scalars through Python str().
+    "qwen3.5": edited("{%- if (preserve_thinking is defined and preserve_thinking is true) or "
+                      "(loop.index0 > ns.last_query_index) %}", "{%- if loop.index0 > ns.last_query_index %}",
+                      edited("args_value | string if args_value is string else args_value | tojson | safe",
+                             "args_value | tojson | safe if args_value is mapping or (args_value is sequence and "
+                             "args_value is not string) else args_value | string")),
+}
+
+TEMPLATE_CASES = [(name, 300) for name in VARIANTS] + [("qwen3", 400)]
+
+
+@pytest.mark.parametrize("name,count", TEMPLATE_CASES)
+def test_other_templates_match_jinja(tmp_path, name, count):
+    if name == "qwen3":
+        model, source, extra = QWEN3_DIR, QWEN3_CONFIG["chat_template"], special_tokens(QWEN3_CONFIG)
+        TEXT_SHARE[0] = 0.97  # this template concatenates content as a string
+    else:
+        model, source, extra = tmp_path, VARIANTS[name], {}
+        (tmp_path / "chat_template.jinja").write_bytes(source.encode("utf-8"))
+    try:
+        rng = random.Random(f"{name}-20261201")
+        bodies = [rand_body(rng) for _ in range(count)]
+    finally:
+        TEXT_SHARE[0] = 0.65
+    counts, mismatches = compare(bodies, [f"{name}-{i}" for i in range(count)], model, compile_template(source),
+                                 extra)
+    report = "\n".join(f"{n} [{k}]\nwant: {w!r}\ngot:  {g!r}" for n, k, w, g in mismatches[:5])
+    assert not mismatches, f"{len(mismatches)} of {count} differ\n{report}"
+    assert counts["ok"] >= count * 0.55 and counts["error"] >= 10, counts
+    print(f"{name}: compared {count} generated conversations: {counts}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The Jinja subset, construct by construct
+# ---------------------------------------------------------------------------------------------
+SNIPPETS = [
+    # whitespace control, trim_blocks, lstrip_blocks, comments, raw
+    "a\n  {% if true %}\n  b\n  {% endif %}\nc",
+    "a  {%- if true -%}  b  {%- endif -%}  c",
+    "a\n  {%+ if true %}b{% endif +%}\nc",
+    "x {{ 1 }} \n{{- 2 -}}\n y",
+    "  {# comment #}\nline\n    {#- c -#}   z",
+    "{% raw %}{{ not rendered }}{% endraw %}\n  {%- raw -%}  {% x %}  {%- endraw %}",
+    "\t\u00a0{% if true %}x{% endif %}\n{% for i in [1, 2] %}\n{{ i }}\n{% endfor %}\n",
+    "a\r\nb\rc{% if true %}\r\nd{% endif %}\n\n",
+    "{{ 'a' }}{# x #}{{ 'b' }}  {% if 1 %}  y{% endif %}",
+    # literals and strings
+    "{{ 'it\\'s' }}|{{ \"q\\\"\" }}|{{ '\\n\\t\\\\' }}|{{ '\\x41\\u00e9\\U0001F600' }}|{{ '\\d\\101' }}|{{ 'a' 'b' }}",
+    "{{ 1_000 }} {{ 1.5e3 }} {{ 0.1 + 0.2 }} {{ 1e-7 }} {{ 10 / 4 }} {{ 7 // 2 }} {{ -7 % 3 }} {{ 2 ** 3 ** 2 }} {{ -2 ** 2 }}",
+    "{{ [1, 'a', none, true, 1.0, (1,), (), {'k': [false]}] }} {{ (1, 2) }} {{ {'a': 1, 'a': 2} }}",
+    "{{ none }} {{ True }} {{ false }} {{ 18446744073709551615 + 1 }} {{ 3 * 'ab' }} {{ [0] * 3 }}",
+    # expressions and operators
+    "{{ 1 < 2 < 3 }} {{ 1 < 3 < 2 }} {{ 'a' < 'b' }} {{ [1, 2] < [1, 3] }} {{ 1 == 1.0 }} {{ true == 1 }} {{ 'a' != 'a' }}",
+    "{{ 'b' in 'abc' }} {{ 'x' not in ['x'] }} {{ 'k' in {'k': 1} }} {{ 1 in [1.0] }} {{ u in [1] }}",
+    "{{ 1 and 'x' }} {{ 0 or '' or 'z' }} {{ not none }} {{ not 1 == 2 }} {{ 'y' if 0 else 'n' }} [{{ 'y' if 0 }}]",
+    "{{ 'a' ~ 1 ~ none ~ undefined_thing ~ [1] }} {{ 'a' + 'b' }} {{ [1] + [2] }} {{ -(3) }} {{ +4 }} {{ -1.5|abs }}",
+    # attribute and item access, slicing
+    "{{ messages[0].role }} {{ messages[0]['content'] }} {{ messages.0.role }} {{ messages[-1].role }} [{{ messages[5] }}]",
+    "{% set s = 'héllo wörld' %}{{ s[1:4] }}|{{ s[::-1] }}|{{ s[-3:] }}|{{ s[::2] }}|{{ s[10:2:-3] }}|{{ s[1] }}|{{ [1,2,3,4][1::2] }}",
+    "{{ messages[0].nope }}|{{ messages[0].nope is defined }}|{{ none.x }}|{{ 'str'.x }}|{{ {}.get('a', 'dflt') }}",
+    # tests
+    "{% for v in [none, true, false, 0, 1.5, 'x', [], {}, u] %}{{ v is none }}{{ v is true }}{{ v is false }}{{ v is number }}"
+    "{{ v is integer }}{{ v is float }}{{ v is string }}{{ v is mapping }}{{ v is iterable }}{{ v is sequence }}"
+    "{{ v is boolean }}{{ v is defined }}{{ v is undefined }}{{ v is callable }}|{% endfor %}",
+    "{{ 3 is odd }} {{ 4 is even }} {{ 9 is divisibleby 3 }} {{ 2 is eq 2 }} {{ 2 is ne(3) }} {{ 'a' is in 'cat' }} {{ none is sameas none }} {{ 'ab' is lower }} {{ 'AB' is upper }} {{ 1 is not none }}",
+    # filters
+    "{{ '  x  '|trim }}|{{ 'xxaxx'|trim('x') }}|{{ 5|trim }}|{{ none|trim }}|{{ 'AbC'|lower }}{{ 'aBc'|upper }}|{{ 'hello world'|title }}|{{ 'hELLO'|capitalize }}",
+    "{{ 'a-b-c'|replace('-', '+') }}|{{ 'aaa'|replace('a', 'b', 2) }}|{{ 'ab'|replace('', '.') }}|{{ [1, 'a', none]|join(', ') }}|{{ 'abc'|join('-') }}",
+    "{{ [3, 4]|first }} {{ [3, 4]|last }} {{ 'xyz'|first }} {{ 'xyz'|last }} [{{ []|first }}] {{ {'a': 1}|first }} {{ [1, 2]|reverse|list }} {{ 'abc'|reverse }}",
+    "{{ u|default('d') }} {{ ''|default('e', true) }} {{ 0|d('z') }} {{ none|default('n') }} {{ 'abc'|list }} {{ {'a': 1, 'b': 2}|list }} {{ 'é'|length }} {{ {'a': 1}|count }}",
+    "{{ '42'|int }} {{ ' 7 '|int }} {{ '3.9'|int }} {{ 'x'|int }} {{ 'x'|int(5) }} {{ 2.9|int }} {{ true|int }} {{ '1e3'|float }} {{ 3|float }} {{ none|int }}",
+    "{{ 5|string ~ 'x' }} {{ [1]|string }} {{ none|string }} {{ 'x'|safe }} {{ {'b': 1, 'a': [1, 2]}|items|list }}",
+    "{{ {'k': 'é\"\\\\\\n\\u2028/', 'n': [1, 2.5, none, true], 'e': {}, 'l': []}|tojson }}",
+    "{{ {'b': 1, 'a': {'c': [1, {}]}}|tojson(indent=2) }}|{{ {'b': 1, 'a': 2}|tojson(sort_keys=true) }}|{{ 'é😀'|tojson(ensure_ascii=true) }}|{{ [1, {'a': 2}]|tojson(separators=(',', ':')) }}",
+    "{{ tools|tojson }}|{{ messages|tojson(indent=4) }}",
+    # string methods
+    "{{ 'a,b,,c'.split(',') }} {{ ' a  b '.split() }} {{ 'a b c'.split(none, 1) }} {{ 'a,b,c'.rsplit(',', 1) }} {{ 'abc'.split('b')[-1] }}",
+    "{{ '\\n\\nx\\n'.lstrip('\\n') }}|{{ 'xy\\n\\n'.rstrip() }}|{{ '..a..'.strip('.') }}|{{ 'ab'.startswith('a') }}{{ 'ab'.endswith(('x', 'b')) }}|{{ 'Ab'.upper() }}{{ 'Ab'.lower() }}",
+    "{{ 'a-b'.replace('-', '') }} {{ 'hello'.find('l') }} {{ 'hello'.count('l') }} {{ '-'.join(['a', 'b']) }} {{ 'ab cd'.title() }} {{ 'aB'.capitalize() }}",
+    # dict and list methods
+    "{% for k, v in {'x': 1, 'y': [2]}.items() %}{{ k }}={{ v }};{% endfor %}{{ {'a': 1}.keys()|list }}{{ {'a': 1}.values()|list }}{{ {'a': 1}.get('b') }}{{ [1, 2, 1].count(1) }}{{ [5, 6].index(6) }}",
+    # loops
+    "{% for x in [10, 20, 30] %}{{ loop.index }}{{ loop.index0 }}{{ loop.revindex }}{{ loop.revindex0 }}{{ loop.first }}{{ loop.last }}{{ loop.length }}{{ loop.previtem }}{{ loop.nextitem }}{{ loop.cycle('a', 'b') }}|{% endfor %}",
+    "{% for x in [] %}no{% else %}empty{% endfor %}{% for x in [1, 2, 3, 4] if x is even %}{{ x }}{{ loop.length }}{% endfor %}{% for x in u %}never{% endfor %}",
+    "{% for x in range(10) %}{% if x == 2 %}{% continue %}{% endif %}{% if x == 5 %}{% break %}{% endif %}{{ x }}{% endfor %}{{ range(2, 9, 3)|list }}{{ range(5, 0, -2)|list }}",
+    "{% for a, b in [[1, 2], (3, 4)] %}{{ a + b }}{% endfor %}{% for c in 'hé' %}[{{ c }}]{% endfor %}{% for k in {'p': 1, 'q': 2} %}{{ k }}{% endfor %}",
+    "{% for row in [[1, 2], [3]] %}{% for x in row %}{{ loop.index }}/{{ loop.length }} {% endfor %}{{ loop.index }};{% endfor %}",
+    # scoping
+    "{% set x = 1 %}{% for i in [1, 2] %}{{ x }}{% set x = x + 10 %}{{ x }} {% endfor %}{{ x }}{% if true %}{% set x = 5 %}{% endif %}{{ x }}",
+    "{% set ns = namespace(n=0, items=[]) %}{% for i in [1, 2, 3] %}{% set ns.n = ns.n + i %}{% set ns.items = ns.items + [i] %}{% endfor %}{{ ns.n }} {{ ns.items }} {{ ns.missing }}",
+    "{% set a, b = 1, 2 %}{{ a }}{{ b }}{% set t = 1, %}{{ t }}{% set block %}  in a block {{ a }}  {% endset %}[{{ block }}]{% set trimmed | trim | upper %}  x  {% endset %}[{{ trimmed }}]",
+    # macros and call
+    "{% macro greet(name, punct='!') %}Hi {{ name }}{{ punct }}{% endmacro %}{{ greet('A') }} {{ greet('B', '?') }} {{ greet(punct='.', name='C') }} [{{ greet() }}]",
+    "{% macro f(n) %}{% if n > 0 %}{{ n }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(5) }}{{ f(3)|length }}",
+    "{% macro wrap(tag) %}<{{ tag }}>{{ caller() }}</{{ tag }}>{% endmacro %}{% call wrap('b') %}inner {{ 1 + 1 }}{% endcall %}",
+    "{% macro m() %}{{ outer }}{% endmacro %}{% set outer = 'late' %}{{ m() }}{% for i in [1] %}{% set outer = 'loop' %}{{ m() }}{% endfor %}",
+    "{% macro content(c) %}{% if c is string %}{{ c }}{% else %}{% for p in c %}{{ p.text }}{% endfor %}{% endif %}{% endmacro %}[{{ content(messages[0].content)|trim }}]",
+    # globals
+    "{{ namespace(a=1).a }} {{ dict(a=1, b=2) }} {{ range(3)|list }} {{ strftime_now('%%') }}",
+    # errors, each with jinja2's message
+    "{{ raise_exception('custom failure') }}",
+    "{{ 1 + 'a' }}", "{{ 'a' + 1 }}", "{{ [1] + 'a' }}", "{{ {} + {} }}", "{{ 'a' - 1 }}", "{{ -'a' }}", "{{ 1 / 0 }}",
+    "{{ 1 // 0 }}", "{{ 1 % 0 }}", "{{ 'a' * 1.5 }}", "{{ 1 < 'a' }}", "{{ [1] < 'a' }}", "{{ 'a' in 1 }}", "{{ 1 in 'a' }}",
+    "{{ u + 1 }}", "{{ u.attr }}", "{{ u() }}", "{{ u[0] }}", "{{ u < 1 }}", "{{ messages[0].nope.deeper }}",
+    "{{ messages[9].role.x }}", "{{ none.a.b }}", "{{ 5() }}", "{{ 'abc'.nope() }}", "{{ {}.pop('a') }}", "{{ [].append(1) }}",
+    "{{ 3|length }}", "{{ none|length }}", "{% for a in 1|items %}{% endfor %}", "{{ u|tojson }}", "{{ 5|first }}", "{{ 5|last }}", "{% for x in 5 %}{% endfor %}",
+    "{% for x in none %}{% endfor %}", "{% for a, b in [1] %}{% endfor %}", "{% for a, b in [[1]] %}{% endfor %}",
+    "{% for a, b in [[1, 2, 3]] %}{% endfor %}", "{% set x = 1 %}{% set x.y = 2 %}", "{{ ''.split('') }}",
+    "{{ 'a'.startswith(1) }}", "{{ range(200000) }}", "{{ [1, 2][::0] }}",
+    "{% macro m(a) %}{% endmacro %}{{ m(1, 2) }}", "{% macro m(a) %}{% endmacro %}{{ m(b=1) }}",
+    "{% macro m(a) %}{{ a + 1 }}{% endmacro %}{{ m() }}", "{% for x in [1] %}{{ loop.previtem + 1 }}{% endfor %}",
+    "{{ [1, 2]|first + u }}", "{{ ('a' if false) + 'b' }}", "{{ u|abs }}", "{{ 5|reverse }}", "{{ 'x'|abs }}",
+    "{% set v = 5 %}{{ v[1:] }}", "{% set v = none %}{{ v[::-1] }}", "{% set v = {} %}{{ v[:1] }}", "{{ u[1:] }}",
+    "{{ 'abc'.index('z') }}", "{{ 'abc'.find(1) }}", "{{ none * [1] }}", "{{ [1] * [2] }}", "{{ 2.5 * 'a' }}",
+]
+
+
+def test_snippets_match_jinja(tmp_path):
+    body = {"messages": [{"role": "user", "content": "  H\u00e9 llo \u3000"}, {"role": "assistant", "content": "ok"}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}
+    mismatches, kinds = [], {"ok": 0, "error": 0}
+    for i, source in enumerate(SNIPPETS):
+        d = tmp_path / f"s{i}"
+        d.mkdir()
+        (d / "chat_template.jinja").write_bytes(source.encode("utf-8"))
+        kind, want = reference(body, compile_template(source))
+        kinds[kind] += 1
+        [got] = tansy_jsonl([body], d)
+        if got.get("prompt" if kind == "ok" else "error") != want:
+            mismatches.append(f"{source!r}\nwant {kind}: {want!r}\ngot:  {got!r}")
+    assert not mismatches, f"{len(mismatches)} of {len(SNIPPETS)} differ:\n" + "\n".join(mismatches)
+    assert kinds["ok"] >= 45 and kinds["error"] >= 45, kinds
+
+
+@pytest.mark.parametrize("source,construct", [
+    ("{% include 'x' %}", "the 'include' tag"), ("{% extends 'x' %}", "the 'extends' tag"),
+    ("{% import 'x' as y %}", "the 'import' tag"), ("{% with a = 1 %}{% endwith %}", "the 'with' tag"),
+    ("{{ x|map(attribute='a') }}", "the filter 'map'"), ("{{ x|selectattr('a') }}", "the filter 'selectattr'"),
+    ("{{ x is escaped }}", "the test 'escaped'"), ("{% for x in y recursive %}{% endfor %}", "recursive for loops"),
+    ("{{ f(*args) }}", "*args / **kwargs"), ("{% filter upper %}x{% endfilter %}", "the 'filter' tag"),
+])
+def test_constructs_outside_the_subset_fail_at_load(tmp_path, source, construct):
+    (tmp_path / "chat_template.jinja").write_text("{# first line #}\n" + source, encoding="utf-8")
+    proc = run_render(b'{"messages": [{"role": "user", "content": "x"}]}', tmp_path)
+    assert proc.returncode != 0 and proc.stdout == b""
+    err = proc.stderr.decode()
+    assert "line 2" in err and construct in err, err
+    assert err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("source", ["{% if x %}", "{{ 1 + }}", "{% for %}", "{{ 'unterminated }}", "{% endif %}",
+                                    "{{ (1 }}", "{% set %}", "{% macro %}", "{# open comment"])
+def test_syntax_errors_fail_at_load(tmp_path, source):
+    with pytest.raises(jinja2.TemplateSyntaxError):
+        compile_template(source)
+    (tmp_path / "chat_template.jinja").write_text(source, encoding="utf-8")
+    proc = run_render(b'{"messages": [{"role": "user", "content": "x"}]}', tmp_path)
+    assert proc.returncode != 0 and b"chat template line" in proc.stderr, proc.stderr
+
+
+def test_chat_template_kwargs_reach_the_template():
+    """Other chat_template_kwargs are template variables (as vLLM passes them): Qwen's add_vision_id."""
+    image = {"type": "image", "image": "file:///x.png"}
+    body = {"messages": [{"role": "user", "content": [image, {"type": "text", "text": "and"}, image]},
+                         {"role": "assistant", "content": "ok"}, {"role": "user", "content": [image]}],
+            "chat_template_kwargs": {"add_vision_id": True, "messages": "ignored", "documents": 5}}
+    [got] = tansy_jsonl([body])
+    kind, want = reference(body)
+    assert kind == "ok" and got["prompt"] == want
+    assert "Picture 1: <|vision_start|>" in want and "Picture 3: " in want
+    del body["chat_template_kwargs"]["add_vision_id"]
+    [got] = tansy_jsonl([body])
+    assert "Picture" not in got["prompt"] and got["prompt"] == reference(body)[1]

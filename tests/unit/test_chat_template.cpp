@@ -197,36 +197,67 @@ TEST(ChatTemplate, PythonExceptionsOnOddValues) {
             "<|im_start|>user\n[1.0, \"a'b\", None, True]<|im_end|>\n<|im_start|>assistant\n<think>\n");
 }
 
-TEST(ChatTemplate, CheckpointTemplateCheck) {
+TEST(ChatTemplate, CheckpointTemplateLoading) {
+  using tansy::text::ChatTemplate;
   fs::path dir = fs::temp_directory_path() / ("tansy_tmpl_check_" + std::to_string(::getpid()));
   fs::create_directories(dir);
   std::string tmpl(tansy::text::implemented_template());
+  Json body = {{"messages", Json::array({user("Hello")})}};
+  const std::string hello = read_bytes(fixture_dir() / "renders" / "a_user_hello.txt");
 
-  auto check = tansy::text::check_checkpoint_template(dir);
-  EXPECT_FALSE(check.found);
+  try {
+    ChatTemplate::load(dir);
+    ADD_FAILURE() << "a directory without a template loaded";
+  } catch (const tansy::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no chat template"), std::string::npos) << e.what();
+  }
 
-  std::ofstream(dir / "tokenizer_config.json") << Json{{"chat_template", tmpl}}.dump();
-  check = tansy::text::check_checkpoint_template(dir);
-  EXPECT_TRUE(check.found && check.identical) << check.description;
+  std::ofstream(dir / "tokenizer_config.json")
+      << Json{{"chat_template", tmpl}, {"eos_token", "<|im_end|>"}}.dump();
+  ChatTemplate t = ChatTemplate::load(dir);
+  EXPECT_TRUE(t.is_qwen36()) << t.describe();
+  EXPECT_EQ(t.sha256(), "e84f32a23fdda27689f868aa4a1a5621f41133e51a48d7f3efcbea2839574259");
+  EXPECT_NE(t.describe().find("sha256 e84f32a23fdd"), std::string::npos) << t.describe();
+  EXPECT_EQ(t.render_text(tansy::text::parse_render_request(body)), hello);
 
-  std::ofstream(dir / "chat_template.jinja", std::ios::binary)
-      << tmpl << "\n";  // jinja2 drops one final newline
-  check = tansy::text::check_checkpoint_template(dir);
-  EXPECT_TRUE(check.found && check.identical) << check.description;
+  // The named-list form takes "default".
+  std::ofstream(dir / "tokenizer_config.json") << Json{
+      {"chat_template", Json::array({Json{{"name", "tool_use"}, {"template", "x"}},
+                                     Json{{"name", "default"}, {"template", "{{ eos_token }}!"}}})},
+      {"eos_token", "<|im_end|>"}}.dump();
+  EXPECT_EQ(ChatTemplate::load(dir).render_text(tansy::text::parse_render_request(body)), "<|im_end|>!");
 
-  std::string edited = tmpl;
-  edited.replace(edited.find("enable_thinking is false"), 24, "enable_thinking is true");
-  std::ofstream(dir / "chat_template.jinja", std::ios::binary) << edited;
-  check = tansy::text::check_checkpoint_template(dir);
-  EXPECT_TRUE(check.found);
-  EXPECT_FALSE(check.identical);
-  EXPECT_NE(check.description.find("differs"), std::string::npos);
+  // chat_template.jinja wins; one final newline is dropped as jinja2 does.
+  std::ofstream(dir / "chat_template.jinja", std::ios::binary) << tmpl << "\n";
+  t = ChatTemplate::load(dir);
+  EXPECT_TRUE(t.is_qwen36()) << t.describe();
+
+  // An edited template is rendered as written, not refused.
+  std::ofstream(dir / "chat_template.jinja", std::ios::binary) << "{# edited #}\n" << tmpl;
+  t = ChatTemplate::load(dir);
+  EXPECT_FALSE(t.is_qwen36());
+  EXPECT_NE(t.describe().find("not the known Qwen3.6 template"), std::string::npos) << t.describe();
+  EXPECT_EQ(t.render_text(tansy::text::parse_render_request(body)), hello);
+
+  // A construct outside the subset is a load-time error naming it.
+  std::ofstream(dir / "chat_template.jinja", std::ios::binary) << "line one\n{% include 'x.jinja' %}";
+  try {
+    ChatTemplate::load(dir);
+    ADD_FAILURE() << "include was accepted";
+  } catch (const tansy::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("line 2: unsupported construct: the 'include' tag"),
+              std::string::npos)
+        << e.what();
+  }
+  std::ofstream(dir / "chat_template.jinja", std::ios::binary) << "{{ messages | map(attribute='x') }}";
+  EXPECT_THROW(ChatTemplate::load(dir), tansy::Error);
   fs::remove_all(dir);
 
-  // Qwen3's tokenizer_config.json carries the original Qwen3 template, which must be refused.
-  check = tansy::text::check_checkpoint_template(fixture_dir() / ".." / "qwen3-tokenizer");
-  EXPECT_TRUE(check.found);
-  EXPECT_FALSE(check.identical);
+  // Qwen3's tokenizer_config.json carries the original Qwen3 template: loaded and rendered.
+  t = ChatTemplate::load(fixture_dir() / ".." / "qwen3-tokenizer");
+  EXPECT_FALSE(t.is_qwen36());
+  EXPECT_EQ(t.render_text(tansy::text::parse_render_request(body)),
+            "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n");
 }
 
 TEST(ChatTemplate, ExactJsonParsing) {
