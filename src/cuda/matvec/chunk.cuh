@@ -177,6 +177,18 @@ __device__ __forceinline__ void residual_partial(float sq, float* ss, float* red
 
 __host__ __device__ constexpr size_t align16(size_t b) { return (b + 15) / 16 * 16; }
 
+// Host: calls go.template operator()<BITS>() with the bits per weight of `fmt` (16: bf16; callers
+// have checked the format with DevLinear::check).
+template <typename Go>
+void with_bits(WFormat fmt, Go&& go) {
+  if (fmt == WFormat::kAffine4)
+    go.template operator()<4>();
+  else if (fmt == WFormat::kAffine8)
+    go.template operator()<8>();
+  else
+    go.template operator()<16>();
+}
+
 template <int BITS>
 size_t stage_bytes(int in, int rows) {
   return size_t(rows) * (in / Chunk<BITS>::kCols) * Chunk<BITS>::kStride * sizeof(float);

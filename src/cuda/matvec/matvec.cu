@@ -577,17 +577,7 @@ void launch_matvec(const DevLinear& W, const bf16* X, int64_t ldx, int n, void* 
       launch_matvec_t<BITS, 1, MODE>(W, X, ldx, n, Y, ldy, y_f32, out_rows, idx, k, rows_per_expert, grid_y,
                                      stream);
   };
-  switch (W.fmt) {
-    case WFormat::kAffine4:
-      go.template operator()<4>();
-      break;
-    case WFormat::kAffine8:
-      go.template operator()<8>();
-      break;
-    default:
-      go.template operator()<16>();
-      break;
-  }
+  with_bits(W.fmt, go);
 }
 
 void check_x(const bf16* X, int64_t ldx, int n, int in, const char* what) {

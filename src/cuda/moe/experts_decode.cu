@@ -179,17 +179,7 @@ void launch_moe_down(const DevLinear& Wd, int n_experts, const int* idx, const f
     else
       launch.template operator()<8>();
   };
-  switch (Wd.fmt) {
-    case WFormat::kAffine4:
-      go.template operator()<4>();
-      break;
-    case WFormat::kAffine8:
-      go.template operator()<8>();
-      break;
-    default:
-      go.template operator()<16>();
-      break;
-  }
+  with_bits(Wd.fmt, go);
 }
 
 }  // namespace
