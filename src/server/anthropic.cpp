@@ -35,7 +35,8 @@ const char* error_type(int status) {
 }
 
 Json error_json(int status, const std::string& message) {
-  return Json{{"type", "error"}, {"error", {{"type", error_type(anthropic_status(status))}, {"message", message}}}};
+  return Json{{"type", "error"},
+              {"error", {{"type", error_type(anthropic_status(status))}, {"message", message}}}};
 }
 
 bool valid_tool_name(const std::string& s) {
@@ -55,8 +56,7 @@ std::string text_of(const Json& v, const std::string& path) {
     const Json& b = object(v[i], p);
     std::string type = str(require(b, "type", join(p, "type")), join(p, "type"));
     if (type != "text")
-      bad(join(p, "type"),
-          fmt::format("block type '{}' is not supported here (tansy serves a text-only model)", type));
+      bad(join(p, "type"), fmt::format("'{}.type' is '{}': only text blocks are supported here", p, type));
     if (i) out += "\n\n";
     out += str(require(b, "text", join(p, "text")), join(p, "text"));
   }
@@ -95,7 +95,8 @@ Json translate_messages(const Json& body) {
         const Json& b = object(content[k], p);
         std::string type = str(require(b, "type", join(p, "type")), join(p, "type"));
         if (type == "text") {
-          parts.push_back({{"type", "text"}, {"text", str(require(b, "text", join(p, "text")), join(p, "text"))}});
+          parts.push_back(
+              {{"type", "text"}, {"text", str(require(b, "text", join(p, "text")), join(p, "text"))}});
         } else if (type == "tool_result") {
           flush();
           std::string id = str(require(b, "tool_use_id", join(p, "tool_use_id")), join(p, "tool_use_id"));
@@ -106,10 +107,12 @@ Json translate_messages(const Json& body) {
           if (!err.is_null() && boolean(err, join(p, "is_error"))) text = "Error: " + text;
           out.push_back({{"role", "tool"}, {"tool_call_id", id}, {"content", text}});
         } else if (type == "tool_use" || type == "thinking" || type == "redacted_thinking") {
-          bad(join(p, "type"), fmt::format("'{}' blocks belong in assistant messages", type));
+          bad(join(p, "type"),
+              fmt::format("'{}.type' is '{}': such blocks belong in assistant messages", p, type));
         } else {
           bad(join(p, "type"),
-              fmt::format("content block type '{}' is not supported (tansy serves a text-only model)", type));
+              fmt::format("'{}.type' is '{}', which is not supported (tansy serves a text-only model)", p,
+                          type));
         }
       }
       flush();
@@ -134,11 +137,13 @@ Json translate_messages(const Json& body) {
         std::string id = str(require(b, "id", join(p, "id")), join(p, "id"));
         std::string name = str(require(b, "name", join(p, "name")), join(p, "name"));
         const Json& input = object(require(b, "input", join(p, "input")), join(p, "input"));
-        calls.push_back({{"id", id}, {"type", "function"}, {"function", {{"name", name}, {"arguments", input}}}});
+        calls.push_back(
+            {{"id", id}, {"type", "function"}, {"function", {{"name", name}, {"arguments", input}}}});
       } else if (type == "tool_result") {
-        bad(join(p, "type"), "'tool_result' blocks belong in user messages");
+        bad(join(p, "type"),
+            fmt::format("'{}.type' is 'tool_result': such blocks belong in user messages", p));
       } else {
-        bad(join(p, "type"), fmt::format("content block type '{}' is not supported", type));
+        bad(join(p, "type"), fmt::format("'{}.type' is '{}', which is not supported", p, type));
       }
     }
     Json msg{{"role", "assistant"}, {"content", text}};
@@ -147,7 +152,9 @@ Json translate_messages(const Json& body) {
     out.push_back(msg);
   }
   if (msgs.back().is_object() && get(msgs.back(), "role") == "assistant")
-    bad("messages", "a final assistant message (prefill) is not supported: the last message must be the user's");
+    bad("messages",
+        "'messages': a final assistant message (prefill) is not supported; the last message must be the "
+        "user's");
   return out;
 }
 
@@ -167,12 +174,14 @@ Json translate_common(const Json& body, bool& thinking) {
       const Json& x = object(tools[i], w);
       const Json& type = get(x, "type");
       if (!type.is_null() && str(type, join(w, "type")) != "custom")
-        bad(join(w, "type"), fmt::format("tool type '{}' is not supported (only custom tools with an input_schema)",
-                                          type.get<std::string>()));
+        bad(join(w, "type"),
+            fmt::format("'{}.type' is '{}': only custom tools (with an input_schema) are supported", w,
+                        type.get<std::string>()));
       std::string name = str(require(x, "name", join(w, "name")), join(w, "name"));
       if (!valid_tool_name(name))
         bad(join(w, "name"), fmt::format("'{}.name' must match ^[a-zA-Z0-9_-]{{1,128}}$, got '{}'", w, name));
-      if (!names.insert(name).second) bad(join(w, "name"), fmt::format("tool name '{}' is used twice", name));
+      if (!names.insert(name).second)
+        bad(join(w, "name"), fmt::format("'{}.name': tool name '{}' is used twice", w, name));
       Json fn{{"name", name}};
       const Json& desc = get(x, "description");
       if (!desc.is_null()) fn["description"] = str(desc, join(w, "description"));
@@ -193,12 +202,12 @@ Json translate_common(const Json& body, bool& thinking) {
     } else if (type == "none") {
       chat["tool_choice"] = "none";
     } else if (type == "any") {
-      if (names.empty()) bad("tool_choice", "tool_choice 'any' needs at least one tool in 'tools'");
+      if (names.empty()) bad("tool_choice", "'tool_choice' 'any' needs at least one tool in 'tools'");
       chat["tool_choice"] = "required";
     } else if (type == "tool") {
       std::string name = str(require(tc, "name", "tool_choice.name"), "tool_choice.name");
       if (!names.count(name))
-        bad("tool_choice.name", fmt::format("tool_choice names tool '{}', which is not in 'tools'", name));
+        bad("tool_choice.name", fmt::format("'tool_choice.name' is '{}', which is not in 'tools'", name));
       chat["tool_choice"] = {{"type", "function"}, {"function", {{"name", name}}}};
     } else {
       bad("tool_choice.type",
@@ -214,7 +223,8 @@ Json translate_common(const Json& body, bool& thinking) {
     if (type == "enabled") {
       thinking = true;
     } else if (type != "disabled") {
-      bad("thinking.type", fmt::format("'thinking.type' must be \"enabled\" or \"disabled\", got '{}'", type));
+      bad("thinking.type",
+          fmt::format("'thinking.type' must be \"enabled\" or \"disabled\", got '{}'", type));
     }
   }
   chat["chat_template_kwargs"] = {{"enable_thinking", thinking}};
@@ -230,16 +240,16 @@ class AnthropicFrontend : public ChatFrontend {
   Json chat_body(const Json& body) override {
     bool thinking = false;
     Json chat = translate_common(body, thinking);
-    chat["max_tokens"] =
-        integer(require(body, "max_tokens", "max_tokens"), "max_tokens", 1, std::numeric_limits<int32_t>::max());
+    chat["max_tokens"] = integer(require(body, "max_tokens", "max_tokens"), "max_tokens", 1,
+                                 std::numeric_limits<int32_t>::max());
     const int64_t max_tokens = chat["max_tokens"].get<int64_t>();
     const Json& th = get(body, "thinking");
     if (thinking) {
       const Json& budget = require(th, "budget_tokens", "thinking.budget_tokens");
       int64_t b = integer(budget, "thinking.budget_tokens", 1, std::numeric_limits<int32_t>::max());
       if (b >= max_tokens)
-        bad("thinking.budget_tokens", fmt::format("'thinking.budget_tokens' ({}) must be less than 'max_tokens' ({})",
-                                                  b, max_tokens));
+        bad("thinking.budget_tokens",
+            fmt::format("'thinking.budget_tokens' ({}) must be less than 'max_tokens' ({})", b, max_tokens));
       thinking_budget = int(b);
     } else if (th.is_object() && !get(th, "budget_tokens").is_null()) {
       integer(get(th, "budget_tokens"), "thinking.budget_tokens", 0, std::numeric_limits<int32_t>::max());
@@ -254,7 +264,8 @@ class AnthropicFrontend : public ChatFrontend {
       Json s = Json::array();
       for (size_t i = 0; i < stop.size(); ++i) {
         std::string v = str(stop[i], join("stop_sequences", i));
-        if (v.empty()) bad(join("stop_sequences", i), "stop sequences must not be empty");
+        if (v.empty())
+          bad(join("stop_sequences", i), fmt::format("'{}' must not be empty", join("stop_sequences", i)));
         s.push_back(v);
       }
       if (s.size() > 16) bad("stop_sequences", "'stop_sequences' may hold at most 16 strings");
@@ -283,7 +294,9 @@ class AnthropicFrontend : public ChatFrontend {
     return chat;
   }
 
-  std::string error_body(const ApiError& e) const override { return anthropic_error_body(e.status, e.what()); }
+  std::string error_body(const ApiError& e) const override {
+    return anthropic_error_body(e.status, e.what());
+  }
   int error_status(const ApiError& e) const override { return anthropic_status(e.status); }
 
   Json response(const Json& completion) override {
@@ -301,14 +314,10 @@ class AnthropicFrontend : public ChatFrontend {
                            {"name", c["function"]["name"]},
                            {"input", Json::parse(c["function"]["arguments"].get<std::string>())}});
     auto [reason, seq] = stop_reason(choice, msg.contains("tool_calls"));
-    return Json{{"id", completion["id"]},
-                {"type", "message"},
-                {"role", "assistant"},
-                {"model", completion["model"]},
-                {"content", content},
-                {"stop_reason", reason},
-                {"stop_sequence", seq},
-                {"usage", usage(completion["usage"])}};
+    return Json{{"id", completion["id"]}, {"type", "message"},
+                {"role", "assistant"},    {"model", completion["model"]},
+                {"content", content},     {"stop_reason", reason},
+                {"stop_sequence", seq},   {"usage", usage(completion["usage"])}};
   }
 
   std::string chunk(const Json& c) override {
@@ -319,8 +328,14 @@ class AnthropicFrontend : public ChatFrontend {
              {"cache_creation_input_tokens", 0},
              {"cache_read_input_tokens", 0},
              {"output_tokens", 0}};
-      Json m{{"id", c["id"]},   {"type", "message"},        {"role", "assistant"}, {"model", c["model"]},
-             {"content", Json::array()}, {"stop_reason", nullptr}, {"stop_sequence", nullptr}, {"usage", u}};
+      Json m{{"id", c["id"]},
+             {"type", "message"},
+             {"role", "assistant"},
+             {"model", c["model"]},
+             {"content", Json::array()},
+             {"stop_reason", nullptr},
+             {"stop_sequence", nullptr},
+             {"usage", u}};
       out += sse_event("message_start", {{"type", "message_start"}, {"message", m}});
       out += sse_event("ping", {{"type", "ping"}});
     }
@@ -348,17 +363,20 @@ class AnthropicFrontend : public ChatFrontend {
           out += close_block();
           open_ = "tool_use";
           saw_tool_ = true;
-          out += sse_event("content_block_start",
-                           {{"type", "content_block_start"},
-                            {"index", index_},
-                            {"content_block",
-                             {{"type", "tool_use"}, {"id", t["id"]}, {"name", t["function"]["name"]}, {"input", Json::object()}}}});
+          out += sse_event("content_block_start", {{"type", "content_block_start"},
+                                                   {"index", index_},
+                                                   {"content_block",
+                                                    {{"type", "tool_use"},
+                                                     {"id", t["id"]},
+                                                     {"name", t["function"]["name"]},
+                                                     {"input", Json::object()}}}});
         }
         const std::string args = t["function"].value("arguments", "");
         if (!args.empty())
-          out += sse_event("content_block_delta", {{"type", "content_block_delta"},
-                                                   {"index", index_},
-                                                   {"delta", {{"type", "input_json_delta"}, {"partial_json", args}}}});
+          out += sse_event("content_block_delta",
+                           {{"type", "content_block_delta"},
+                            {"index", index_},
+                            {"delta", {{"type", "input_json_delta"}, {"partial_json", args}}}});
       }
     }
     if (!choice["finish_reason"].is_null()) std::tie(reason_, sequence_) = stop_reason(choice, saw_tool_);
@@ -377,7 +395,8 @@ class AnthropicFrontend : public ChatFrontend {
     const std::string f = choice["finish_reason"].get<std::string>();
     if (f == "length") return {"max_tokens", nullptr};
     if (tool_calls) return {"tool_use", nullptr};
-    if (choice.contains("stop_reason") && choice["stop_reason"].is_string()) return {"stop_sequence", choice["stop_reason"]};
+    if (choice.contains("stop_reason") && choice["stop_reason"].is_string())
+      return {"stop_sequence", choice["stop_reason"]};
     return {"end_turn", nullptr};
   }
 
@@ -403,10 +422,12 @@ class AnthropicFrontend : public ChatFrontend {
       open_ = block;
       Json cb{{"type", block}, {field, ""}};
       if (open_ == "thinking") cb["signature"] = "";
-      out += sse_event("content_block_start", {{"type", "content_block_start"}, {"index", index_}, {"content_block", cb}});
+      out += sse_event("content_block_start",
+                       {{"type", "content_block_start"}, {"index", index_}, {"content_block", cb}});
     }
-    out += sse_event("content_block_delta",
-                     {{"type", "content_block_delta"}, {"index", index_}, {"delta", {{"type", delta_type}, {field, text}}}});
+    out += sse_event("content_block_delta", {{"type", "content_block_delta"},
+                                             {"index", index_},
+                                             {"delta", {{"type", delta_type}, {field, text}}}});
     return out;
   }
 
@@ -424,9 +445,7 @@ std::string anthropic_error_body(int status, const std::string& message) {
   return error_json(status, message).dump(-1, ' ', false, Json::error_handler_t::replace);
 }
 
-std::unique_ptr<ChatFrontend> make_anthropic_frontend() {
-  return std::make_unique<AnthropicFrontend>();
-}
+std::unique_ptr<ChatFrontend> make_anthropic_frontend() { return std::make_unique<AnthropicFrontend>(); }
 
 Json anthropic_count_tokens_body(const Json& body) {
   bool thinking = false;

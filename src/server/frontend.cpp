@@ -20,7 +20,11 @@ const char* type_name(const Json& v) {
   return "an object";
 }
 
-void bad(const std::string& path, const std::string& message) { api_fail(400, path, message); }
+void bad(const std::string& path, const std::string& message) {
+  // Every message names its field, whatever the call site wrote.
+  if (path.empty() || message.find("'" + path + "'") != std::string::npos) api_fail(400, path, message);
+  api_fail(400, path, fmt::format("'{}': {}", path, message));
+}
 
 void bad_type(const std::string& path, const Json& v, const char* want) {
   bad(path, fmt::format("'{}' must be {}, got {}", path, want, type_name(v)));
@@ -70,7 +74,8 @@ int64_t integer(const Json& v, const std::string& path, int64_t lo, int64_t hi) 
 double number(const Json& v, const std::string& path, double lo, double hi) {
   if (!v.is_number()) bad_type(path, v, "a number");
   double x = v.get<double>();
-  if (!(x >= lo && x <= hi)) bad(path, fmt::format("'{}' must be in [{}, {}], got {}", path, lo, hi, v.dump()));
+  if (!(x >= lo && x <= hi))
+    bad(path, fmt::format("'{}' must be in [{}, {}], got {}", path, lo, hi, v.dump()));
   return x;
 }
 

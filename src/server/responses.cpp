@@ -34,7 +34,8 @@ Json message_content(const Json& c, const std::string& path) {
 Json translate_input(const Json& body) {
   Json out = Json::array();
   const Json& instructions = get(body, "instructions");
-  if (!instructions.is_null()) out.push_back({{"role", "system"}, {"content", str(instructions, "instructions")}});
+  if (!instructions.is_null())
+    out.push_back({{"role", "system"}, {"content", str(instructions, "instructions")}});
   const Json& input = require(body, "input", "input");
   if (input.is_string()) {
     out.push_back({{"role", "user"}, {"content", input}});
@@ -65,7 +66,8 @@ Json translate_input(const Json& body) {
       }
       if (role == "developer") role = "system";
       if (role != "user" && role != "system")
-        bad(join(w, "role"), fmt::format("role '{}' is not supported (user, assistant, system, developer)", role));
+        bad(join(w, "role"),
+            fmt::format("role '{}' is not supported (user, assistant, system, developer)", role));
       turn = nullptr;
       out.push_back({{"role", role}, {"content", content}});
     } else if (type == "function_call") {
@@ -122,10 +124,12 @@ class ResponsesFrontend : public ChatFrontend {
     Json chat{{"model", str(require(body, "model", "model"), "model")}};
     const Json& store = get(body, "store");
     if (!store.is_null() && boolean(store, "store"))
-      bad("store", "'store': true is not supported: tansy's Responses API is stateless (send \"store\": false)");
+      bad("store",
+          "'store': true is not supported: tansy's Responses API is stateless (send \"store\": false)");
     if (!get(body, "previous_response_id").is_null())
       bad("previous_response_id",
-          "'previous_response_id' is not supported: tansy stores no responses (send the whole conversation as "
+          "'previous_response_id' is not supported: tansy stores no responses (send the whole conversation "
+          "as "
           "'input')");
     for (const char* k : {"conversation", "prompt", "background"}) {
       const Json& v = get(body, k);
@@ -143,7 +147,8 @@ class ResponsesFrontend : public ChatFrontend {
         std::string w = join("tools", i);
         const Json& x = object(tools[i], w);
         std::string type = str(require(x, "type", join(w, "type")), join(w, "type"));
-        if (type != "function") bad(join(w, "type"), fmt::format("tool type '{}' is not supported (function only)", type));
+        if (type != "function")
+          bad(join(w, "type"), fmt::format("tool type '{}' is not supported (function only)", type));
         std::string name = str(require(x, "name", join(w, "name")), join(w, "name"));
         if (name.empty()) bad(join(w, "name"), "tool names must not be empty");
         names.insert(name);
@@ -165,14 +170,17 @@ class ResponsesFrontend : public ChatFrontend {
       if (tc.is_string()) {
         std::string s = tc.get<std::string>();
         if (s != "none" && s != "auto" && s != "required")
-          bad("tool_choice", fmt::format("'tool_choice' must be none, auto, required or a function, got '{}'", s));
+          bad("tool_choice",
+              fmt::format("'tool_choice' must be none, auto, required or a function, got '{}'", s));
         chat["tool_choice"] = s;
       } else if (tc.is_object()) {
         std::string type = str(require(tc, "type", "tool_choice.type"), "tool_choice.type");
-        if (type != "function") bad("tool_choice.type", fmt::format("tool_choice type '{}' is not supported", type));
+        if (type != "function")
+          bad("tool_choice.type", fmt::format("tool_choice type '{}' is not supported", type));
         std::string name = str(require(tc, "name", "tool_choice.name"), "tool_choice.name");
         if (!names.count(name))
-          bad("tool_choice.name", fmt::format("tool_choice names function '{}', which is not in 'tools'", name));
+          bad("tool_choice.name",
+              fmt::format("tool_choice names function '{}', which is not in 'tools'", name));
         chat["tool_choice"] = {{"type", "function"}, {"function", {{"name", name}}}};
       } else {
         bad_type("tool_choice", tc, "a string or an object");
@@ -201,7 +209,9 @@ class ResponsesFrontend : public ChatFrontend {
         std::string type = str(require(format, "type", "text.format.type"), "text.format.type");
         if (type != "text")
           bad("text.format",
-              fmt::format("'text.format' type '{}' is not supported yet (structured output is not implemented)", type));
+              fmt::format(
+                  "'text.format' type '{}' is not supported yet (structured output is not implemented)",
+                  type));
       }
       const Json& verbosity = get(text, "verbosity");
       if (!verbosity.is_null()) str(verbosity, "text.verbosity");
@@ -214,7 +224,8 @@ class ResponsesFrontend : public ChatFrontend {
         std::string e = str(effort, "reasoning.effort");
         static const std::set<std::string> efforts = {"none", "minimal", "low", "medium", "high"};
         if (!efforts.count(e))
-          bad("reasoning.effort", fmt::format("'reasoning.effort' must be none, minimal, low, medium or high, got '{}'", e));
+          bad("reasoning.effort",
+              fmt::format("'reasoning.effort' must be none, minimal, low, medium or high, got '{}'", e));
         // Qwen3.6 has one switch: thinking on or off.
         chat["chat_template_kwargs"] = {{"enable_thinking", e != "none"}};
         reasoning_["effort"] = e;
@@ -237,7 +248,8 @@ class ResponsesFrontend : public ChatFrontend {
       array(include, "include");
       for (size_t i = 0; i < include.size(); ++i) str(include[i], join("include", i));
     }
-    if (!get(body, "top_logprobs").is_null()) bad("top_logprobs", "'top_logprobs' is not supported on /v1/responses");
+    if (!get(body, "top_logprobs").is_null())
+      bad("top_logprobs", "'top_logprobs' is not supported on /v1/responses");
     const Json& stream = get(body, "stream");
     stream_ = !stream.is_null() && boolean(stream, "stream");
     chat["stream"] = stream_;
@@ -255,7 +267,8 @@ class ResponsesFrontend : public ChatFrontend {
     const Json& msg = choice["message"];
     start(completion);
     Json output = Json::array();
-    if (msg["reasoning_content"].is_string()) output.push_back(reasoning_item(msg["reasoning_content"], "completed"));
+    if (msg["reasoning_content"].is_string())
+      output.push_back(reasoning_item(msg["reasoning_content"], "completed"));
     if (msg["content"].is_string() && !msg["content"].get<std::string>().empty())
       output.push_back(message_item(msg["content"], "completed"));
     if (msg.contains("tool_calls"))
@@ -276,7 +289,8 @@ class ResponsesFrontend : public ChatFrontend {
     if (c.contains("usage") && c["usage"].is_object()) {
       out += close_item();
       Json r = final_response(last_choice_, output_, c["usage"]);
-      out += event(r["status"] == "completed" ? "response.completed" : "response.incomplete", {{"response", r}});
+      out +=
+          event(r["status"] == "completed" ? "response.completed" : "response.incomplete", {{"response", r}});
       return out;
     }
     if (!c.contains("choices") || c["choices"].empty()) return out;
@@ -310,8 +324,10 @@ class ResponsesFrontend : public ChatFrontend {
         Json item = message_item("", "in_progress");
         item["content"] = Json::array();
         out += event("response.output_item.added", {{"output_index", output_.size()}, {"item", item}});
-        out += event("response.content_part.added",
-                     {{"item_id", item_id_}, {"output_index", output_.size()}, {"content_index", 0}, {"part", text_part("")}});
+        out += event("response.content_part.added", {{"item_id", item_id_},
+                                                     {"output_index", output_.size()},
+                                                     {"content_index", 0},
+                                                     {"part", text_part("")}});
       }
       text_ += d["content"].get<std::string>();
       out += event("response.output_text.delta", {{"item_id", item_id_},
@@ -330,7 +346,8 @@ class ResponsesFrontend : public ChatFrontend {
           call_id_ = t["id"];
           call_name_ = t["function"]["name"];
           out += event("response.output_item.added",
-                       {{"output_index", output_.size()}, {"item", call_item(call_id_, call_name_, "", "in_progress")}});
+                       {{"output_index", output_.size()},
+                        {"item", call_item(call_id_, call_name_, "", "in_progress")}});
         }
         const std::string args = t["function"].value("arguments", "");
         if (!args.empty()) {
@@ -347,7 +364,8 @@ class ResponsesFrontend : public ChatFrontend {
   std::string done() override { return ""; }
 
   std::string error(const ApiError& e) override {
-    Json err{{"code", e.code.empty() ? Json(e.type()) : Json(e.code)}, {"message", e.what()}, {"param", nullptr}};
+    Json err{
+        {"code", e.code.empty() ? Json(e.type()) : Json(e.code)}, {"message", e.what()}, {"param", nullptr}};
     if (!e.param.empty()) err["param"] = e.param;
     return event("error", err);
   }
@@ -367,10 +385,15 @@ class ResponsesFrontend : public ChatFrontend {
   }
 
   Json text_part(const std::string& text) const {
-    return {{"type", "output_text"}, {"text", text}, {"annotations", Json::array()}, {"logprobs", Json::array()}};
+    return {
+        {"type", "output_text"}, {"text", text}, {"annotations", Json::array()}, {"logprobs", Json::array()}};
   }
   Json reasoning_item_empty(const char* status) const {
-    return {{"id", item_id_}, {"type", "reasoning"}, {"summary", Json::array()}, {"content", Json::array()}, {"status", status}};
+    return {{"id", item_id_},
+            {"type", "reasoning"},
+            {"summary", Json::array()},
+            {"content", Json::array()},
+            {"status", status}};
   }
   Json reasoning_item(const Json& text, const char* status) {
     if (item_id_.empty() || open_ != "reasoning") item_id_ = "rs_" + hex_ + std::to_string(output_count());
@@ -388,7 +411,8 @@ class ResponsesFrontend : public ChatFrontend {
   }
   Json call_item(const Json& call_id, const Json& name, const Json& args, const char* status) {
     if (open_ != "function_call") item_id_ = "fc_" + hex_ + std::to_string(output_count());
-    return {{"id", item_id_}, {"type", "function_call"}, {"status", status}, {"arguments", args}, {"call_id", call_id}, {"name", name}};
+    return {{"id", item_id_},    {"type", "function_call"}, {"status", status},
+            {"arguments", args}, {"call_id", call_id},      {"name", name}};
   }
   // Non-streaming builds its items in a local array; streaming appends to output_.
   size_t output_count() { return open_.empty() ? counter_++ : output_.size(); }
@@ -411,12 +435,14 @@ class ResponsesFrontend : public ChatFrontend {
                                                  {"content_index", 0},
                                                  {"text", text_},
                                                  {"logprobs", Json::array()}});
-      out += event("response.content_part.done",
-                   {{"item_id", item_id_}, {"output_index", index}, {"content_index", 0}, {"part", text_part(text_)}});
+      out += event(
+          "response.content_part.done",
+          {{"item_id", item_id_}, {"output_index", index}, {"content_index", 0}, {"part", text_part(text_)}});
       item = message_item(text_, "completed");
     } else {
-      out += event("response.function_call_arguments.done",
-                   {{"item_id", item_id_}, {"output_index", index}, {"arguments", text_}, {"name", call_name_}});
+      out +=
+          event("response.function_call_arguments.done",
+                {{"item_id", item_id_}, {"output_index", index}, {"arguments", text_}, {"name", call_name_}});
       item = call_item(call_id_, call_name_, text_, "completed");
     }
     out += event("response.output_item.done", {{"output_index", index}, {"item", item}});
@@ -470,7 +496,8 @@ class ResponsesFrontend : public ChatFrontend {
   Json id_, model_, created_;
   std::string hex_;
   Json instructions_, max_output_tokens_, temperature_, top_p_;  // null: the server's defaults
-  Json tool_choice_ = "auto", tools_ = Json::array(), reasoning_ = {{"effort", nullptr}, {"summary", nullptr}};
+  Json tool_choice_ = "auto", tools_ = Json::array(),
+       reasoning_ = {{"effort", nullptr}, {"summary", nullptr}};
   Json metadata_ = Json::object();
   Json output_ = Json::array(), last_choice_;
   std::string open_, item_id_, text_;

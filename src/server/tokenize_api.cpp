@@ -17,7 +17,8 @@ void check_model(const Json& body, const TokenizeContext& ctx) {
   if (m.is_null()) return;  // optional, as in vLLM
   std::string model = str(m, "model");
   if (model != ctx.model_id)
-    api_fail(404, "model", fmt::format("The model '{}' does not exist (this server serves '{}')", model, ctx.model_id),
+    api_fail(404, "model",
+             fmt::format("The model '{}' does not exist (this server serves '{}')", model, ctx.model_id),
              "model_not_found");
 }
 
@@ -35,7 +36,8 @@ Json tokenize_request(const Json& body, const TokenizeContext& ctx) {
   // Qwen's tokenizer adds no BOS/EOS, so add_special_tokens changes nothing; it is still checked.
   flag(body, "add_special_tokens", true);
   const bool has_prompt = !get(body, "prompt").is_null(), has_messages = !get(body, "messages").is_null();
-  if (has_prompt == has_messages) bad("prompt", "give exactly one of 'prompt' (a string) and 'messages' (a chat)");
+  if (has_prompt == has_messages)
+    bad("prompt", "give exactly one of 'prompt' (a string) and 'messages' (a chat)");
   Json out = Json::object();
   std::string text;
   if (has_prompt) {
