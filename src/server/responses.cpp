@@ -300,7 +300,7 @@ class ResponsesFrontend : public ChatFrontend {
       if (open_ != "reasoning") {
         out += close_item();
         open_ = "reasoning";
-        item_id_ = "rs_" + hex_ + std::to_string(output_.size());
+        item_id_ = "rs_" + hex_ + "_" + std::to_string(output_.size());
         text_.clear();
         out += event("response.output_item.added",
                      {{"output_index", output_.size()}, {"item", reasoning_item_empty("in_progress")}});
@@ -319,7 +319,7 @@ class ResponsesFrontend : public ChatFrontend {
       if (open_ != "message") {
         out += close_item();
         open_ = "message";
-        item_id_ = "msg_" + hex_ + std::to_string(output_.size());
+        item_id_ = "msg_" + hex_ + "_" + std::to_string(output_.size());
         text_.clear();
         Json item = message_item("", "in_progress");
         item["content"] = Json::array();
@@ -341,7 +341,7 @@ class ResponsesFrontend : public ChatFrontend {
         if (t.contains("id")) {
           out += close_item();
           open_ = "function_call";
-          item_id_ = "fc_" + hex_ + std::to_string(output_.size());
+          item_id_ = "fc_" + hex_ + "_" + std::to_string(output_.size());
           text_.clear();
           call_id_ = t["id"];
           call_name_ = t["function"]["name"];
@@ -396,13 +396,14 @@ class ResponsesFrontend : public ChatFrontend {
             {"status", status}};
   }
   Json reasoning_item(const Json& text, const char* status) {
-    if (item_id_.empty() || open_ != "reasoning") item_id_ = "rs_" + hex_ + std::to_string(output_count());
+    if (item_id_.empty() || open_ != "reasoning")
+      item_id_ = "rs_" + hex_ + "_" + std::to_string(output_count());
     Json item = reasoning_item_empty(status);
     item["content"] = Json::array({{{"type", "reasoning_text"}, {"text", text}}});
     return item;
   }
   Json message_item(const Json& text, const char* status) {
-    if (open_ != "message") item_id_ = "msg_" + hex_ + std::to_string(output_count());
+    if (open_ != "message") item_id_ = "msg_" + hex_ + "_" + std::to_string(output_count());
     return {{"id", item_id_},
             {"type", "message"},
             {"status", status},
@@ -410,7 +411,7 @@ class ResponsesFrontend : public ChatFrontend {
             {"content", Json::array({text_part(text.get<std::string>())})}};
   }
   Json call_item(const Json& call_id, const Json& name, const Json& args, const char* status) {
-    if (open_ != "function_call") item_id_ = "fc_" + hex_ + std::to_string(output_count());
+    if (open_ != "function_call") item_id_ = "fc_" + hex_ + "_" + std::to_string(output_count());
     return {{"id", item_id_},    {"type", "function_call"}, {"status", status},
             {"arguments", args}, {"call_id", call_id},      {"name", name}};
   }
