@@ -31,6 +31,7 @@ void add_web_routes(httplib::Server& http) {
   serve(http, "/", kWeb_index_html, "text/html; charset=utf-8");
   serve(http, "/app.js", kWeb_app_js, "text/javascript; charset=utf-8");
   serve(http, "/app.css", kWeb_app_css, "text/css; charset=utf-8");
+  serve(http, "/favicon.svg", kWeb_favicon_svg, "image/svg+xml");
 }
 
 }  // namespace tansy::server
