@@ -276,3 +276,10 @@ def test_api_key_header(start_server):
     assert m.usage.output_tokens == 2
     r = requests.post(s.url + "/v1/messages", json=body, headers={"Authorization": "Bearer sekret"}, timeout=30)
     assert r.status_code == 200
+    # The other new endpoints are behind the key too (OpenAI's error shape there); the page is not.
+    for path, b in [("/v1/responses", {"model": MODEL_ID, "input": "Hi"}), ("/tokenize", {"prompt": "x"}),
+                    ("/detokenize", {"tokens": [1]})]:
+        r = requests.post(s.url + path, json=b, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+        assert requests.post(s.url + path, json=b, headers={"x-api-key": "sekret"}, timeout=30).status_code == 200
+    assert requests.get(s.url + "/", timeout=30).status_code == 200

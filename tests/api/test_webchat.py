@@ -201,3 +201,30 @@ def test_screenshot(browser, demo):
         browser.save_screenshot(out)
     assert browser.get_screenshot_as_png()[:8] == b"\x89PNG\r\n\x1a\n"
     assert console_errors(browser) == []
+
+
+def test_tool_calls_shown(browser, server):
+    # The tiny scripted model (conftest's server): with thinking on it reasons, then calls get_weather.
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    browser.get_log("browser")
+    browser.get(server.url + "/")
+    browser.execute_script("localStorage.clear()")
+    browser.get(server.url + "/")
+    wait_for(lambda: browser.find_element("id", "model").text == "tiny", 30, "the model name")
+    browser.find_element("css selector", "#toolbox summary").click()
+    browser.find_element("id", "tools").send_keys(json.dumps([tool]))
+    browser.find_element("id", "thinking").click()
+    ask(browser, "Weather in Paris?", max_tokens=200)
+    wait_for(lambda: last_answer(browser) and last_answer(browser).get_attribute("data-outcome") == "tool_calls", 60,
+             "the tool call")
+    call = last_answer(browser).find_element("css selector", "details.tool")
+    assert call.find_element("css selector", "summary").text == "Tool call: get_weather"
+    assert json.loads(call.find_element("css selector", "pre").text) == {"city": "Paris"}
+    assert last_answer(browser).find_element("css selector", "details.reasoning").get_attribute("hidden") is None
+    # A malformed tools field is reported, not sent.
+    browser.find_element("id", "tools").send_keys("not json")
+    ask(browser, "Again")
+    wait_for(lambda: browser.find_elements("css selector", ".msg.error"), 10, "the error message")
+    assert "Tools:" in browser.find_elements("css selector", ".msg.error")[-1].text
+    assert console_errors(browser) == []

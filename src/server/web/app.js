@@ -168,9 +168,20 @@ async function readEvents(response, onData) {
   }
 }
 
+// The tools field: empty, or a JSON array of OpenAI tools sent with every request.
+function readTools() {
+  const text = $("tools").value.trim();
+  if (!text) return null;
+  const tools = JSON.parse(text);
+  if (!Array.isArray(tools)) throw new Error("the tools field must hold a JSON array");
+  return tools;
+}
+
 async function send(text) {
   if (!model) await loadModel();
   if (!model) { showError("No model: check the server and the API key."); return; }
+  let tools;
+  try { tools = readTools(); } catch (e) { showError("Tools: " + e.message); return; }
   messages.push({ role: "user", content: text });
   store.set("messages", messages);
   messageView(messages[messages.length - 1]);
@@ -191,6 +202,7 @@ async function send(text) {
     max_tokens: Math.max(1, parseInt($("maxtokens").value, 10) || 512),
     chat_template_kwargs: { enable_thinking: $("thinking").checked },
   };
+  if (tools && tools.length) body.tools = tools;
   let outcome = "done";
   try {
     const r = await fetch("/v1/chat/completions", {
@@ -237,6 +249,8 @@ async function send(text) {
 function init() {
   $("apikey").value = store.get("apikey", "");
   $("thinking").checked = store.get("thinking", false);
+  $("tools").value = store.get("tools", "");
+  $("tools").addEventListener("change", () => store.set("tools", $("tools").value));
   $("apikey").addEventListener("change", () => { store.set("apikey", $("apikey").value); model = null; loadModel(); });
   $("thinking").addEventListener("change", () => store.set("thinking", $("thinking").checked));
   $("form").addEventListener("submit", (ev) => {
