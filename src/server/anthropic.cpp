@@ -291,6 +291,10 @@ class AnthropicFrontend : public ChatFrontend {
     if (!tier.is_null()) str(tier, "service_tier");
     for (const char* k : {"container", "mcp_servers"})
       if (!get(body, k).is_null()) bad(k, fmt::format("'{}' is not supported by tansy", k));
+    ignored_fields =
+        unknown_fields(body, {"model", "max_tokens", "messages", "system", "stop_sequences", "stream",
+                              "temperature", "top_p", "top_k", "tools", "tool_choice", "thinking", "metadata",
+                              "service_tier", "container", "mcp_servers"});
     return chat;
   }
 

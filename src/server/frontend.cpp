@@ -82,5 +82,15 @@ double number(const Json& v, const std::string& path, double lo, double hi) {
 std::string join(const std::string& path, const char* key) { return path.empty() ? key : path + "." + key; }
 std::string join(const std::string& path, size_t index) { return fmt::format("{}[{}]", path, index); }
 
+std::vector<std::string> unknown_fields(const Json& body, std::initializer_list<const char*> known) {
+  std::vector<std::string> out;
+  for (auto& [k, v] : body.items()) {
+    bool found = false;
+    for (const char* x : known) found = found || k == x;
+    if (!found) out.push_back(k);
+  }
+  return out;
+}
+
 }  // namespace fe
 }  // namespace tansy::server

@@ -3,7 +3,9 @@
 // template, parsed by the same ChatOutput) and the chat-completions output back into its own
 // response and stream events. One frontend object serves one request.
 #pragma once
+#include <initializer_list>
 #include <string>
+#include <vector>
 
 #include "server/openai.h"
 
@@ -38,6 +40,8 @@ class ChatFrontend {
   int prompt_tokens = 0;
   // Set by chat_body: end the reasoning after this many generated tokens (-1: no budget).
   int thinking_budget = -1;
+  // Set by chat_body: top-level fields outside the API's schema, ignored (the server logs them).
+  std::vector<std::string> ignored_fields;
 };
 
 // Formats one server-sent event with an event name, as Anthropic and OpenAI Responses send them.
@@ -63,5 +67,7 @@ int64_t integer(const Json& v, const std::string& path, int64_t lo, int64_t hi);
 double number(const Json& v, const std::string& path, double lo, double hi);
 std::string join(const std::string& path, const char* key);
 std::string join(const std::string& path, size_t index);
+// The body's top-level keys that are not in `known`.
+std::vector<std::string> unknown_fields(const Json& body, std::initializer_list<const char*> known);
 
 }  // namespace tansy::server::fe

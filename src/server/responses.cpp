@@ -255,6 +255,32 @@ class ResponsesFrontend : public ChatFrontend {
     chat["stream"] = stream_;
     if (stream_) chat["stream_options"] = {{"include_usage", true}};
     instructions_ = get(body, "instructions");
+    ignored_fields = unknown_fields(body, {"model",
+                                           "input",
+                                           "instructions",
+                                           "tools",
+                                           "tool_choice",
+                                           "max_output_tokens",
+                                           "temperature",
+                                           "top_p",
+                                           "stream",
+                                           "text",
+                                           "reasoning",
+                                           "store",
+                                           "previous_response_id",
+                                           "conversation",
+                                           "prompt",
+                                           "background",
+                                           "parallel_tool_calls",
+                                           "metadata",
+                                           "user",
+                                           "safety_identifier",
+                                           "prompt_cache_key",
+                                           "service_tier",
+                                           "truncation",
+                                           "include",
+                                           "top_logprobs",
+                                           "stream_options"});
     if (!temperature.is_null()) temperature_ = temperature;
     if (!top_p.is_null()) top_p_ = top_p;
     return chat;

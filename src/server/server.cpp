@@ -608,6 +608,9 @@ struct Server::Impl {
     j.endpoint = fe.endpoint();
     j.id = fe.make_id(random_id("").substr(0, 24));
     fe.prompt_tokens = int(j.gen.prompt.size());
+    if (!fe.ignored_fields.empty())
+      log_line(fmt::format("{}: ignoring fields outside its schema: {}", j.endpoint,
+                           fmt::join(fe.ignored_fields, ", ")));
     if (fe.thinking_budget >= 0 && j.starts_in_reasoning) {
       const Tokenizer& tok = engine.tokenizer();
       auto end_think = tok.token_id("</think>");
