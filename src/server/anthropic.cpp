@@ -84,6 +84,7 @@ Json translate_messages(const Json& body) {
       continue;
     }
     if (!content.is_array()) bad_type(cw, content, "a string or an array of content blocks");
+    if (content.empty()) bad(cw, fmt::format("'{}' must not be empty", cw));
     if (role == "user") {
       Json parts = Json::array();
       auto flush = [&] {

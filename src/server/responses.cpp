@@ -74,6 +74,10 @@ Json translate_input(const Json& body) {
       std::string call_id = str(require(item, "call_id", join(w, "call_id")), join(w, "call_id"));
       std::string name = str(require(item, "name", join(w, "name")), join(w, "name"));
       std::string args = str(require(item, "arguments", join(w, "arguments")), join(w, "arguments"));
+      Json parsed = Json::parse(args, nullptr, false);
+      if (parsed.is_discarded() || !parsed.is_object())
+        bad(join(w, "arguments"),
+            fmt::format("'{}' must be a JSON object in a string", join(w, "arguments")));
       Json& a = assistant();
       if (!a.contains("tool_calls")) a["tool_calls"] = Json::array();
       a["tool_calls"].push_back(

@@ -205,6 +205,7 @@ BASE = {"model": MODEL_ID, "max_tokens": 10, "messages": [{"role": "user", "cont
     ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user"}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0].type"),
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}, "messages[0].content[0].tool_use_id"),
@@ -243,7 +244,8 @@ def test_malformed_400(server, change, field):
 
 def test_errors_other_statuses(server):
     expect_error(post(server, {**BASE, "model": "other"}), 404, "not_found_error", "other")
-    r = requests.post(server.url + "/v1/messages", data="{not json", timeout=30)
+    r = requests.post(server.url + "/v1/messages", data="{not json", timeout=30,
+                      headers={"Content-Type": "application/json"})
     expect_error(r, 400, "invalid_request_error")
     r = requests.get(server.url + "/v1/messages", timeout=30)
     expect_error(r, 404, "not_found_error")

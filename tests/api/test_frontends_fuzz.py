@@ -130,7 +130,8 @@ def test_fuzz(server):
             text = text[:cut] + rng.choice(["", "}", "\"", "\\", ","]) + text[cut + 1:]
         path = {"messages": "/v1/messages", "responses": "/v1/responses"}.get(kind, "/" + kind)
         stream = isinstance(body, dict) and body.get("stream") is True
-        r = requests.post(server.url + path, data=text.encode("utf-8", "surrogatepass"), timeout=120, stream=stream)
+        r = requests.post(server.url + path, data=text.encode("utf-8", "surrogatepass"), timeout=120, stream=stream,
+                          headers={"Content-Type": "application/json"})
         statuses[(kind, r.status_code)] = statuses.get((kind, r.status_code), 0) + 1
         assert r.status_code in (200, 400, 404), (r.status_code, path, text, r.text[:300])
         if r.status_code != 200:

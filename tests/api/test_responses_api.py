@@ -134,6 +134,8 @@ BASE = {"model": MODEL_ID, "input": "Hi", "max_output_tokens": 2}
     ({"input": [{"role": "critic", "content": "x"}]}, "input[0].role"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
     ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input[0].output"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]}, "input[0].arguments"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}, "input[0].arguments"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
     ({"instructions": 3}, "instructions"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),

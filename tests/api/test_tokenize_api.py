@@ -62,5 +62,5 @@ def test_malformed(server, path, body, status, param):
 
 
 def test_not_json(server):
-    r = requests.post(server.url + "/tokenize", data="{", timeout=30)
+    r = requests.post(server.url + "/tokenize", data="{", timeout=30, headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
