@@ -183,3 +183,32 @@ def test_anthropic_overloaded_529(start_server):
     for t in threads:
         t.join()
     assert [results[i].status_code for i in range(2)] == [200, 200]
+
+
+def test_malformed_requests_do_not_disturb_a_running_one(server):
+    # A long greedy generation runs while malformed requests hit every new endpoint: those are
+    # answered at once (validation precedes the queue) and the running one's text is unchanged.
+    body = {"model": MODEL_ID, "prompt": "steady", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+    result = {}
+    t = threading.Thread(target=lambda: result.update(r=requests.post(server.url + "/v1/completions", json=body,
+                                                                      timeout=120)))
+    t.start()
+    deadline = time.time() + 30
+    while time.time() < deadline and server.metric("tansy_requests_running") < 1:
+        time.sleep(0.02)
+    bad = [("/v1/messages", {"model": MODEL_ID, "messages": []}), ("/v1/messages", {"max_tokens": "x"}),
+           ("/v1/responses", {"model": MODEL_ID, "input": 5}), ("/v1/responses", {"model": MODEL_ID, "store": True}),
+           ("/tokenize", {"prompt": 1}), ("/detokenize", {"tokens": [-1]}),
+           ("/v1/messages/count_tokens", {"model": MODEL_ID})]
+    answered = 0
+    while t.is_alive() and answered < 60:
+        path, b = bad[answered % len(bad)]
+        t0 = time.time()
+        r = requests.post(server.url + path, json=b, timeout=30)
+        assert r.status_code == 400 and time.time() - t0 < 5, (path, r.text)
+        answered += 1
+    t.join()
+    assert answered >= len(bad)
+    again = requests.post(server.url + "/v1/completions", json=body, timeout=120)
+    assert result["r"].status_code == again.status_code == 200
+    assert result["r"].json()["choices"][0]["text"] == again.json()["choices"][0]["text"]
