@@ -772,7 +772,9 @@ struct Server::Impl {
           }
           log_line(fmt::format("{} {}: internal error: {}", req.method, req.path, what));
           res.status = 500;
-          res.set_content(ApiError(500, "internal error: " + what).body(), "application/json");
+          res.set_content(anthropic_path(req.path) ? anthropic_error_body(500, "internal error: " + what)
+                                                   : ApiError(500, "internal error: " + what).body(),
+                          "application/json");
           metrics.request_done(req.path, 500);
         });
 
