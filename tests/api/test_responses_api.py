@@ -107,6 +107,14 @@ def test_stream_text_and_helper(client, scripts):
             pass
         final = s.get_final_response()
     assert final.output_text == scripts["answer"]["text"]
+    # ... and a reasoning + function_call stream.
+    with client.responses.stream(model=MODEL_ID, input="Weather in Paris?", tools=[WEATHER], temperature=0) as s:
+        for _ in s:
+            pass
+        final = s.get_final_response()
+    assert [o.type for o in final.output] == ["reasoning", "function_call"]
+    assert final.output[0].content[0].text == REASONING
+    assert json.loads(final.output[1].arguments) == {"city": "Paris"}
 
 
 def test_stream_incomplete(client):

@@ -228,3 +228,23 @@ def test_tool_calls_shown(browser, server):
     wait_for(lambda: browser.find_elements("css selector", ".msg.error"), 10, "the error message")
     assert "Tools:" in browser.find_elements("css selector", ".msg.error")[-1].text
     assert console_errors(browser) == []
+
+
+def test_api_key_field(browser, start_server, scripts):
+    s = start_server("webchat-auth", "--api-key", "sekret")
+    browser.get_log("browser")
+    browser.get(s.url + "/")  # the page itself needs no key
+    browser.execute_script("localStorage.clear()")
+    browser.get(s.url + "/")
+    wait_for(lambda: browser.find_element("id", "model").text == "(API key needed)", 30, "the key prompt")
+    browser.get_log("browser")  # the refused /v1/models request is logged by the browser as a failed load
+    key = browser.find_element("id", "apikey")
+    key.send_keys("sekret")
+    browser.find_element("id", "input").click()  # leaving the field stores the key and retries
+    wait_for(lambda: browser.find_element("id", "model").text == "tiny", 30, "the model name")
+    ask(browser, "Hi")
+    wait_for(lambda: last_answer(browser) and last_answer(browser).get_attribute("data-outcome") == "stop", 60,
+             "the answer")
+    assert last_answer(browser).find_element("css selector", ".content").text == scripts["answer"]["text"]
+    assert browser.execute_script("return JSON.parse(localStorage.getItem('tansy.apikey'))") == "sekret"
+    assert console_errors(browser) == []
