@@ -93,14 +93,21 @@ def test_headers_and_csp(demo):
 
 def test_streamed_answer_appears(browser, demo):
     open_fresh(browser, demo)
+    # Record every state of the answer's text as the page changes it.
+    browser.execute_script("""
+        window.__seen = [];
+        new MutationObserver(() => {
+          const c = document.querySelectorAll('.msg.assistant .content');
+          if (c.length) window.__seen.push(c[c.length - 1].textContent);
+        }).observe(document.getElementById('log'), {childList: true, subtree: true, characterData: true});""")
     ask(browser, "Hello! Who are you?")
-    # Streaming: the answer is seen partially written before it is complete.
-    partial = wait_for(lambda: (lambda a: a and a.text and a.get_attribute("data-outcome") is None and a)(
-        last_answer(browser)), 30, "a partial answer")
-    assert partial is not None
-    wait_for(lambda: last_answer(browser).get_attribute("data-outcome") == "stop", 60, "the end of the answer")
+    wait_for(lambda: last_answer(browser) and last_answer(browser).get_attribute("data-outcome") == "stop", 60,
+             "the end of the answer")
     content = last_answer(browser).find_element("css selector", ".content").text
     assert content == WHO
+    # Streamed: the text grew through many partial states, each a prefix of the answer.
+    seen = [t for t in dict.fromkeys(browser.execute_script("return window.__seen")) if t]
+    assert len(seen) > 10 and all(WHO.startswith(t) for t in seen), seen
     # Kept in the browser: a reload shows the conversation again.
     browser.refresh()
     wait_for(lambda: len(browser.find_elements("css selector", ".msg")) == 2, 10, "the restored conversation")
