@@ -152,7 +152,7 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
   // the device), from the prompt's last piece on. Forced tokens still pending take precedence,
   // as they do on the host path.
   const bool greedy_fast = opt_.greedy_fast_path && is_plain_greedy(req.sampling) && req.logprobs < 0;
-  std::optional<int32_t> next_greedy;  // the next token, already chosen by greedy_step
+  int32_t next_greedy = -1;  // the next token, already chosen by greedy_step (-1: none)
   // Without a cache there is nothing to snapshot at the cut: prefill straight through (a snapshot
   // is a whole state copy, ~10 ms on CUDA for a new state and its decode graph).
   const size_t cut = cache_.capacity() > 0 ? req.cache_cut : 0;
@@ -187,21 +187,27 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
     pending.assign(req.forced.rbegin(), req.forced.rend());
     armed = true;
   };
+  auto arm_budget = [&] {
+    pending.assign(req.forced.rbegin(), req.forced.rend());
+    pending.insert(pending.end(), req.budget_forced.rbegin(), req.budget_forced.rend());
+    armed = true;
+  };
   if (!req.force_trigger) arm_forcing();
   res.finish = Finish::kLength;
   for (int i = 0; i < req.max_tokens; ++i) {
     GenStep step;
     if (req.logprobs >= 0) raw = logits;
     int32_t tok;
+    if (!armed && i == req.trigger_budget) arm_budget();
     if (!pending.empty()) {
       tok = pending.back();
       pending.pop_back();
       step.forced = true;
     } else {
-      tok = next_greedy ? *next_greedy : sampler.sample(logits);
+      tok = next_greedy >= 0 ? next_greedy : sampler.sample(logits);
       if (!armed && req.force_trigger && tok == *req.force_trigger) arm_forcing();
     }
-    next_greedy.reset();
+    next_greedy = -1;
     sampler.accept(tok);
     ++res.completion_tokens;
     step.token = tok;

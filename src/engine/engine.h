@@ -53,6 +53,11 @@ struct GenRequest {
   // "required" and a named function use this to open a tool call once the reasoning ends.
   std::optional<int32_t> force_trigger;
   std::vector<int32_t> forced;
+  // A budget for the text before `force_trigger`: when the trigger has not been generated
+  // after this many tokens, `budget_forced` (which should end with the trigger) is emitted and
+  // then `forced`. Anthropic's thinking budget ends the reasoning block this way. -1: none.
+  int trigger_budget = -1;
+  std::vector<int32_t> budget_forced;
   std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
   std::function<bool()> cancelled;  // polled once per step; true stops the computation
 };

@@ -18,9 +18,14 @@
 
 #include "core/error.h"
 #include "engine/scheduler.h"
+#include "server/anthropic.h"
 #include "server/chat_output.h"
+#include "server/frontend.h"
 #include "server/metrics.h"
 #include "server/openai.h"
+#include "server/responses.h"
+#include "server/tokenize_api.h"
+#include "server/web.h"
 #include "text/chat_template.h"
 
 namespace tansy::server {
@@ -429,10 +434,16 @@ struct Server::Impl {
   // Writes server-sent events; remembers whether the client is still reading.
   struct SseWriter {
     httplib::DataSink& sink;
+    ChatFrontend* frontend = nullptr;  // another API: chunks are translated into its events
     bool ok = true;
-    bool event(const Json& j) { return raw("data: " + dump(j) + "\n\n"); }
+    bool event(const Json& j) { return raw(frontend ? frontend->chunk(j) : "data: " + dump(j) + "\n\n"); }
+    bool done() { return raw(frontend ? frontend->done() : std::string("data: [DONE]\n\n")); }
+    bool error(const ApiError& e) {
+      if (frontend) return raw(frontend->error(e));
+      return raw("data: " + e.body() + "\n\n") && done();
+    }
     bool raw(const std::string& s) {
-      if (ok) ok = sink.write(s.data(), s.size());
+      if (ok && !s.empty()) ok = sink.write(s.data(), s.size());
       return ok;
     }
   };
@@ -524,16 +535,14 @@ struct Server::Impl {
         c["usage"] = usage(r);
         if (!w.event(c)) return;
       }
-      w.raw("data: [DONE]\n\n");
+      w.done();
     } catch (const ApiError& e) {
       status = e.status;
-      w.raw("data: " + e.body() + "\n\n");
-      w.raw("data: [DONE]\n\n");
+      w.error(e);
     } catch (const std::exception& e) {
       status = 500;
       log_line(fmt::format("{} {}: internal error: {}", j.endpoint, j.id, e.what()));
-      w.raw("data: " + ApiError(500, fmt::format("internal error: {}", e.what())).body() + "\n\n");
-      w.raw("data: [DONE]\n\n");
+      w.error(ApiError(500, fmt::format("internal error: {}", e.what())));
     }
     if (!w.ok) status = 499;
     log_line(fmt::format("{} {} stream status {} prompt {} (cached {}) completion {} finish {}", j.endpoint,
@@ -593,15 +602,114 @@ struct Server::Impl {
     }
   }
 
+  // ---- other APIs on the chat path (Anthropic Messages, OpenAI Responses) -----------------
+
+  Job prepare_frontend(const Json& body, ChatFrontend& fe) const {
+    Job j = prepare_chat(fe.chat_body(body));
+    j.endpoint = fe.endpoint();
+    j.id = fe.make_id(random_id("").substr(0, 24));
+    fe.prompt_tokens = int(j.gen.prompt.size());
+    if (!fe.ignored_fields.empty())
+      log_line(fmt::format("{}: ignoring fields outside its schema: {}", j.endpoint,
+                           fmt::join(fe.ignored_fields, ", ")));
+    if (fe.thinking_budget >= 0 && j.starts_in_reasoning) {
+      const Tokenizer& tok = engine.tokenizer();
+      auto end_think = tok.token_id("</think>");
+      if (!end_think) api_fail(500, "", "the tokenizer has no </think> token");
+      if (!j.gen.force_trigger) j.gen.force_trigger = *end_think;  // tool_choice may have set it already
+      j.gen.trigger_budget = fe.thinking_budget;
+      j.gen.budget_forced = tok.encode("\n</think>", true);
+    }
+    return j;
+  }
+
+  void handle_frontend(const httplib::Request& req, httplib::Response& res,
+                       std::shared_ptr<ChatFrontend> fe) {
+    const std::string endpoint = fe->endpoint();
+    auto fail = [&](const ApiError& e) {
+      res.status = fe->error_status(e);
+      res.set_content(fe->error_body(e), "application/json");
+      metrics.request_done(endpoint, res.status);
+      log_line(fmt::format("{} status {}: {}", endpoint, res.status, e.what()));
+    };
+    try {
+      Json body = parse_body(req.body);
+      auto job = std::make_shared<Job>(prepare_frontend(body, *fe));
+      std::shared_ptr<Scheduler::Ticket> ticket = sched.enqueue();
+      if (!ticket)
+        api_fail(503, "",
+                 fmt::format("the server is busy ({} requests are waiting); retry later", opt.max_queue),
+                 "queue_full");
+      auto watch = std::make_shared<ConnectionWatch>(req);
+      if (fe->stream()) {
+        res.set_header("Cache-Control", "no-cache");
+        res.set_header("X-Accel-Buffering", "no");
+        res.set_chunked_content_provider("text/event-stream",
+                                         [this, job, ticket, watch, fe](size_t, httplib::DataSink& sink) {
+                                           SseWriter w{sink, fe.get()};
+                                           int status = 200;
+                                           stream_job(*job, *ticket, *watch, w, status);
+                                           metrics.request_done(job->endpoint, status);
+                                           if (w.ok) sink.done();
+                                           return w.ok;
+                                         });
+        return;
+      }
+      GenResult r;
+      Json out = run_chat(*job, *ticket, *watch, r);
+      if (out.is_null()) return fail(ApiError(499, "client closed the request"));
+      res.set_content(dump(fe->response(out)), "application/json");
+      metrics.request_done(endpoint, 200);
+      log_line(fmt::format("{} {} status 200 prompt {} (cached {}) completion {} finish {}", endpoint,
+                           job->id, r.prompt_tokens, r.cached_tokens, r.completion_tokens,
+                           finish_name(r.finish)));
+    } catch (const ApiError& e) {
+      fail(e);
+    }
+  }
+
+  // Anthropic's /v1/messages/count_tokens: the prompt /v1/messages would run, counted.
+  void handle_count_tokens(const httplib::Request& req, httplib::Response& res) {
+    try {
+      Json chat = anthropic_count_tokens_body(parse_body(req.body));
+      Job j = prepare_chat(chat);
+      res.set_content(dump(Json{{"input_tokens", j.gen.prompt.size()}}), "application/json");
+      metrics.request_done("/v1/messages/count_tokens", 200);
+    } catch (const ApiError& e) {
+      res.status = anthropic_status(e.status);
+      res.set_content(anthropic_error_body(e.status, e.what()), "application/json");
+      metrics.request_done("/v1/messages/count_tokens", res.status);
+    }
+  }
+
+  void handle_tokenize(const httplib::Request& req, httplib::Response& res, bool encode) {
+    const char* endpoint = encode ? "/tokenize" : "/detokenize";
+    try {
+      Json body = parse_body(req.body);
+      TokenizeContext ctx{engine.tokenizer(), opt.model_id, engine.options().max_seq, opt.defaults};
+      res.set_content(dump(encode ? tokenize_request(body, ctx) : detokenize_request(body, ctx)),
+                      "application/json");
+      metrics.request_done(endpoint, 200);
+    } catch (const ApiError& e) {
+      send_error(res, e);
+      metrics.request_done(endpoint, e.status);
+    }
+  }
+
+  static bool anthropic_path(const std::string& path) { return path.rfind("/v1/messages", 0) == 0; }
+
   bool authorized(const httplib::Request& req) const {
     if (opt.api_key.empty()) return true;
-    const std::string want = "Bearer " + opt.api_key;
-    const std::string got = req.get_header_value("Authorization");
     // Constant time in the key's length, so response timing does not reveal a matching prefix.
-    unsigned diff = got.size() != want.size();
-    for (size_t i = 0; i < want.size(); ++i)
-      diff |= unsigned(want[i]) ^ unsigned(i < got.size() ? got[i] : 0);
-    return diff == 0;
+    auto same = [](const std::string& want, const std::string& got) {
+      unsigned diff = got.size() != want.size();
+      for (size_t i = 0; i < want.size(); ++i)
+        diff |= unsigned(want[i]) ^ unsigned(i < got.size() ? got[i] : 0);
+      return diff == 0;
+    };
+    // Anthropic's clients send the key as x-api-key.
+    return same("Bearer " + opt.api_key, req.get_header_value("Authorization")) ||
+           (req.has_header("x-api-key") && same(opt.api_key, req.get_header_value("x-api-key")));
   }
 
   Json model_card() const {
@@ -629,9 +737,14 @@ struct Server::Impl {
     http.new_task_queue = [threads] { return new httplib::ThreadPool(size_t(threads)); };
     http.set_payload_max_length(opt.max_body_bytes);
     http.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
-      if (req.path.rfind("/v1/", 0) == 0 && !authorized(req)) {
-        send_error(res, ApiError(401, "Incorrect or missing API key (send 'Authorization: Bearer <key>')", "",
-                                 "invalid_api_key"));
+      if ((req.path.rfind("/v1/", 0) == 0 || req.path == "/tokenize" || req.path == "/detokenize") &&
+          !authorized(req)) {
+        ApiError e(401,
+                   "Incorrect or missing API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')",
+                   "", "invalid_api_key");
+        send_error(res, e);
+        if (anthropic_path(req.path))
+          res.set_content(anthropic_error_body(401, e.what()), "application/json");
         metrics.request_done(req.path.rfind("/v1/models", 0) == 0 ? "/v1/models" : req.path, 401);
         return httplib::Server::HandlerResponse::Handled;
       }
@@ -644,7 +757,9 @@ struct Server::Impl {
           : res.status == 404 ? fmt::format("no route for {} {}", req.method, req.path)
           : res.status == 405 ? fmt::format("method {} is not allowed on {}", req.method, req.path)
                               : fmt::format("HTTP error {}", res.status);
-      res.set_content(ApiError(res.status, msg).body(), "application/json");
+      res.set_content(
+          anthropic_path(req.path) ? anthropic_error_body(res.status, msg) : ApiError(res.status, msg).body(),
+          "application/json");
       metrics.request_done("other", res.status);
     });
     http.set_exception_handler(
@@ -658,7 +773,9 @@ struct Server::Impl {
           }
           log_line(fmt::format("{} {}: internal error: {}", req.method, req.path, what));
           res.status = 500;
-          res.set_content(ApiError(500, "internal error: " + what).body(), "application/json");
+          res.set_content(anthropic_path(req.path) ? anthropic_error_body(500, "internal error: " + what)
+                                                   : ApiError(500, "internal error: " + what).body(),
+                          "application/json");
           metrics.request_done(req.path, 500);
         });
 
@@ -668,6 +785,23 @@ struct Server::Impl {
     http.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
       handle_generate(req, res, false);
     });
+    // ---- other APIs (anthropic.h, responses.h, tokenize_api.h, web.h) ----
+    http.Post("/v1/messages", [this](const httplib::Request& req, httplib::Response& res) {
+      handle_frontend(req, res, make_anthropic_frontend());
+    });
+    http.Post("/v1/messages/count_tokens",
+              [this](const httplib::Request& req, httplib::Response& res) { handle_count_tokens(req, res); });
+    http.Post("/v1/responses", [this](const httplib::Request& req, httplib::Response& res) {
+      handle_frontend(req, res, make_responses_frontend());
+    });
+    http.Post("/tokenize", [this](const httplib::Request& req, httplib::Response& res) {
+      handle_tokenize(req, res, true);
+    });
+    http.Post("/detokenize", [this](const httplib::Request& req, httplib::Response& res) {
+      handle_tokenize(req, res, false);
+    });
+    add_web_routes(http);
+    // ---- end of other APIs ----
     http.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
       res.set_content(dump(Json{{"object", "list"}, {"data", {model_card()}}}), "application/json");
       metrics.request_done("/v1/models", 200);

@@ -303,6 +303,42 @@ TEST(Engine, ForcedTokensTakePrecedenceOverTheFastPath) {
   EXPECT_EQ(c.greedy_calls, 30 - 2);
 }
 
+TEST(Engine, TriggerBudgetForcesTheTriggerOnce) {
+  const auto prompt = prompt_of(9, 4);
+  const auto ref = oracle(prompt, 30);
+  int32_t never = 0;  // a token the greedy continuation never produces, as the trigger
+  while (std::find(ref.begin(), ref.end(), never) != ref.end()) ++never;
+  GenRequest req = greedy_request(prompt, 20);
+  req.ignore_eos = true;
+  req.force_trigger = never;
+  req.trigger_budget = 5;
+  req.budget_forced = {'a', 'b', never};
+  req.forced = {'x'};
+  Harness fast(true), slow(false);
+  Outcome a = fast.run(req), b = slow.run(req);
+  expect_same(a, b);
+  // Five sampled tokens, then the budget's tokens and the trigger's, then greedy from there.
+  std::vector<int32_t> want(ref.begin(), ref.begin() + 5);
+  for (int32_t t : {int32_t('a'), int32_t('b'), never, int32_t('x')}) want.push_back(t);
+  std::vector<int32_t> ctx = prompt;
+  ctx.insert(ctx.end(), want.begin(), want.end());
+  for (int32_t t : oracle(ctx, 20 - int(want.size()))) want.push_back(t);
+  EXPECT_EQ(a.tokens, want);
+  EXPECT_EQ(std::count(a.forced.begin(), a.forced.end(), true), 4);
+  EXPECT_TRUE(a.forced[5] && a.forced[8] && !a.forced[4] && !a.forced[9]);
+
+  // The trigger generated within the budget: no budget tokens, `forced` after the trigger.
+  req.force_trigger = ref[2];
+  Harness fast2(true), slow2(false);
+  Outcome c = fast2.run(req), d = slow2.run(req);
+  expect_same(c, d);
+  size_t at = size_t(std::find(ref.begin(), ref.end(), ref[2]) - ref.begin());
+  EXPECT_EQ(std::vector<int32_t>(c.tokens.begin(), c.tokens.begin() + long(at) + 1),
+            std::vector<int32_t>(ref.begin(), ref.begin() + long(at) + 1));
+  EXPECT_EQ(c.tokens[at + 1], 'x');
+  EXPECT_EQ(std::count(c.forced.begin(), c.forced.end(), true), 1);
+}
+
 TEST(Engine, OtherSamplingKeepsTheGeneralPath) {
   const auto prompt = prompt_of(13, 5);
   std::vector<std::function<void(GenRequest&)>> variants = {
