@@ -7,6 +7,7 @@
 #include "cli/command.h"
 #include "cli/engine_setup.h"
 #include "core/error.h"
+#include "server/http_policy.h"
 #include "server/server.h"
 
 namespace {
@@ -14,7 +15,9 @@ namespace {
 int run(const std::vector<std::string>& args) {
   std::vector<std::string> values = tansy::cli::engine_flags();
   values.insert(values.end(),
-                {"host", "port", "api-key", "served-model-name", "max-queue", "timeout", "max-body-mb"});
+                {"host", "port", "api-key", "served-model-name", "max-queue", "timeout", "max-body-mb",
+                 "max-connections", "max-connections-per-client", "header-timeout", "body-timeout",
+                 "idle-timeout", "allowed-origins", "allowed-hosts"});
   tansy::cli::Flags flags(args, values);
   tansy::server::ServerOptions so;
   so.host = flags.get("host", "127.0.0.1");
@@ -24,6 +27,19 @@ int run(const std::vector<std::string>& args) {
   so.request_timeout_s = flags.get_double("timeout", 600);
   if (!(so.request_timeout_s > 0)) tansy::fail("--timeout must be a positive number of seconds");
   so.max_body_bytes = size_t(flags.get_int("max-body-mb", 8, 1, 1024)) << 20;
+  so.limits.max_connections = int(flags.get_int("max-connections", 256, 1, 65536));
+  so.limits.max_per_client =
+      int(flags.get_int("max-connections-per-client", 64, 1, so.limits.max_connections));
+  auto seconds = [&](const char* name, double fallback) {
+    double v = flags.get_double(name, fallback);
+    if (!(v > 0 && v <= 86400)) tansy::fail("--{} must be a number of seconds in (0, 86400]", name);
+    return v;
+  };
+  so.limits.header_timeout_s = seconds("header-timeout", 10);
+  so.limits.body_timeout_s = seconds("body-timeout", 60);
+  so.limits.idle_timeout_s = seconds("idle-timeout", 5);
+  so.allowed_origins = tansy::server::HttpPolicy::split_list(flags.get("allowed-origins", ""));
+  so.allowed_hosts = tansy::server::HttpPolicy::split_list(flags.get("allowed-hosts", ""));
 
   // Signals go to a dedicated thread, which stops the server cleanly.
   sigset_t set;
