@@ -26,7 +26,7 @@ Clock::time_point after(double seconds) {
 }
 
 int ms_until(Clock::time_point t) {
-  auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(t - Clock::now()).count();
+  auto ms = std::chrono::ceil<std::chrono::milliseconds>(t - Clock::now()).count();
   return ms <= 0 ? 0 : int(std::min<int64_t>(ms, 1 << 30));
 }
 
@@ -65,7 +65,7 @@ class DeadlineStream : public httplib::Stream {
   ssize_t read(char* ptr, size_t size) override {
     if (pending() == 0) {
       if (!wait(POLLIN, ms_until(deadline))) {
-        timed_out = Clock::now() >= deadline;
+        timed_out = true;  // (or the connection failed): either way it is closed after this request
         return -1;
       }
       ssize_t n;
@@ -175,25 +175,47 @@ void GuardedHttpServer::refuse(int fd, const std::string& why) {
   static const std::string body =
       R"({"error":{"message":"too many open connections; retry later","type":"server_overloaded",)"
       R"("param":null,"code":"too_many_connections"}})";
-  const std::string msg = "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                          "Retry-After: 1\r\nConnection: close\r\nContent-Length: " +
-                          std::to_string(body.size()) + "\r\n\r\n" + body;
+  const std::string msg =
+      "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+      "Retry-After: 1\r\nConnection: close\r\nContent-Length: " +
+      std::to_string(body.size()) + "\r\n\r\n" + body;
   // Best effort without blocking the accept loop: a fresh socket's send buffer takes this whole.
   [[maybe_unused]] ssize_t n = send(fd, msg.data(), msg.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
   ::shutdown(fd, SHUT_WR);
-  ::close(fd);
+  // Closed once the client has read the answer and closed its side (or after a second): closing
+  // with its request unread would reset the connection, and the client could lose the answer.
+  if (refusing_.size() >= 256) {
+    ::close(refusing_.front().first);
+    refusing_.erase(refusing_.begin());
+  }
+  refusing_.emplace_back(fd, after(1.0));
   if (on_refused) on_refused(why);
 }
 
 void GuardedHttpServer::serve() {
   if (listen_fd_ < 0) fail("serve() before bind_exclusive()");
+  std::vector<pollfd> p;
   while (!stopping_) {
-    pollfd p[2] = {{listen_fd_, POLLIN, 0}, {wake_[0], POLLIN, 0}};
-    if (poll(p, 2, -1) < 0) {
+    p.assign({{listen_fd_, POLLIN, 0}, {wake_[0], POLLIN, 0}});
+    for (auto& [fd, t] : refusing_) p.push_back({fd, POLLIN, 0});
+    if (poll(p.data(), p.size(), refusing_.empty() ? -1 : 100) < 0) {
       if (errno == EINTR) continue;
       fail("poll on the listening socket failed: {}", std::strerror(errno));
     }
     if (stopping_) break;
+    for (size_t i = 0; i < refusing_.size();) {
+      char junk[4096];
+      const bool done = recv(refusing_[i].first, junk, sizeof(junk), MSG_DONTWAIT) == 0 ||
+                        (p[i + 2].revents & (POLLHUP | POLLERR)) || Clock::now() >= refusing_[i].second;
+      if (done) {
+        ::close(refusing_[i].first);
+        refusing_.erase(refusing_.begin() + std::ptrdiff_t(i));
+        p.erase(p.begin() + std::ptrdiff_t(i + 2));
+      } else {
+        ++i;
+      }
+    }
+    if (!(p[0].revents & POLLIN)) continue;
     sockaddr_storage ss{};
     socklen_t len = sizeof(ss);
     int fd = accept4(listen_fd_, reinterpret_cast<sockaddr*>(&ss), &len, SOCK_CLOEXEC);
@@ -210,11 +232,12 @@ void GuardedHttpServer::serve() {
         const bool total = open_ >= limits_.max_connections;
         if (mine == 0) per_client_.erase(ip);
         lk.unlock();
-        refuse(fd, total ? "refused a connection from " + ip + ": " + std::to_string(limits_.max_connections) +
-                               " connections are open (--max-connections)"
-                         : "refused a connection from " + ip + ": it has " +
-                               std::to_string(limits_.max_per_client) +
-                               " connections open (--max-connections-per-client)");
+        refuse(fd, total
+                       ? "refused a connection from " + ip + ": " + std::to_string(limits_.max_connections) +
+                             " connections are open (--max-connections)"
+                       : "refused a connection from " + ip + ": it has " +
+                             std::to_string(limits_.max_per_client) +
+                             " connections open (--max-connections-per-client)");
         continue;
       }
       ++mine;
@@ -225,6 +248,8 @@ void GuardedHttpServer::serve() {
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     std::thread([this, fd, ip = ip, port = port] { connection(fd, ip, port); }).detach();
   }
+  for (auto& [fd, t] : refusing_) ::close(fd);
+  refusing_.clear();
   // Connections end once their requests see the client gone (shut down below).
   std::unique_lock lk(mu_);
   for (int fd : fds_) ::shutdown(fd, SHUT_RDWR);

@@ -11,21 +11,23 @@
 #include <httplib.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <map>
 #include <mutex>
 #include <set>
 #include <string>
+#include <vector>
 
 namespace tansy::server {
 
 struct ConnectionLimits {
-  int max_connections = 256;        // open connections in all
-  int max_per_client = 64;          // open connections from one client address
-  double header_timeout_s = 10;     // from the first byte of a request to the end of its head
-  double body_timeout_s = 60;       // from the end of the head to the end of the body
-  double idle_timeout_s = 5;        // a kept-alive connection waiting for its next request
-  double write_timeout_s = 30;      // one write of the response not accepted by the client
+  int max_connections = 256;     // open connections in all
+  int max_per_client = 64;       // open connections from one client address
+  double header_timeout_s = 10;  // from the first byte of a request to the end of its head
+  double body_timeout_s = 60;    // from the end of the head to the end of the body
+  double idle_timeout_s = 5;     // a kept-alive connection waiting for its next request
+  double write_timeout_s = 30;   // one write of the response not accepted by the client
   size_t max_requests_per_connection = 100;
 };
 
@@ -60,6 +62,7 @@ class GuardedHttpServer : public httplib::Server {
   int open_ = 0;
   std::map<std::string, int> per_client_;
   std::set<int> fds_;
+  std::vector<std::pair<int, std::chrono::steady_clock::time_point>> refusing_;  // accept thread only
 };
 
 }  // namespace tansy::server

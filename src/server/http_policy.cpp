@@ -179,9 +179,9 @@ std::optional<PolicyRefusal> HttpPolicy::check(const httplib::Request& req, http
   }
   if (!methods.empty() && !contains(methods, req.method)) {
     res.set_header("Allow", join(methods));
-    return PolicyRefusal{405, "method " + req.method + " is not allowed on " + req.path + " (allowed: " +
-                                  join(methods) + ")",
-                         ""};
+    return PolicyRefusal{
+        405, "method " + req.method + " is not allowed on " + req.path + " (allowed: " + join(methods) + ")",
+        ""};
   }
   if (req.method == "POST" && !is_json_content_type(req.get_header_value("Content-Type")))
     return PolicyRefusal{415, "POST bodies must be sent with Content-Type: application/json", ""};

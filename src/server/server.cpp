@@ -264,6 +264,9 @@ struct Server::Impl {
     check_model(j.api);
     log_ignored(j.api);
     j.gen.prompt = j.api.prompt_text ? engine.tokenizer().encode(*j.api.prompt_text, true) : j.api.prompt_ids;
+    // An empty prompt (which OpenAI accepts) starts from a document boundary, as its models do.
+    if (j.gen.prompt.empty())
+      if (auto eot = engine.tokenizer().token_id("<|endoftext|>")) j.gen.prompt.push_back(*eot);
     fit_context(j, j.api.max_tokens, "prompt");
     fill_sampling(j);
     // A repeated or extended prompt resumes after all but its last token (which must be fed
@@ -450,6 +453,20 @@ struct Server::Impl {
 
   void stream_job(Job& j, Scheduler::Ticket& t, const ConnectionWatch& watch, SseWriter& w, int& status) {
     GenResult r;
+    // Every way out (the client leaving mid-stream included) records the outcome for the log.
+    struct Outcome {
+      const Job& j;
+      const GenResult& r;
+      const SseWriter& w;
+      int& status;
+      ~Outcome() {
+        if (!w.ok) status = 499;
+        request_note().status = status;
+        request_note().detail += fmt::format(" {} stream prompt {} (cached {}) completion {} finish {}", j.id,
+                                             r.prompt_tokens, r.cached_tokens, r.completion_tokens,
+                                             status == 499 ? "cancelled" : finish_name(r.finish));
+      }
+    } outcome{j, r, w, status};
     try {
       if (!wait_turn(t, j, watch)) {
         status = 499;
@@ -537,11 +554,6 @@ struct Server::Impl {
       w.raw("data: " + ApiError(500, fmt::format("internal error: {}", e.what())).body() + "\n\n");
       w.raw("data: [DONE]\n\n");
     }
-    if (!w.ok) status = 499;
-    request_note().status = status;
-    request_note().detail += fmt::format(" {} stream prompt {} (cached {}) completion {} finish {}", j.id,
-                                         r.prompt_tokens, r.cached_tokens, r.completion_tokens,
-                                         status == 499 ? "cancelled" : finish_name(r.finish));
   }
 
   // ---- HTTP plumbing ---------------------------------------------------------------------
@@ -670,8 +682,8 @@ struct Server::Impl {
       const double ms = n.start == Clock::time_point{}
                             ? 0
                             : std::chrono::duration<double, std::milli>(Clock::now() - n.start).count();
-      log_line(fmt::format("{} {} {} {}{} {:.0f} ms from {}", log_escape(req.method), log_escape(req.path),
-                           status, status == 499 ? "cancelled" : "", n.detail, ms,
+      log_line(fmt::format("{} {} {}{}{} {:.0f} ms from {}", log_escape(req.method), log_escape(req.path),
+                           status, status == 499 ? " cancelled" : "", n.detail, ms,
                            log_escape(req.remote_addr)));
       n = RequestNote{};
     });
