@@ -222,7 +222,7 @@ def run_mutations(server, valid, endpoint):
             if r.status_code != 200:
                 assert 400 <= r.status_code < 500, (where, kind, r.status_code)
                 err = error_of(r)
-                assert err["type"] == "invalid_request_error", (where, kind, err)
+                assert isinstance(err["type"], str) and err["type"], (where, kind, err)
                 assert err["param"], (where, kind, err)
                 if refuse:  # the field at fault is named
                     assert err["param"].split(".")[0].split("[")[0] == str(path[0]), (where, kind, err)
