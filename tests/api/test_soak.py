@@ -130,7 +130,8 @@ def test_soak_returns_to_baseline(start_server):
     sanitized = "asan" in os.path.realpath(os.environ.get("TANSY_BIN", ""))
     # ASan keeps freed memory in quarantine, so there the leak check is LeakSanitizer's at exit.
     if not sanitized:
-        assert rss1 - rss0 < 40, (rss0, rss1)
+        # Malloc arenas of many threads used to grow it by ~20 MB in 20 s here (issue 20, finding 10).
+        assert rss1 - rss0 < 12, (rss0, rss1)
     s.proc.terminate()
     rc = s.proc.wait(timeout=60)
     log = s.log_text()

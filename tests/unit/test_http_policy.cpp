@@ -28,8 +28,8 @@ httplib::Request request(std::string method, std::string path, httplib::Headers 
 
 TEST(HttpPolicy, HostMustNameThisServer) {
   HttpPolicy p = policy();
-  for (const char* ok : {"127.0.0.1", "127.0.0.1:8000", "localhost", "LOCALHOST:80", "[::1]:8000", "a.localhost",
-                         "127.5.6.7"})
+  for (const char* ok :
+       {"127.0.0.1", "127.0.0.1:8000", "localhost", "LOCALHOST:80", "[::1]:8000", "a.localhost", "127.5.6.7"})
     EXPECT_TRUE(p.host_allowed(ok)) << ok;
   for (const char* bad : {"evil.example", "evil.example:8000", "10.0.0.1", "[::2]", "", "a b", "localhost:x",
                           "127.0.0.1.nip.io", "[::1", "localhost.evil.example"})
@@ -63,22 +63,25 @@ TEST(HttpPolicy, JsonContentType) {
 TEST(HttpPolicy, Checks) {
   HttpPolicy p = policy({"http://app.example"});
   httplib::Response res;
-  auto r = p.check(request("POST", "/v1/chat/completions", {{"Host", "127.0.0.1"}, {"Content-Type", "text/plain"}}),
-                   res);
+  auto r = p.check(
+      request("POST", "/v1/chat/completions", {{"Host", "127.0.0.1"}, {"Content-Type", "text/plain"}}), res);
   ASSERT_TRUE(r);
   EXPECT_EQ(r->status, 415);
   res = {};
-  r = p.check(request("POST", "/v1/chat/completions",
-                      {{"Host", "127.0.0.1"}, {"Origin", "http://evil.example"}, {"Content-Type", "application/json"}}),
-              res);
+  r = p.check(
+      request(
+          "POST", "/v1/chat/completions",
+          {{"Host", "127.0.0.1"}, {"Origin", "http://evil.example"}, {"Content-Type", "application/json"}}),
+      res);
   ASSERT_TRUE(r);
   EXPECT_EQ(r->status, 403);
   EXPECT_FALSE(res.has_header("Access-Control-Allow-Origin"));
   res = {};
-  EXPECT_FALSE(p.check(request("POST", "/v1/chat/completions",
-                               {{"Host", "127.0.0.1"}, {"Origin", "http://app.example"},
-                                {"Content-Type", "application/json"}}),
-                       res));
+  EXPECT_FALSE(p.check(
+      request(
+          "POST", "/v1/chat/completions",
+          {{"Host", "127.0.0.1"}, {"Origin", "http://app.example"}, {"Content-Type", "application/json"}}),
+      res));
   EXPECT_EQ(res.get_header_value("Access-Control-Allow-Origin"), "http://app.example");
   res = {};
   r = p.check(request("GET", "/v1/chat/completions", {{"Host", "127.0.0.1"}}), res);
@@ -87,7 +90,9 @@ TEST(HttpPolicy, Checks) {
   EXPECT_EQ(res.get_header_value("Allow"), "POST, OPTIONS");
   res = {};
   r = p.check(request("OPTIONS", "/v1/models/tiny",
-                      {{"Host", "127.0.0.1"}, {"Origin", "http://app.example"}, {"Access-Control-Request-Method", "GET"}}),
+                      {{"Host", "127.0.0.1"},
+                       {"Origin", "http://app.example"},
+                       {"Access-Control-Request-Method", "GET"}}),
               res);
   ASSERT_TRUE(r);
   EXPECT_EQ(r->status, 204);
@@ -102,7 +107,8 @@ TEST(HttpPolicy, Checks) {
 }
 
 TEST(HttpPolicy, SplitList) {
-  EXPECT_EQ(HttpPolicy::split_list(" http://a, ,http://b ,"), (std::vector<std::string>{"http://a", "http://b"}));
+  EXPECT_EQ(HttpPolicy::split_list(" http://a, ,http://b ,"),
+            (std::vector<std::string>{"http://a", "http://b"}));
   EXPECT_TRUE(HttpPolicy::split_list("").empty());
 }
 
