@@ -2,6 +2,7 @@
 // configuration or throws tansy::Error naming the field; nothing else may escape.
 #include <cstddef>
 #include <cstdint>
+#include <nlohmann/json.hpp>
 
 #include "core/error.h"
 #include "model/config.h"
