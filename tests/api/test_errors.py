@@ -78,7 +78,7 @@ def test_chat_400(server, body, param):
 
 @pytest.mark.parametrize("body,param", [
     ({"model": MODEL_ID}, "prompt"),
-    ({"model": MODEL_ID, "prompt": ""}, "prompt"),
+    ({"model": MODEL_ID, "prompt": []}, "prompt"),
     ({"model": MODEL_ID, "prompt": [1, "a"]}, "prompt"),
     ({"model": MODEL_ID, "prompt": [-1]}, "prompt"),
     ({"model": MODEL_ID, "prompt": [10 ** 9]}, "prompt"),

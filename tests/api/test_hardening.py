@@ -267,6 +267,7 @@ def test_503_carries_retry_after(start_server):
         assert r.status_code == 503, r.text
         assert error_of(r)["code"] == "queue_full"
         assert int(r.headers["Retry-After"]) >= 1, r.headers
+        assert health_time(s) < 2  # connection threads are not generation slots
     finally:
         long.close()
 
@@ -491,6 +492,7 @@ def test_connections_per_client_and_in_total_are_bounded(start_server):
     reply = read_all(extra)
     assert reply.startswith(b"HTTP/1.1 503") and b"Retry-After" in reply, reply
     assert health_time(s) < 2  # another client address is still served
+    time.sleep(0.5)  # until the server has seen that connection close
     more = [raw(s, b"", source="127.0.0.3") for _ in range(3)]
     time.sleep(0.3)
     full = raw(s, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", source="127.0.0.4")
