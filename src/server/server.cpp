@@ -2,9 +2,9 @@
 
 #include <arpa/inet.h>
 #include <dirent.h>
-#include <malloc.h>
 #include <fmt/format.h>
 #include <httplib.h>
+#include <malloc.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
