@@ -551,7 +551,7 @@ struct Server::Impl {
       w.raw("data: [DONE]\n\n");
     } catch (const std::exception& e) {
       status = 500;
-      log_line(fmt::format("{} {}: internal error: {}", j.endpoint, j.id, e.what()));
+      request_note().detail += " internal error: " + log_escape(e.what());
       w.raw("data: " + ApiError(500, fmt::format("internal error: {}", e.what())).body() + "\n\n");
       w.raw("data: [DONE]\n\n");
     }
