@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <thread>
 
@@ -120,6 +121,12 @@ class DeadlineStream : public httplib::Stream {
 };
 
 }  // namespace
+
+GuardedHttpServer::GuardedHttpServer(ConnectionLimits limits) : limits_(limits) {
+  // Only for the Keep-Alive header httplib writes: the loop below enforces both.
+  set_keep_alive_max_count(limits_.max_requests_per_connection);
+  set_keep_alive_timeout(time_t(std::ceil(limits_.idle_timeout_s)));
+}
 
 GuardedHttpServer::~GuardedHttpServer() {
   if (listen_fd_ >= 0) ::close(listen_fd_);

@@ -33,7 +33,7 @@ struct ConnectionLimits {
 
 class GuardedHttpServer : public httplib::Server {
  public:
-  explicit GuardedHttpServer(ConnectionLimits limits) : limits_(limits) {}
+  explicit GuardedHttpServer(ConnectionLimits limits);
   ~GuardedHttpServer() override;
 
   // Binds host:port (port 0: any free port) and returns the port. Throws tansy::Error naming the
