@@ -1,13 +1,19 @@
 // tansy chat: an interactive terminal chat on the engine (no HTTP). Streams the answer as it is
 // generated, with the reasoning dimmed; the conversation is kept, so later turns reuse the prefix
-// cache. Commands: /reset, /think on|off, /exit. Ctrl-C stops the answer being generated.
+// cache. Commands: /reset, /think on|off, /exit (other /words are answered here, never sent; "//"
+// sends a message starting with "/"). Ctrl-C stops the answer being generated.
+//
+// On a terminal the line is read here, not by the terminal's line discipline, which silently cuts
+// a line at 4,095 bytes; bracketed paste makes a multi-line paste one message.
 #include <signal.h>
+#include <termios.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <iostream>
+#include <memory>
 
 #include "cli/command.h"
 #include "cli/engine_setup.h"
@@ -22,6 +28,91 @@ using tansy::text::Json;
 std::atomic<bool> g_interrupted{false};
 
 void on_sigint(int) { g_interrupted = true; }
+
+// Reads whole lines from a terminal: no length limit, a bracketed paste (newlines included) is part
+// of one line, backspace edits, Enter submits. Restores the terminal when destroyed.
+class TerminalReader {
+ public:
+  TerminalReader() {
+    if (tcgetattr(STDIN_FILENO, &saved_) != 0) return;
+    termios raw = saved_;
+    raw.c_lflag &= tcflag_t(~(ICANON | ECHO));
+    raw.c_cc[VMIN] = 1;
+    raw.c_cc[VTIME] = 0;
+    if (tcsetattr(STDIN_FILENO, TCSANOW, &raw) != 0) return;
+    active_ = true;
+    std::fputs("\x1b[?2004h", stdout);  // bracketed paste on
+    std::fflush(stdout);
+  }
+  ~TerminalReader() {
+    if (!active_) return;
+    std::fputs("\x1b[?2004l", stdout);
+    std::fflush(stdout);
+    tcsetattr(STDIN_FILENO, TCSANOW, &saved_);
+  }
+  bool active() const { return active_; }
+
+  // False at end of input (Ctrl-D on an empty line). Ctrl-C clears the line being typed.
+  bool read_line(std::string& line) {
+    line.clear();
+    bool pasting = false;
+    std::string esc;  // an escape sequence being read
+    for (;;) {
+      char c;
+      ssize_t n = ::read(STDIN_FILENO, &c, 1);
+      if (n < 0 && errno == EINTR) {
+        if (g_interrupted.exchange(false)) {
+          line.clear();
+          std::fputs("^C\n> ", stdout);
+          std::fflush(stdout);
+        }
+        continue;
+      }
+      if (n <= 0) return !line.empty();
+      if (!esc.empty() || c == '\x1b') {
+        esc += c;
+        // CSI sequences end with a byte in 0x40-0x7e; ESC + another byte ends at once.
+        const bool csi = esc.size() >= 2 && esc[1] == '[';
+        if (esc.size() == 1 || (csi && !(c >= 0x40 && c <= 0x7e)) || (csi && esc.size() == 2)) continue;
+        if (esc == "\x1b[200~") pasting = true;
+        if (esc == "\x1b[201~") pasting = false;
+        esc.clear();  // other keys (arrows, ...) are ignored
+        continue;
+      }
+      if (c == '\r' || c == '\n') {
+        if (pasting) {
+          line += '\n';
+          std::fputs("\n", stdout);
+          std::fflush(stdout);
+          continue;
+        }
+        std::fputs("\n", stdout);
+        std::fflush(stdout);
+        return true;
+      }
+      if (c == 0x04) {  // Ctrl-D
+        if (line.empty()) return false;
+        continue;
+      }
+      if (c == 0x7f || c == 0x08) {
+        if (line.empty() || line.back() == '\n') continue;
+        while (!line.empty() && (static_cast<unsigned char>(line.back()) & 0xC0) == 0x80) line.pop_back();
+        if (!line.empty()) line.pop_back();
+        std::fputs("\b \b", stdout);
+        std::fflush(stdout);
+        continue;
+      }
+      if (static_cast<unsigned char>(c) < 0x20 && c != '\t') continue;
+      line += c;
+      std::fputc(c, stdout);
+      std::fflush(stdout);
+    }
+  }
+
+ private:
+  termios saved_{};
+  bool active_ = false;
+};
 
 int run(const std::vector<std::string>& args) {
   std::vector<std::string> values = tansy::cli::engine_flags();
@@ -41,7 +132,13 @@ int run(const std::vector<std::string>& args) {
   const char* plain = tty ? "\x1b[0m" : "";
   struct sigaction sa {};
   sa.sa_handler = on_sigint;
-  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);  // no SA_RESTART: a read in progress sees EINTR
+  std::unique_ptr<TerminalReader> term;
+  if (isatty(STDIN_FILENO)) term = std::make_unique<TerminalReader>();
+  auto read_line = [&](std::string& l) {
+    if (term && term->active()) return term->read_line(l);
+    return bool(std::getline(std::cin, l));
+  };
 
   Json messages = Json::array();
   if (flags.has("system")) messages.push_back({{"role", "system"}, {"content", flags.get("system")}});
@@ -55,7 +152,7 @@ int run(const std::vector<std::string>& args) {
     std::fputs(tty ? "\x1b[1m> \x1b[0m" : "> ", stdout);
     std::fflush(stdout);
     g_interrupted = false;
-    if (!std::getline(std::cin, line)) break;
+    if (!read_line(line)) break;
     if (line.empty()) continue;
     if (line == "/exit" || line == "/quit") break;
     if (line == "/reset") {
@@ -66,6 +163,15 @@ int run(const std::vector<std::string>& args) {
     if (line == "/think on" || line == "/think off") {
       think = line == "/think on";
       std::printf("(thinking %s)\n", think ? "on" : "off");
+      continue;
+    }
+    if (line.rfind("//", 0) == 0) {
+      line.erase(0, 1);  // "//..." sends a message that starts with "/"
+    } else if (line[0] == '/') {
+      std::printf(
+          "unknown command %s (commands: /reset, /think on|off, /exit; start a message with // to send "
+          "a leading /)\n",
+          line.substr(0, line.find_first_of(" \n")).c_str());
       continue;
     }
     messages.push_back({{"role", "user"}, {"content", line}});

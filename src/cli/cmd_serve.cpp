@@ -7,6 +7,7 @@
 #include "cli/command.h"
 #include "cli/engine_setup.h"
 #include "core/error.h"
+#include "server/http_policy.h"
 #include "server/server.h"
 
 namespace {
@@ -14,7 +15,9 @@ namespace {
 int run(const std::vector<std::string>& args) {
   std::vector<std::string> values = tansy::cli::engine_flags();
   values.insert(values.end(),
-                {"host", "port", "api-key", "served-model-name", "max-queue", "timeout", "max-body-mb"});
+                {"host", "port", "api-key", "served-model-name", "max-queue", "timeout", "max-body-mb",
+                 "max-connections", "max-connections-per-client", "header-timeout", "body-timeout",
+                 "idle-timeout", "allowed-origins", "allowed-hosts"});
   values.push_back("special-tokens-in-content");
   tansy::cli::Flags flags(args, values);
   tansy::server::ServerOptions so;
@@ -29,6 +32,19 @@ int run(const std::vector<std::string>& args) {
   if (special != "plain" && special != "parse")
     tansy::fail("--special-tokens-in-content must be plain or parse, got '{}'", special);
   so.special_tokens_in_content_parse = special == "parse";
+  so.limits.max_connections = int(flags.get_int("max-connections", 256, 1, 65536));
+  so.limits.max_per_client =
+      int(flags.get_int("max-connections-per-client", 64, 1, so.limits.max_connections));
+  auto seconds = [&](const char* name, double fallback) {
+    double v = flags.get_double(name, fallback);
+    if (!(v > 0 && v <= 86400)) tansy::fail("--{} must be a number of seconds in (0, 86400]", name);
+    return v;
+  };
+  so.limits.header_timeout_s = seconds("header-timeout", 10);
+  so.limits.body_timeout_s = seconds("body-timeout", 60);
+  so.limits.idle_timeout_s = seconds("idle-timeout", 5);
+  so.allowed_origins = tansy::server::HttpPolicy::split_list(flags.get("allowed-origins", ""));
+  so.allowed_hosts = tansy::server::HttpPolicy::split_list(flags.get("allowed-hosts", ""));
 
   // Signals go to a dedicated thread, which stops the server cleanly.
   sigset_t set;

@@ -98,12 +98,12 @@ ModelConfig parse_config(const json& top) {
   std::string path;
   if (top.contains("text_config")) {
     if (!top["text_config"].is_object()) fail("config.json: field 'text_config' must be an object");
-    Reader(top, "").expect_string("model_type", {"qwen3_5_moe"}, true);
+    Reader{top, ""}.expect_string("model_type", {"qwen3_5_moe"}, true);
     tj = &top["text_config"];
     path = "text_config.";
-    Reader(*tj, path).expect_string("model_type", {"qwen3_5_moe_text"}, false);
+    Reader{*tj, path}.expect_string("model_type", {"qwen3_5_moe_text"}, false);
   } else {
-    Reader(top, "").expect_string("model_type", {"qwen3_5_moe_text", "qwen3_5_moe"}, true);
+    Reader{top, ""}.expect_string("model_type", {"qwen3_5_moe_text", "qwen3_5_moe"}, true);
   }
   Reader r{*tj, path};
   ModelConfig c;
@@ -128,7 +128,7 @@ ModelConfig parse_config(const json& top) {
 
   r.expect_string("hidden_act", {"silu"}, false);
   r.expect_bool("tie_word_embeddings", false, false);
-  if (top.contains("text_config")) Reader(top, "").expect_bool("tie_word_embeddings", false, false);
+  if (top.contains("text_config")) Reader{top, ""}.expect_bool("tie_word_embeddings", false, false);
   r.expect_bool("attention_bias", false, false);
   r.expect_bool("attn_output_gate", true, false);
   if (r.has("norm_topk_prob")) r.expect_bool("norm_topk_prob", true, false);

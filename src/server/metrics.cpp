@@ -4,6 +4,42 @@
 
 namespace tansy::server {
 
+std::string route_label(const std::string& path) {
+  // Every route tansy serves or is planned to (issue 18's included), so that adding one needs no
+  // change here beyond its name.
+  static const char* const kRoutes[] = {"/v1/chat/completions",
+                                        "/v1/completions",
+                                        "/v1/models",
+                                        "/v1/messages",
+                                        "/v1/responses",
+                                        "/tokenize",
+                                        "/detokenize",
+                                        "/health",
+                                        "/metrics",
+                                        "/"};
+  for (const char* r : kRoutes)
+    if (path == r) return r;
+  if (path.rfind("/v1/models/", 0) == 0) return "/v1/models";
+  return "other";
+}
+
+std::string escape_label(const std::string& value) {
+  std::string o;
+  for (unsigned char c : value) {
+    if (c == '\\')
+      o += "\\\\";
+    else if (c == '"')
+      o += "\\\"";
+    else if (c == '\n')
+      o += "\\n";
+    else if (c < 0x20 || c >= 0x7f)
+      o += '?';
+    else
+      o += char(c);
+  }
+  return o;
+}
+
 void Histogram::observe(double v) {
   size_t i = 0;
   while (i < bounds_.size() && v > bounds_[i]) ++i;
@@ -28,7 +64,11 @@ Metrics::Metrics()
 
 void Metrics::request_done(const std::string& endpoint, int status) {
   std::lock_guard lk(mu_);
-  requests_[{endpoint, status}]++;
+  requests_[{route_label(endpoint), status}]++;
+}
+void Metrics::unauthorized() {
+  std::lock_guard lk(mu_);
+  unauthorized_++;
 }
 void Metrics::tokens(int prompt, int generated) {
   std::lock_guard lk(mu_);
@@ -56,7 +96,11 @@ std::string Metrics::render(const Snapshot& s) const {
   };
   head("tansy_requests_total", "counter", "HTTP requests answered, by endpoint and status code.");
   for (auto& [k, n] : requests_)
-    o += fmt::format("tansy_requests_total{{endpoint=\"{}\",status=\"{}\"}} {}\n", k.first, k.second, n);
+    o += fmt::format("tansy_requests_total{{endpoint=\"{}\",status=\"{}\"}} {}\n", escape_label(k.first),
+                     k.second, n);
+  head("tansy_unauthorized_requests_total", "counter",
+       "Requests refused for a missing or wrong API key (not broken down: their paths are the client's).");
+  o += fmt::format("tansy_unauthorized_requests_total {}\n", unauthorized_);
   head("tansy_prompt_tokens_total", "counter",
        "Prompt tokens of completed generations (cached ones included).");
   o += fmt::format("tansy_prompt_tokens_total {}\n", prompt_tokens_);

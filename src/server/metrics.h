@@ -9,6 +9,12 @@
 
 namespace tansy::server {
 
+// The label a request path is counted under: one of the server's routes, else "other".
+std::string route_label(const std::string& path);
+// A label value escaped per the Prometheus text format (backslash, double quote, newline), with
+// bytes that are not printable ASCII replaced, so the exposition stays valid UTF-8.
+std::string escape_label(const std::string& value);
+
 class Histogram {
  public:
   explicit Histogram(std::vector<double> bounds) : bounds_(std::move(bounds)), counts_(bounds_.size() + 1) {}
@@ -26,7 +32,10 @@ class Histogram {
 class Metrics {
  public:
   Metrics();
+  // Counted under route_label(endpoint): a client cannot create series of its own.
   void request_done(const std::string& endpoint, int status);
+  // Refused for a missing or wrong API key: one unlabelled counter, whatever the path.
+  void unauthorized();
   void tokens(int prompt, int generated);
   void time_to_first_token(double seconds);
   void inter_token_latency(double seconds);
@@ -44,6 +53,7 @@ class Metrics {
  private:
   mutable std::mutex mu_;
   std::map<std::pair<std::string, int>, uint64_t> requests_;
+  uint64_t unauthorized_ = 0;
   uint64_t prompt_tokens_ = 0, generated_tokens_ = 0;
   Histogram ttft_, itl_, duration_;
 };

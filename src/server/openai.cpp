@@ -20,8 +20,6 @@ std::string ApiError::type() const {
   switch (status) {
     case 401:
       return "authentication_error";
-    case 404:
-      return "not_found_error";
     case 413:
       return "invalid_request_error";
     case 429:
@@ -90,6 +88,13 @@ class Fields {
     if (!at(k).is_string()) bad_type(k, "a string");
     return at(k).get<std::string>();
   }
+  // Type checks of fields that are accepted but change nothing (absent or null passes).
+  void want_string(const char* k) const {
+    if (has(k) && !at(k).is_string()) bad_type(k, "a string");
+  }
+  void want_boolean(const char* k) const {
+    if (has(k) && !at(k).is_boolean()) bad_type(k, "a boolean");
+  }
 
   [[noreturn]] void bad_type(const char* k, const char* want) const {
     api_fail(400, k, fmt::format("'{}' must be {}, got {}", k, want, type_name(at(k))));
@@ -113,23 +118,61 @@ const std::set<std::string> kIgnoredOpenAI = {"user",
                                               "safety_identifier",
                                               "parallel_tool_calls"};
 
+// The types of the accepted-and-ignored fields, as OpenAI's schema gives them.
+void check_ignored_types(const Fields& f) {
+  for (const char* k : {"user", "service_tier", "prompt_cache_key", "safety_identifier"}) f.want_string(k);
+  for (const char* k : {"store", "parallel_tool_calls"}) f.want_boolean(k);
+  if (f.has("metadata")) {
+    if (!f.at("metadata").is_object()) f.bad_type("metadata", "an object of strings");
+    for (auto& [k, v] : f.at("metadata").items())
+      if (!v.is_string())
+        api_fail(400, "metadata", fmt::format("'metadata' values must be strings ('{}')", k));
+  }
+}
+
+// An object's member that must be a string when present (null counts as absent).
+void want_member_string(const Json& obj, const char* k, const std::string& where) {
+  if (obj.contains(k) && !obj[k].is_null() && !obj[k].is_string())
+    api_fail(400, where + "." + k,
+             fmt::format("'{}.{}' must be a string, got {}", where, k, type_name(obj[k])));
+}
+
+void want_member_boolean(const Json& obj, const char* k, const std::string& where) {
+  if (obj.contains(k) && !obj[k].is_null() && !obj[k].is_boolean())
+    api_fail(400, where + "." + k,
+             fmt::format("'{}.{}' must be a boolean, got {}", where, k, type_name(obj[k])));
+}
+
 void check_unsupported(const Fields& f, bool chat) {
   // Present and not the value that means "off": tansy would otherwise silently ignore a request it cannot
   // honour.
-  if (f.has("n") && !(f.at("n").is_number_integer() && f.at("n").get<int64_t>() == 1))
+  if (f.has("n") && !f.at("n").is_number_integer()) f.bad_type("n", "an integer");
+  if (f.has("n") && f.at("n").get<int64_t>() != 1)
     api_fail(400, "n", "'n' must be 1: tansy generates one choice per request");
   if (chat) {
-    if (f.has("response_format") &&
-        !(f.at("response_format").is_object() && f.at("response_format").value("type", "") == "text"))
-      api_fail(400, "response_format",
-               "'response_format' is not supported (structured output is not implemented)");
-    if (f.has("modalities") && f.at("modalities") != Json::array({"text"}))
-      api_fail(400, "modalities", "'modalities' other than [\"text\"] is not supported");
+    if (f.has("response_format")) {
+      const Json& rf = f.at("response_format");
+      if (!rf.is_object()) f.bad_type("response_format", "an object");
+      if (!rf.contains("type") || !rf["type"].is_string())
+        api_fail(400, "response_format.type", "'response_format.type' must be a string");
+      if (rf["type"].get<std::string>() != "text")
+        api_fail(400, "response_format",
+                 "'response_format' is not supported (structured output is not implemented)");
+    }
+    if (f.has("modalities")) {
+      const Json& m = f.at("modalities");
+      if (!m.is_array()) f.bad_type("modalities", "an array of strings");
+      for (auto& x : m)
+        if (!x.is_string()) api_fail(400, "modalities", "'modalities' must be an array of strings");
+      if (m != Json::array({"text"}))
+        api_fail(400, "modalities", "'modalities' other than [\"text\"] is not supported");
+    }
     for (const char* k : {"audio", "prediction", "web_search_options", "functions", "function_call",
                           "reasoning_effort", "verbosity"})
       if (f.has(k)) api_fail(400, k, fmt::format("'{}' is not supported by tansy", k));
   } else {
-    if (f.has("best_of") && !(f.at("best_of").is_number_integer() && f.at("best_of").get<int64_t>() == 1))
+    if (f.has("best_of") && !f.at("best_of").is_number_integer()) f.bad_type("best_of", "an integer");
+    if (f.has("best_of") && f.at("best_of").get<int64_t>() != 1)
       api_fail(400, "best_of", "'best_of' must be 1");
     if (f.boolean("echo", false)) api_fail(400, "echo", "'echo' is not supported");
     if (f.has("suffix")) api_fail(400, "suffix", "'suffix' is not supported");
@@ -225,7 +268,7 @@ void validate_messages(const Fields& f) {
   const Json& m = f.at("messages");
   if (!m.is_array()) f.bad_type("messages", "an array");
   if (m.empty()) api_fail(400, "messages", "'messages' must not be empty");
-  static const std::set<std::string> roles = {"system", "user", "assistant", "tool"};
+  static const std::set<std::string> roles = {"system", "developer", "user", "assistant", "tool"};
   for (size_t i = 0; i < m.size(); ++i) {
     const Json& msg = m[i];
     std::string w = fmt::format("messages[{}]", i);
@@ -235,7 +278,9 @@ void validate_messages(const Fields& f) {
     std::string role = msg["role"].get<std::string>();
     if (!roles.count(role))
       api_fail(400, w + ".role",
-               fmt::format("role '{}' is not supported (system, user, assistant, tool)", role));
+               fmt::format("role '{}' is not supported (system, developer, user, assistant, tool)", role));
+    want_member_string(msg, "name", w);
+    want_member_string(msg, "tool_call_id", w);
     if (msg.contains("content"))
       validate_content(msg["content"], w + ".content");
     else if (role != "assistant")
@@ -253,6 +298,10 @@ void validate_messages(const Fields& f) {
         const Json& c = tc[j];
         if (!c.is_object() || !c.contains("function") || !c["function"].is_object())
           api_fail(400, wj, fmt::format("'{}' must be an object with a 'function' object", wj));
+        want_member_string(c, "id", wj);
+        want_member_string(c, "type", wj);
+        if (c.contains("type") && c["type"].is_string() && c["type"] != "function")
+          api_fail(400, wj + ".type", fmt::format("'{}.type' must be \"function\"", wj));
         const Json& fn = c["function"];
         if (!fn.contains("name") || !fn["name"].is_string())
           api_fail(400, wj + ".function.name", fmt::format("'{}.function.name' must be a string", wj));
@@ -272,10 +321,12 @@ std::set<std::string> validate_tools(const Fields& f) {
   for (size_t i = 0; i < t.size(); ++i) {
     std::string w = fmt::format("tools[{}]", i);
     const Json& x = t[i];
-    if (!x.is_object() || x.value("type", "") != "function" || !x.contains("function") ||
-        !x["function"].is_object())
+    if (!x.is_object() || !x.contains("type") || !x["type"].is_string() || x["type"] != "function" ||
+        !x.contains("function") || !x["function"].is_object())
       api_fail(400, w, fmt::format("'{}' must be {{\"type\": \"function\", \"function\": {{...}}}}", w));
     const Json& fn = x["function"];
+    want_member_string(fn, "description", w + ".function");
+    want_member_boolean(fn, "strict", w + ".function");
     if (!fn.contains("name") || !fn["name"].is_string() || fn["name"].get<std::string>().empty())
       api_fail(400, w + ".function.name", fmt::format("'{}.function.name' must be a non-empty string", w));
     if (fn.contains("parameters") && !fn["parameters"].is_null() && !fn["parameters"].is_object())
@@ -297,11 +348,13 @@ ApiRequest parse_chat_request(const Json& body, const SamplingParams& defaults, 
   ApiRequest r;
   r.chat = true;
   check_unsupported(f, true);
+  check_ignored_types(f);
   parse_common(f, r, defaults, vocab_size);
+  // Both are checked; max_completion_tokens (the newer name) wins when both are given.
+  if (f.has("max_tokens"))
+    r.max_tokens = int(f.integer("max_tokens", 0, 1, std::numeric_limits<int32_t>::max()));
   if (f.has("max_completion_tokens"))
     r.max_tokens = int(f.integer("max_completion_tokens", 0, 1, std::numeric_limits<int32_t>::max()));
-  else if (f.has("max_tokens"))
-    r.max_tokens = int(f.integer("max_tokens", 0, 1, std::numeric_limits<int32_t>::max()));
   if (f.boolean("logprobs", false))
     r.logprobs = int(f.integer("top_logprobs", 0, 0, 20));
   else if (f.has("top_logprobs"))
@@ -309,9 +362,13 @@ ApiRequest parse_chat_request(const Json& body, const SamplingParams& defaults, 
 
   validate_messages(f);
   std::set<std::string> tool_names = validate_tools(f);
-  if (f.has("chat_template_kwargs") && !f.at("chat_template_kwargs").is_object())
-    f.bad_type("chat_template_kwargs", "an object");
-  for (const char* k : {"enable_thinking", "preserve_thinking"}) f.boolean(k, false);
+  if (f.has("chat_template_kwargs")) {
+    const Json& kw = f.at("chat_template_kwargs");
+    if (!kw.is_object()) f.bad_type("chat_template_kwargs", "an object");
+    for (const char* k : {"enable_thinking", "preserve_thinking", "add_generation_prompt"})
+      want_member_boolean(kw, k, "chat_template_kwargs");
+  }
+  for (const char* k : {"enable_thinking", "preserve_thinking", "add_generation_prompt"}) f.want_boolean(k);
 
   if (f.has("tool_choice")) {
     const Json& tc = f.at("tool_choice");
@@ -326,7 +383,7 @@ ApiRequest parse_chat_request(const Json& body, const SamplingParams& defaults, 
       else
         api_fail(400, "tool_choice",
                  fmt::format("'tool_choice' must be none, auto, required or a named function, got '{}'", s));
-    } else if (tc.is_object() && tc.value("type", "") == "function" && tc.contains("function") &&
+    } else if (tc.is_object() && tc.contains("type") && tc["type"] == "function" && tc.contains("function") &&
                tc["function"].is_object() && tc["function"].contains("name") &&
                tc["function"]["name"].is_string()) {
       r.tool_choice = ToolChoice::kNamed;
@@ -349,6 +406,9 @@ ApiRequest parse_chat_request(const Json& body, const SamplingParams& defaults, 
   } catch (const Error& e) {
     api_fail(400, "messages", e.what());
   }
+  // Newer OpenAI tooling sends instructions as "developer"; the template knows them as system.
+  for (Json& m : r.render.messages)
+    if (m["role"] == "developer") m["role"] = "system";
   if (r.tool_choice == ToolChoice::kNone) r.render.tools = nullptr;
   collect_ignored(body,
                   {"model",
@@ -388,6 +448,7 @@ ApiRequest parse_completion_request(const Json& body, const SamplingParams& defa
   ApiRequest r;
   r.chat = false;
   check_unsupported(f, false);
+  check_ignored_types(f);
   parse_common(f, r, defaults, vocab_size);
   r.max_tokens = int(f.integer("max_tokens", 16, 1, std::numeric_limits<int32_t>::max()));
   if (f.has("logprobs")) r.logprobs = int(f.integer("logprobs", 0, 0, 20));
@@ -396,8 +457,7 @@ ApiRequest parse_completion_request(const Json& body, const SamplingParams& defa
   // A batch of one prompt is accepted; larger batches would need n > 1 choices.
   if (p->is_array() && p->size() == 1 && ((*p)[0].is_string() || (*p)[0].is_array())) p = &(*p)[0];
   if (p->is_string()) {
-    r.prompt_text = p->get<std::string>();
-    if (r.prompt_text->empty()) api_fail(400, "prompt", "'prompt' must not be empty");
+    r.prompt_text = p->get<std::string>();  // may be empty, as in OpenAI's API
   } else if (p->is_array() && !p->empty()) {
     for (auto& x : *p) {
       if (!x.is_number_integer())
@@ -410,7 +470,7 @@ ApiRequest parse_completion_request(const Json& body, const SamplingParams& defa
     }
   } else {
     api_fail(400, "prompt",
-             "'prompt' must be a non-empty string, an array of token ids, or a batch of one of those");
+             "'prompt' must be a string, a non-empty array of token ids, or a batch of one of those");
   }
   collect_ignored(body,
                   {"model",

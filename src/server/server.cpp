@@ -4,6 +4,7 @@
 #include <dirent.h>
 #include <fmt/format.h>
 #include <httplib.h>
+#include <malloc.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -21,8 +22,11 @@
 #include "server/anthropic.h"
 #include "server/chat_output.h"
 #include "server/frontend.h"
+#include "server/http_listener.h"
+#include "server/http_policy.h"
 #include "server/metrics.h"
 #include "server/openai.h"
+#include "server/request_log.h"
 #include "server/responses.h"
 #include "server/tokenize_api.h"
 #include "server/web.h"
@@ -34,13 +38,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr int kMaxJsonDepth = 64;  // deeper bodies are refused before parsing: renderers recurse
-
-void log_line(const std::string& s) {
-  static std::mutex mu;
-  std::lock_guard lk(mu);
-  std::fprintf(stderr, "%s\n", s.c_str());
-  std::fflush(stderr);
-}
 
 std::string dump(const Json& j) { return j.dump(-1, ' ', false, Json::error_handler_t::replace); }
 
@@ -168,10 +165,16 @@ struct Server::Impl {
   ServerOptions opt;
   Scheduler sched;
   Metrics metrics;
-  httplib::Server http;
+  GuardedHttpServer http;
+  HttpPolicy policy;
   int64_t started = unix_now();
 
-  Impl(Engine& e, ServerOptions o) : engine(e), opt(std::move(o)), sched(opt.max_queue) {}
+  Impl(Engine& e, ServerOptions o)
+      : engine(e),
+        opt(std::move(o)),
+        sched(opt.max_queue),
+        http(opt.limits),
+        policy(HttpPolicyOptions{opt.host, opt.allowed_hosts, opt.allowed_origins}) {}
 
   // ---- preparing requests ------------------------------------------------------------------
 
@@ -182,10 +185,11 @@ struct Server::Impl {
                "model_not_found");
   }
 
-  void log_ignored(const ApiRequest& r, const std::string& endpoint) const {
-    if (!r.ignored_fields.empty())
-      log_line(fmt::format("{}: ignoring fields outside the OpenAI schema: {}", endpoint,
-                           fmt::join(r.ignored_fields, ", ")));
+  void log_ignored(const ApiRequest& r) const {
+    if (r.ignored_fields.empty()) return;
+    std::string names;
+    for (auto& f : r.ignored_fields) names += (names.empty() ? "" : ", ") + log_escape(f);
+    request_note().detail += " ignored fields outside the OpenAI schema: " + names + ";";
   }
 
   // Fills max_tokens and checks the context limit.
@@ -218,7 +222,7 @@ struct Server::Impl {
     j.endpoint = "/v1/chat/completions";
     j.api = parse_chat_request(body, opt.defaults, engine.config().vocab_size);
     check_model(j.api);
-    log_ignored(j.api, j.endpoint);
+    log_ignored(j.api);
     text::RenderedPrompt rendered;
     try {
       rendered = (opt.chat_template ? *opt.chat_template : text::ChatTemplate::qwen36()).render(j.api.render);
@@ -265,8 +269,11 @@ struct Server::Impl {
     j.endpoint = "/v1/completions";
     j.api = parse_completion_request(body, opt.defaults, engine.config().vocab_size);
     check_model(j.api);
-    log_ignored(j.api, j.endpoint);
+    log_ignored(j.api);
     j.gen.prompt = j.api.prompt_text ? engine.tokenizer().encode(*j.api.prompt_text, true) : j.api.prompt_ids;
+    // An empty prompt (which OpenAI accepts) starts from a document boundary, as its models do.
+    if (j.gen.prompt.empty())
+      if (auto eot = engine.tokenizer().token_id("<|endoftext|>")) j.gen.prompt.push_back(*eot);
     fit_context(j, j.api.max_tokens, "prompt");
     fill_sampling(j);
     // A repeated or extended prompt resumes after all but its last token (which must be fed
@@ -459,6 +466,20 @@ struct Server::Impl {
 
   void stream_job(Job& j, Scheduler::Ticket& t, const ConnectionWatch& watch, SseWriter& w, int& status) {
     GenResult r;
+    // Every way out (the client leaving mid-stream included) records the outcome for the log.
+    struct Outcome {
+      const Job& j;
+      const GenResult& r;
+      const SseWriter& w;
+      int& status;
+      ~Outcome() {
+        if (!w.ok) status = 499;
+        request_note().status = status;
+        request_note().detail += fmt::format(" {} stream prompt {} (cached {}) completion {} finish {}", j.id,
+                                             r.prompt_tokens, r.cached_tokens, r.completion_tokens,
+                                             status == 499 ? "cancelled" : finish_name(r.finish));
+      }
+    } outcome{j, r, w, status};
     try {
       if (!wait_turn(t, j, watch)) {
         status = 499;
@@ -541,19 +562,16 @@ struct Server::Impl {
       w.error(e);
     } catch (const std::exception& e) {
       status = 500;
-      log_line(fmt::format("{} {}: internal error: {}", j.endpoint, j.id, e.what()));
+      request_note().detail += " internal error: " + log_escape(e.what());
       w.error(ApiError(500, fmt::format("internal error: {}", e.what())));
     }
-    if (!w.ok) status = 499;
-    log_line(fmt::format("{} {} stream status {} prompt {} (cached {}) completion {} finish {}", j.endpoint,
-                         j.id, status, r.prompt_tokens, r.cached_tokens, r.completion_tokens,
-                         finish_name(r.finish)));
   }
 
   // ---- HTTP plumbing ---------------------------------------------------------------------
 
   void send_error(httplib::Response& res, const ApiError& e) {
     res.status = e.status;
+    if (e.status == 503) res.set_header("Retry-After", "1");
     res.set_content(e.body(), "application/json");
   }
 
@@ -588,17 +606,19 @@ struct Server::Impl {
       if (out.is_null()) {  // the client left: nobody reads this
         send_error(res, ApiError(499, "client closed the request"));
         metrics.request_done(endpoint, 499);
+        request_note().detail += fmt::format(" {} prompt {} (cached {}) completion {} finish cancelled",
+                                             job->id, r.prompt_tokens, r.cached_tokens, r.completion_tokens);
         return;
       }
       res.set_content(dump(out), "application/json");
       metrics.request_done(endpoint, 200);
-      log_line(fmt::format("{} {} status 200 prompt {} (cached {}) completion {} finish {}", endpoint,
-                           job->id, r.prompt_tokens, r.cached_tokens, r.completion_tokens,
-                           finish_name(r.finish)));
+      request_note().detail +=
+          fmt::format(" {} prompt {} (cached {}) completion {} finish {}", job->id, r.prompt_tokens,
+                      r.cached_tokens, r.completion_tokens, finish_name(r.finish));
     } catch (const ApiError& e) {
       send_error(res, e);
       metrics.request_done(endpoint, e.status);
-      log_line(fmt::format("{} status {}: {}", endpoint, e.status, e.what()));
+      request_note().detail += " " + log_escape(e.what());
     }
   }
 
@@ -609,9 +629,11 @@ struct Server::Impl {
     j.endpoint = fe.endpoint();
     j.id = fe.make_id(random_id("").substr(0, 24));
     fe.prompt_tokens = int(j.gen.prompt.size());
-    if (!fe.ignored_fields.empty())
-      log_line(fmt::format("{}: ignoring fields outside its schema: {}", j.endpoint,
-                           fmt::join(fe.ignored_fields, ", ")));
+    if (!fe.ignored_fields.empty()) {
+      std::string names;
+      for (auto& f : fe.ignored_fields) names += (names.empty() ? "" : ", ") + log_escape(f);
+      request_note().detail += " ignored fields outside its schema: " + names + ";";
+    }
     if (fe.thinking_budget >= 0 && j.starts_in_reasoning) {
       const Tokenizer& tok = engine.tokenizer();
       auto end_think = tok.token_id("</think>");
@@ -630,7 +652,7 @@ struct Server::Impl {
       res.status = fe->error_status(e);
       res.set_content(fe->error_body(e), "application/json");
       metrics.request_done(endpoint, res.status);
-      log_line(fmt::format("{} status {}: {}", endpoint, res.status, e.what()));
+      request_note().detail += " " + log_escape(e.what());
     };
     try {
       Json body = parse_body(req.body);
@@ -657,12 +679,17 @@ struct Server::Impl {
       }
       GenResult r;
       Json out = run_chat(*job, *ticket, *watch, r);
-      if (out.is_null()) return fail(ApiError(499, "client closed the request"));
+      if (out.is_null()) {  // the client left: nobody reads this
+        fail(ApiError(499, "client closed the request"));
+        request_note().detail += fmt::format(" {} prompt {} (cached {}) completion {} finish cancelled",
+                                             job->id, r.prompt_tokens, r.cached_tokens, r.completion_tokens);
+        return;
+      }
       res.set_content(dump(fe->response(out)), "application/json");
       metrics.request_done(endpoint, 200);
-      log_line(fmt::format("{} {} status 200 prompt {} (cached {}) completion {} finish {}", endpoint,
-                           job->id, r.prompt_tokens, r.cached_tokens, r.completion_tokens,
-                           finish_name(r.finish)));
+      request_note().detail +=
+          fmt::format(" {} prompt {} (cached {}) completion {} finish {}", job->id, r.prompt_tokens,
+                      r.cached_tokens, r.completion_tokens, finish_name(r.finish));
     } catch (const ApiError& e) {
       fail(e);
     }
@@ -732,11 +759,34 @@ struct Server::Impl {
             {"repetition_penalty", d.repetition_penalty}};
   }
 
+  // Registers a handler and its method with the policy (405 with Allow, CORS preflights).
+  void route(const std::string& method, const std::string& pattern, httplib::Server::Handler h) {
+    policy.add_route(method, pattern);
+    if (method == "GET")
+      http.Get(pattern, std::move(h));
+    else if (method == "POST")
+      http.Post(pattern, std::move(h));
+    else
+      fail("route {}: unsupported method {}", pattern, method);
+  }
+
   void setup() {
-    const int threads = opt.max_queue + 8;  // every waiting request holds a thread; a few spare for /health
-    http.new_task_queue = [threads] { return new httplib::ThreadPool(size_t(threads)); };
     http.set_payload_max_length(opt.max_body_bytes);
+    http.on_refused = [](const std::string& why) { log_line("tansy serve: " + log_escape(why)); };
+    // Every request, whatever its route (those added later included), passes the browser-safety
+    // policy and then the API key check before its body is read.
     http.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+      request_note() = RequestNote{Clock::now(), 0, ""};
+      if (auto refusal = policy.check(req, res)) {
+        res.status = refusal->status;
+        if (!refusal->message.empty())
+          res.set_content(anthropic_path(req.path)
+                              ? anthropic_error_body(refusal->status, refusal->message)
+                              : ApiError(refusal->status, refusal->message, "", refusal->code).body(),
+                          "application/json");
+        metrics.request_done(req.path, refusal->status);
+        return httplib::Server::HandlerResponse::Handled;
+      }
       if ((req.path.rfind("/v1/", 0) == 0 || req.path == "/tokenize" || req.path == "/detokenize") &&
           !authorized(req)) {
         ApiError e(401,
@@ -745,18 +795,31 @@ struct Server::Impl {
         send_error(res, e);
         if (anthropic_path(req.path))
           res.set_content(anthropic_error_body(401, e.what()), "application/json");
-        metrics.request_done(req.path.rfind("/v1/models", 0) == 0 ? "/v1/models" : req.path, 401);
+        metrics.unauthorized();
         return httplib::Server::HandlerResponse::Handled;
       }
       return httplib::Server::HandlerResponse::Unhandled;
     });
+    http.set_logger([](const httplib::Request& req, const httplib::Response& res) {
+      RequestNote& n = request_note();
+      const int status = n.status ? n.status : res.status;
+      const double ms = n.start == Clock::time_point{}
+                            ? 0
+                            : std::chrono::duration<double, std::milli>(Clock::now() - n.start).count();
+      log_line(fmt::format("{} {} {}{}{} {:.0f} ms from {}", log_escape(req.method), log_escape(req.path),
+                           status, status == 499 ? " cancelled" : "", n.detail, ms,
+                           log_escape(req.remote_addr)));
+      n = RequestNote{};
+    });
     http.set_error_handler([this](const httplib::Request& req, httplib::Response& res) {
       if (!res.body.empty()) return;
       std::string msg =
-          res.status == 413   ? fmt::format("the request body exceeds {} bytes", opt.max_body_bytes)
-          : res.status == 404 ? fmt::format("no route for {} {}", req.method, req.path)
-          : res.status == 405 ? fmt::format("method {} is not allowed on {}", req.method, req.path)
-                              : fmt::format("HTTP error {}", res.status);
+          res.status == 413 ? fmt::format("the request body exceeds {} bytes", opt.max_body_bytes)
+          : res.status == 404
+              ? fmt::format("no route for {} {}", log_escape(req.method), log_escape(req.path))
+          : res.status == 405
+              ? fmt::format("method {} is not allowed on {}", log_escape(req.method), log_escape(req.path))
+              : fmt::format("HTTP error {}", res.status);
       res.set_content(
           anthropic_path(req.path) ? anthropic_error_body(res.status, msg) : ApiError(res.status, msg).body(),
           "application/json");
@@ -771,7 +834,7 @@ struct Server::Impl {
             what = e.what();
           } catch (...) {
           }
-          log_line(fmt::format("{} {}: internal error: {}", req.method, req.path, what));
+          request_note().detail += " internal error: " + log_escape(what);
           res.status = 500;
           res.set_content(anthropic_path(req.path) ? anthropic_error_body(500, "internal error: " + what)
                                                    : ApiError(500, "internal error: " + what).body(),
@@ -779,34 +842,31 @@ struct Server::Impl {
           metrics.request_done(req.path, 500);
         });
 
-    http.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
-      handle_generate(req, res, true);
-    });
-    http.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
-      handle_generate(req, res, false);
-    });
+    route("POST", "/v1/chat/completions",
+          [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, true); });
+    route("POST", "/v1/completions",
+          [this](const httplib::Request& req, httplib::Response& res) { handle_generate(req, res, false); });
     // ---- other APIs (anthropic.h, responses.h, tokenize_api.h, web.h) ----
-    http.Post("/v1/messages", [this](const httplib::Request& req, httplib::Response& res) {
+    route("POST", "/v1/messages", [this](const httplib::Request& req, httplib::Response& res) {
       handle_frontend(req, res, make_anthropic_frontend());
     });
-    http.Post("/v1/messages/count_tokens",
-              [this](const httplib::Request& req, httplib::Response& res) { handle_count_tokens(req, res); });
-    http.Post("/v1/responses", [this](const httplib::Request& req, httplib::Response& res) {
+    route("POST", "/v1/messages/count_tokens",
+          [this](const httplib::Request& req, httplib::Response& res) { handle_count_tokens(req, res); });
+    route("POST", "/v1/responses", [this](const httplib::Request& req, httplib::Response& res) {
       handle_frontend(req, res, make_responses_frontend());
     });
-    http.Post("/tokenize", [this](const httplib::Request& req, httplib::Response& res) {
-      handle_tokenize(req, res, true);
-    });
-    http.Post("/detokenize", [this](const httplib::Request& req, httplib::Response& res) {
-      handle_tokenize(req, res, false);
-    });
-    add_web_routes(http);
+    route("POST", "/tokenize",
+          [this](const httplib::Request& req, httplib::Response& res) { handle_tokenize(req, res, true); });
+    route("POST", "/detokenize",
+          [this](const httplib::Request& req, httplib::Response& res) { handle_tokenize(req, res, false); });
+    add_web_routes(
+        [this](const char* path, httplib::Server::Handler h) { route("GET", path, std::move(h)); });
     // ---- end of other APIs ----
-    http.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
+    route("GET", "/v1/models", [this](const httplib::Request&, httplib::Response& res) {
       res.set_content(dump(Json{{"object", "list"}, {"data", {model_card()}}}), "application/json");
       metrics.request_done("/v1/models", 200);
     });
-    http.Get(R"(/v1/models/(.+))", [this](const httplib::Request& req, httplib::Response& res) {
+    route("GET", R"(/v1/models/(.+))", [this](const httplib::Request& req, httplib::Response& res) {
       if (req.matches[1] != opt.model_id) {
         send_error(res, ApiError(404, fmt::format("The model '{}' does not exist", req.matches[1].str()),
                                  "model", "model_not_found"));
@@ -816,13 +876,13 @@ struct Server::Impl {
       res.set_content(dump(model_card()), "application/json");
       metrics.request_done("/v1/models", 200);
     });
-    http.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+    route("GET", "/health", [this](const httplib::Request&, httplib::Response& res) {
       res.set_content(
           dump(Json{
               {"status", "ok"}, {"model", opt.model_id}, {"queue", sched.waiting()}, {"busy", sched.busy()}}),
           "application/json");
     });
-    http.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+    route("GET", "/metrics", [this](const httplib::Request&, httplib::Response& res) {
       Metrics::Snapshot s;
       s.queue_waiting = sched.waiting();
       s.running = sched.busy() ? 1 : 0;
@@ -845,22 +905,30 @@ Server::~Server() = default;
 
 void Server::run() {
   Impl& s = *impl_;
-  int port = s.opt.port;
-  if (port == 0) {
-    port = s.http.bind_to_any_port(s.opt.host);
-    if (port < 0) fail("cannot bind {}:(any port)", s.opt.host);
-  } else if (!s.http.bind_to_port(s.opt.host, port)) {
-    fail("cannot bind {}:{} (in use, or not an address of this machine?)", s.opt.host, port);
-  }
+  // glibc gives threads that allocate concurrently arenas of their own (up to 8 per core) and
+  // keeps what they free; with a thread per connection that grew the resident size by tens of MB
+  // per few thousand requests (tests/api/test_soak.py: +26 MB over 4,935 requests with the tiny
+  // model, +0-1 MB with 2 arenas), a growth that flattens once every arena is large. Two arenas are
+  // plenty for the server's allocations; MALLOC_ARENA_MAX in the environment still decides.
+  if (!std::getenv("MALLOC_ARENA_MAX")) mallopt(M_ARENA_MAX, 2);
+  const int port = s.http.bind_exclusive(s.opt.host, s.opt.port);
   log_line(fmt::format(
       "tansy serve: listening on http://{}:{} (model '{}', {} backend, context {} tokens, prefix cache "
       "{} entries, queue {})",
       s.opt.host, port, s.opt.model_id, s.engine.model().backend_plan(), s.engine.options().max_seq,
       s.engine.options().prefix_cache_entries, s.opt.max_queue));
   log_line("tansy serve: sampling defaults: " + s.opt.defaults_source);
-  if (!s.http.listen_after_bind()) fail("the HTTP server stopped with an error");
+  const ConnectionLimits& l = s.opt.limits;
+  log_line(fmt::format(
+      "tansy serve: connections: at most {} ({} per client address); request head within {} s, body within "
+      "{} "
+      "s; idle keep-alive {} s; allowed origins: {}",
+      l.max_connections, l.max_per_client, l.header_timeout_s, l.body_timeout_s, l.idle_timeout_s,
+      s.opt.allowed_origins.empty() ? "none"
+                                    : log_escape(fmt::format("{}", fmt::join(s.opt.allowed_origins, ", ")))));
+  s.http.serve();
 }
 
-void Server::stop() { impl_->http.stop(); }
+void Server::stop() { impl_->http.stop_serving(); }
 
 }  // namespace tansy::server

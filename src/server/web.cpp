@@ -15,8 +15,9 @@ constexpr const char* kCsp =
     "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self'; "
     "base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
 
-void serve(httplib::Server& http, const char* path, std::string_view body, const char* type) {
-  http.Get(path, [body, type](const httplib::Request&, httplib::Response& res) {
+void serve(const std::function<void(const char*, httplib::Server::Handler)>& get, const char* path,
+           std::string_view body, const char* type) {
+  get(path, [body, type](const httplib::Request&, httplib::Response& res) {
     res.set_header("Content-Security-Policy", kCsp);
     res.set_header("X-Content-Type-Options", "nosniff");
     res.set_header("Referrer-Policy", "no-referrer");
@@ -27,11 +28,11 @@ void serve(httplib::Server& http, const char* path, std::string_view body, const
 
 }  // namespace
 
-void add_web_routes(httplib::Server& http) {
-  serve(http, "/", kWeb_index_html, "text/html; charset=utf-8");
-  serve(http, "/app.js", kWeb_app_js, "text/javascript; charset=utf-8");
-  serve(http, "/app.css", kWeb_app_css, "text/css; charset=utf-8");
-  serve(http, "/favicon.svg", kWeb_favicon_svg, "image/svg+xml");
+void add_web_routes(const std::function<void(const char* path, httplib::Server::Handler)>& get) {
+  serve(get, "/", kWeb_index_html, "text/html; charset=utf-8");
+  serve(get, "/app.js", kWeb_app_js, "text/javascript; charset=utf-8");
+  serve(get, "/app.css", kWeb_app_css, "text/css; charset=utf-8");
+  serve(get, "/favicon.svg", kWeb_favicon_svg, "image/svg+xml");
 }
 
 }  // namespace tansy::server

@@ -2,13 +2,13 @@
 // src/server/web. Served with a strict Content-Security-Policy: scripts and styles only from
 // these routes, requests only to this server, no frames, no inline code.
 #pragma once
+#include <httplib.h>
 
-namespace httplib {
-class Server;
-}
+#include <functional>
 
 namespace tansy::server {
 
-void add_web_routes(httplib::Server& http);
+// Registers the page's GET routes through `get` (the server's route(), so the HTTP policy knows them).
+void add_web_routes(const std::function<void(const char* path, httplib::Server::Handler)>& get);
 
 }  // namespace tansy::server

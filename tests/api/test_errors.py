@@ -78,7 +78,7 @@ def test_chat_400(server, body, param):
 
 @pytest.mark.parametrize("body,param", [
     ({"model": MODEL_ID}, "prompt"),
-    ({"model": MODEL_ID, "prompt": ""}, "prompt"),
+    ({"model": MODEL_ID, "prompt": []}, "prompt"),
     ({"model": MODEL_ID, "prompt": [1, "a"]}, "prompt"),
     ({"model": MODEL_ID, "prompt": [-1]}, "prompt"),
     ({"model": MODEL_ID, "prompt": [10 ** 9]}, "prompt"),
@@ -300,7 +300,7 @@ def test_fuzz_random_bodies(server):
             text = text[:cut] + rng.choice(["", "}", "\"", "\\", ",", "\u0000"]) + text[cut + 1:]
         stream = isinstance(body, dict) and body.get("stream") is True
         r = requests.post(server.url + (CHAT if chat else COMPLETIONS), data=text.encode("utf-8", "surrogatepass"),
-                          timeout=120, stream=stream)
+                          headers={"Content-Type": "application/json"}, timeout=120, stream=stream)
         statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
         assert r.status_code in (200, 400, 404), (r.status_code, text, r.text[:300])
         if r.status_code != 200:
