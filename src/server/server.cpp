@@ -652,7 +652,7 @@ struct Server::Impl {
       res.status = fe->error_status(e);
       res.set_content(fe->error_body(e), "application/json");
       metrics.request_done(endpoint, res.status);
-      request_note().detail += " " + log_escape(e.what());
+      request_note().detail += fmt::format(" {}", log_escape(e.what()));
     };
     try {
       Json body = parse_body(req.body);
