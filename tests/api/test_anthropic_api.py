@@ -247,8 +247,9 @@ def test_errors_other_statuses(server):
     r = requests.post(server.url + "/v1/messages", data="{not json", timeout=30,
                       headers={"Content-Type": "application/json"})
     expect_error(r, 400, "invalid_request_error")
-    r = requests.get(server.url + "/v1/messages", timeout=30)
-    expect_error(r, 404, "not_found_error")
+    r = requests.get(server.url + "/v1/messages", timeout=30)  # a known path, another method
+    expect_error(r, 405, "invalid_request_error")
+    assert "POST" in r.headers["Allow"]
     r = requests.post(server.url + "/v1/messages/nothing", json=BASE, timeout=30)
     expect_error(r, 404, "not_found_error")
     expect_error(post(server, {"model": MODEL_ID}, "/v1/messages/count_tokens"), 400, "invalid_request_error",
