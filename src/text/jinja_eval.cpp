@@ -1,6 +1,10 @@
 // Evaluation of the Jinja subset with Python's value semantics, as jinja2 runs a chat template in
 // transformers' sandboxed environment. Error messages are the str() of the exception jinja2 or
 // Python would raise, so comparison tests can hold errors to the same standard as output.
+#include <unicode/locid.h>
+#include <unicode/uchar.h>
+#include <unicode/unistr.h>
+
 #include <cmath>
 #include <ctime>
 
@@ -413,36 +417,71 @@ Text strip_text(const Text& t, bool left, bool right, const std::vector<char32_t
   return t.sub(b, e);
 }
 
-char32_t case_map(char32_t c, bool upper) {
-  // ASCII, Latin-1, Greek and Cyrillic basic letters; other scripts are left as they are.
-  if (upper) {
-    if ((c >= 'a' && c <= 'z') || (c >= 0xE0 && c <= 0xFE && c != 0xF7) ||
-        (c >= 0x3B1 && c <= 0x3C9 && c != 0x3C2) || (c >= 0x430 && c <= 0x44F))
-      return c - 0x20;
-    if (c >= 0x450 && c <= 0x45F) return c - 0x50;
-  } else {
-    if ((c >= 'A' && c <= 'Z') || (c >= 0xC0 && c <= 0xDE && c != 0xD7) ||
-        (c >= 0x391 && c <= 0x3A9 && c != 0x3A2) || (c >= 0x410 && c <= 0x42F))
-      return c + 0x20;
-    if (c >= 0x400 && c <= 0x40F) return c + 0x50;
-  }
-  return c;
+// Python's str.upper/lower/capitalize/title, with Unicode's full case mappings (ICU's root locale:
+// 'ß'.upper() is 'SS', a final sigma lowers to 'ς', 'ǆ' titles to 'ǅ'), and jinja2's own `title`
+// filter, which is not str.title(): it splits at runs of '-', whitespace and opening brackets and
+// upper-cases the first character of each piece, lower-casing the rest.
+enum class Case { Upper, Lower, Capitalize, Title, TitleFilter };
+
+std::string icu_case(std::string_view s, Case how) {
+  icu::UnicodeString u = icu::UnicodeString::fromUTF8(icu::StringPiece(s.data(), int32_t(s.size())));
+  const icu::Locale& root = icu::Locale::getRoot();
+  if (how == Case::Upper) u.toUpper(root);
+  if (how == Case::Lower) u.toLower(root);
+  if (how == Case::Capitalize)  // the first code point title-cased, the rest lower-cased
+    u.toTitle(nullptr, root, U_TITLECASE_WHOLE_STRING | U_TITLECASE_NO_BREAK_ADJUSTMENT);
+  std::string out;
+  u.toUTF8String(out);
+  return out;
 }
 
-enum class Case { Upper, Lower, Capitalize, Title };
-
-Text change_case(const Text& t, Case how) {
+// str.title(): a cased character after an uncased one is title-cased, every other one lower-cased.
+std::string python_title(std::string_view s) {
   std::string out;
   bool prev_cased = false;
-  size_t k = 0;
-  for (char32_t cp : code_points(t.s)) {
-    bool upper =
-        how == Case::Upper || (how == Case::Capitalize && k == 0) || (how == Case::Title && !prev_cased);
-    char32_t m = case_map(cp, upper);
-    prev_cased = case_map(cp, true) != cp || case_map(cp, false) != cp;
-    utf8_encode(out, m);
-    ++k;
+  size_t i = 0;
+  while (i < s.size()) {
+    char32_t cp = 0;
+    const size_t n = utf8_decode(s, i, cp);
+    if (!n) fail("string is not valid UTF-8");
+    std::string one;
+    utf8_encode(one, cp);
+    out += prev_cased ? icu_case(one, Case::Lower) : icu_case(one, Case::Capitalize);
+    prev_cased = u_hasBinaryProperty(UChar32(cp), UCHAR_CASED);
+    i += n;
   }
+  return out;
+}
+
+std::string jinja_title_filter(std::string_view s) {
+  auto separator = [](char32_t c) {
+    return c == '-' || c == '(' || c == '{' || c == '[' || c == '<' || py_isspace(c);
+  };
+  std::string out;
+  size_t i = 0;
+  bool word_start = true;
+  while (i < s.size()) {
+    char32_t cp = 0;
+    const size_t n = utf8_decode(s, i, cp);
+    if (!n) fail("string is not valid UTF-8");
+    std::string one;
+    utf8_encode(one, cp);
+    if (separator(cp)) {
+      out += one;
+      word_start = true;
+    } else {
+      out += icu_case(one, word_start ? Case::Upper : Case::Lower);
+      word_start = false;
+    }
+    i += n;
+  }
+  return out;
+}
+
+Text change_case(const Text& t, Case how) {
+  std::string out = how == Case::Title         ? python_title(t.s)
+                    : how == Case::TitleFilter ? jinja_title_filter(t.s)
+                                               : icu_case(t.s, how);
   Text r;
   r.append_data(out, t.has_data());
   return r;
@@ -1583,7 +1622,7 @@ Value Interp::apply_filter(const Expr& e, const ScopeP& sc) {
       b.check(0, {});
       return Value::str(change_case(soft_str(v), e.id == kFLower   ? Case::Lower
                                                  : e.id == kFUpper ? Case::Upper
-                                                 : e.id == kFTitle ? Case::Title
+                                                 : e.id == kFTitle ? Case::TitleFilter
                                                                    : Case::Capitalize));
     case kFReplace: {
       b.check(3, {"old", "new", "count"});
@@ -1772,13 +1811,16 @@ bool Interp::apply_test(const Expr& e, const ScopeP& sc) {
     }
     case kTLower:
     case kTUpper: {
+      // Python's str.islower() / str.isupper(): no character of the other case (title case counts
+      // as neither), and at least one of this case.
       Text t = to_text(v);
       bool cased = false;
       for (char32_t cp : code_points(t.s)) {
-        char32_t up = case_map(cp, true), lo = case_map(cp, false);
-        if (up == cp && lo == cp) continue;
-        cased = true;
-        if (e.id == kTLower ? cp != lo : cp != up) return false;
+        const UChar32 c = UChar32(cp);
+        const bool mine = e.id == kTLower ? u_isULowercase(c) : u_isUUppercase(c);
+        const bool other = (e.id == kTLower ? u_isUUppercase(c) : u_isULowercase(c)) || u_istitle(c);
+        if (other) return false;
+        cased = cased || mine;
       }
       return cased;
     }

@@ -542,6 +542,12 @@ SNIPPETS = [
     # string methods
     "{{ 'a,b,,c'.split(',') }} {{ ' a  b '.split() }} {{ 'a b c'.split(none, 1) }} {{ 'a,b,c'.rsplit(',', 1) }} {{ 'abc'.split('b')[-1] }}",
     "{{ '\\n\\nx\\n'.lstrip('\\n') }}|{{ 'xy\\n\\n'.rstrip() }}|{{ '..a..'.strip('.') }}|{{ 'ab'.startswith('a') }}{{ 'ab'.endswith(('x', 'b')) }}|{{ 'Ab'.upper() }}{{ 'Ab'.lower() }}",
+    # Case mapping beyond ASCII (full Unicode mappings, final sigma, title case of digraphs) and the
+    # title filter (jinja2's own word split) against str.title().
+    "{{ 'straße ǆemal σοφός ΟΔΟΣ İstanbul Ꭰ ﬁ ŉ'|upper }}|{{ 'STRASSE ΟΔΟΣ ΣΑΣ İ Ǆ Ꭰ'|lower }}|{{ 'ǆemal ßa'|capitalize }}",
+    "{{ \"they're bill's-friends (x y) [ab] {cd} <ef> ǆx ßa\"|title }}|{{ \"they're bill's-friends ǆx ßa 3rd\".title() }}",
+    "{{ 'σοφός' is lower }} {{ 'ΟΔΟΣ' is upper }} {{ 'ǅx' is lower }} {{ 'Ꭰ' is upper }} {{ 'ꭰ' is lower }} {{ '3' is lower }}",
+    "{{ 'ΟΔΟΣ'.lower() }} {{ 'ß'.upper() }} {{ 'ǆ'.capitalize() }} {{ 'ﬀ x'.title() }} {{ 'Ὀδυσσεύς'.upper() }}",
     "{{ 'a-b'.replace('-', '') }} {{ 'hello'.find('l') }} {{ 'hello'.count('l') }} {{ '-'.join(['a', 'b']) }} {{ 'ab cd'.title() }} {{ 'aB'.capitalize() }}",
     # dict and list methods
     "{% for k, v in {'x': 1, 'y': [2]}.items() %}{{ k }}={{ v }};{% endfor %}{{ {'a': 1}.keys()|list }}{{ {'a': 1}.values()|list }}{{ {'a': 1}.get('b') }}{{ [1, 2, 1].count(1) }}{{ [5, 6].index(6) }}",
