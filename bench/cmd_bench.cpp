@@ -171,7 +171,8 @@ json stages_json(const std::vector<tansy::StageTime>& v) {
 }
 #endif
 
-json child_stages(const std::string& dir, const std::string& backend, int ctx) {
+json child_stages([[maybe_unused]] const std::string& dir, [[maybe_unused]] const std::string& backend,
+                  [[maybe_unused]] int ctx) {
 #ifdef TANSY_HAVE_CUDA
   tansy::ModelOptions opt;
   opt.backend = backend;
