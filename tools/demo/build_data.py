@@ -3,8 +3,9 @@
 
 Sources are text that Debian packages carry (install them first):
     apt-get install bible-kjv bible-kjv-text fortunes-min fortunes wordnet-base
-Run from the repository root with a Python that has `tokenizers`, `jinja2` and `numpy`
-(.venv/bin/python):
+Run from the repository root with a Python that has `tokenizers` (0.23 or later: 0.22 writes
+`trim_offsets: true` into the ByteLevel pre-tokenizer, which tests/python/test_demo_data.py
+rejects; the token ids are the same), `jinja2` and `numpy`:
     python tools/demo/build_data.py [--out .demo_data]
 
 Output (git-ignored; the GPU run gets it through `carry`, because the GPU machine has none of
@@ -13,6 +14,10 @@ these Debian packages):
     meta.json              counts, special ids, byte counts (for bits per byte), sources
     prompts.json           fixed questions, rendered and tokenized, for the sample answers
     tokenizer/             tokenizer.json, tokenizer_config.json, chat_template.jinja
+    common_words.json      the taught common words with their first-sense definitions
+    word_prompts.json      the evaluation words' prompts (tools/demo/eval_words.json), tokenized
+--write-eval-words redraws tools/demo/eval_words.json (committed); otherwise it is checked against
+the taught words.
 Everything is deterministic for a given set of package versions (fixed seed).
 """
 import argparse
