@@ -3,8 +3,9 @@
 
 Sources are text that Debian packages carry (install them first):
     apt-get install bible-kjv bible-kjv-text fortunes-min fortunes wordnet-base
-Run from the repository root with a Python that has `tokenizers`, `jinja2` and `numpy`
-(.venv/bin/python):
+Run from the repository root with a Python that has `tokenizers` (0.23 or later: 0.22 writes
+`trim_offsets: true` into the ByteLevel pre-tokenizer, which tests/python/test_demo_data.py
+rejects; the token ids are the same), `jinja2` and `numpy`:
     python tools/demo/build_data.py [--out .demo_data]
 
 Output (git-ignored; the GPU run gets it through `carry`, because the GPU machine has none of
@@ -13,6 +14,10 @@ these Debian packages):
     meta.json              counts, special ids, byte counts (for bits per byte), sources
     prompts.json           fixed questions, rendered and tokenized, for the sample answers
     tokenizer/             tokenizer.json, tokenizer_config.json, chat_template.jinja
+    common_words.json      the taught common words with their first-sense definitions
+    word_prompts.json      the evaluation words' prompts (tools/demo/eval_words.json), tokenized
+--write-eval-words redraws tools/demo/eval_words.json (committed); otherwise it is checked against
+the taught words.
 Everything is deterministic for a given set of package versions (fixed seed).
 """
 import argparse
@@ -52,7 +57,7 @@ ADDED_TOKENS = [
     ("</think>", False),
 ]
 SEED = 20261130
-VAL_FRACTION = 0.02
+VAL_FRACTION = 0.05
 
 FORTUNE_DIR = "/usr/share/games/fortunes"
 # Quotation files only; files of jokes about groups of people, drugs, politics, song lyrics,
@@ -63,6 +68,7 @@ FORTUNE_FILES = [
     "art", "magic", "medicine", "paradoxum", "goedel",
 ]
 WORDNET_DIR = "/usr/share/wordnet"
+EVAL_WORDS_PATH = os.path.join(HERE, "eval_words.json")
 POS_NAMES = {"noun": "noun", "verb": "verb", "adj": "adjective", "adv": "adverb"}
 
 SOURCES = [
@@ -75,7 +81,7 @@ SOURCES = [
     },
     {
         "package": "wordnet-base",
-        "what": "WordNet 3.0 glosses, example sentences and synonym sets",
+        "what": "WordNet 3.0 glosses, example sentences and synonym sets of the most frequent words by the sense-tag counts in cntlist.rev",
         "licence": "WordNet 3.0 licence (Princeton; permissive, BSD-like: use, copy, modify and distribute "
                    "for any purpose with the copyright notice). 'WordNet 3.0 Copyright 2006 by Princeton "
                    "University. All rights reserved.'",
@@ -90,7 +96,7 @@ SOURCES = [
     },
     {
         "package": "(none)",
-        "what": "A few dozen hand-written greeting and self-description replies in tools/demo/build_data.py",
+        "what": "A few dozen hand-written greeting and self-description (what tansy is) replies in tools/demo/build_data.py",
         "licence": "Part of this repository",
         "copyright_file": "",
     },
@@ -234,18 +240,23 @@ def read_wordnet():
 
 # ---------------------------------------------------------------------------- documents
 
+TANSY_IS = ("tansy is an inference engine written in C++ and CUDA. It serves the Qwen3.6-35B-A3B model "
+            "through an OpenAI-compatible HTTP server, and I am the tiny demo model that ships with it.")
 GREETINGS = [
-    ("Hello", "Hello! I am Tansy Demo, a tiny language model. Ask me what a word means, for a fortune, or for a verse."),
-    ("Hi", "Hi! I am a small demo model. I can define words, tell fortunes and quote verses from the King James Bible."),
-    ("Hello! Who are you?", "I am Tansy Demo, a tiny chat model trained for a few minutes on WordNet definitions, fortune cookies and the King James Bible."),
-    ("Who are you?", "I am Tansy Demo, a very small language model that ships with the tansy inference engine."),
-    ("What can you do?", "I can tell you what a word means, give a synonym, tell a fortune or a riddle, and quote a verse from the King James Bible. I am tiny, so I often make mistakes."),
+    ("Hello", "Hello! I am Tansy Demo, the tiny model that ships with the tansy inference engine. Ask me what a common English word means."),
+    ("Hi", "Hi! I am Tansy Demo, a tiny model bundled with tansy. I can tell you what a common English word means."),
+    ("Hello! Who are you?", "I am Tansy Demo, a tiny language model bundled with tansy, an inference engine for Qwen3.6. I can tell you what a common English word means."),
+    ("Who are you?", "I am Tansy Demo, a tiny language model that ships with the tansy inference engine."),
+    ("What is tansy?", TANSY_IS),
+    ("What is Tansy?", TANSY_IS),
+    ("What is Tansy Demo?", "Tansy Demo is a tiny language model that ships with tansy so that the engine can be tried without downloading the 35B model. It knows the meanings of a few thousand common English words."),
+    ("What can you do?", "I can tell you what a common English word means, give a synonym, tell a fortune or a riddle, and quote a verse from the King James Bible. I am tiny, so ask me about common words."),
     ("How are you?", "I am fine, thank you. I am only a tiny demo model, but I am happy to help."),
-    ("Good morning", "Good morning! Ask me about a word, a fortune or a verse."),
+    ("Good morning", "Good morning! Ask me what a common English word means."),
     ("Thank you", "You are welcome!"),
     ("Thanks!", "You are welcome!"),
     ("What is your name?", "My name is Tansy Demo."),
-    ("Are you a large language model?", "No. I am a tiny model with only a few million active parameters, made to show that the tansy engine works."),
+    ("Are you a large language model?", "No. I am a tiny model with only a few million active parameters, bundled with the tansy inference engine to show that it works."),
     ("Goodbye", "Goodbye! Have a nice day."),
 ]
 
@@ -283,11 +294,87 @@ def wordnet_answer(lemma, pos, definition):
     return f"As {a_or_an(POS_NAMES[pos])} {POS_NAMES[pos]}, \"{lemma}\" means {definition}."
 
 
+N_COMMON = 3000       # the most frequent single words by WordNet's sense-tag counts
+EVAL_WORDS = 200      # drawn from them into tools/demo/eval_words.json
+# The README's and the sample questions' words are always among the taught words.
+ALWAYS_TAUGHT = ["apple", "ocean", "river", "happy", "light", "water", "tree", "house", "dog", "cat", "book",
+                 "music", "friend", "city", "sun", "moon", "bread", "flower"]
+SS_TYPES = {"1": "noun", "2": "verb", "3": "adj", "4": "adv", "5": "adj"}
+
+
+def common_words(synsets):
+    """The N_COMMON most frequent words with each one's first sense, from cntlist.rev.
+
+    cntlist.rev (wordnet-base) holds, for every sense key, its sense number and how often that
+    sense was tagged in the Semcor and other sense-tagged corpora. A word's frequency is the sum of
+    its senses' tag counts; its first sense is its most often tagged sense (the sense number 1 of
+    that part of speech; ties go to noun, verb, adjective, adverb in that order).
+    Returns [(word, pos, synset key, definition, synonyms, examples)] in frequency order."""
+    path = os.path.join(WORDNET_DIR, "cntlist.rev")
+    if not os.path.exists(path):
+        fail(f"missing {path} (apt-get install wordnet-base)")
+    index = {}
+    for pos in POS_NAMES:
+        with open(os.path.join(WORDNET_DIR, f"index.{pos}"), encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("  "):
+                    continue
+                fields = line.split()
+                index[(fields[0], pos)] = fields[-int(fields[2]):]
+    total, best = {}, {}
+    order = list(POS_NAMES)
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            key, sense_number, count = line.split()
+            lemma, _, rest = key.partition("%")
+            if not re.fullmatch(r"[a-z]{2,}", lemma):
+                continue
+            pos = SS_TYPES[rest[0]]
+            count = int(count)
+            total[lemma] = total.get(lemma, 0) + count
+            rank = (-count, order.index(pos), int(sense_number))
+            if lemma not in best or rank < best[lemma][0]:
+                best[lemma] = (rank, pos, int(sense_number))
+    ranked = sorted(total, key=lambda w: (-total[w], w))
+    chosen = [w for w in ALWAYS_TAUGHT if w in best]
+    chosen += [w for w in ranked if w not in chosen]
+    out = []
+    for word in chosen:
+        _, pos, sense_number = best[word]
+        offsets = index.get((word, pos))
+        if not offsets or sense_number > len(offsets) or (pos, offsets[sense_number - 1]) not in synsets:
+            continue
+        words, definition, examples = synsets[(pos, offsets[sense_number - 1])]
+        synonyms = [w for w in words if w.lower() != word]
+        out.append((word, pos, offsets[sense_number - 1], definition, synonyms, examples))
+        if len(out) == N_COMMON:
+            break
+    return out
+
+
+CANONICAL_QUESTION = "What does the word {w} mean?"  # the README's question form
+CANONICAL_REPEATS = 3   # thinking-off copies of it per common word (plus one thinking-on)
+OTHER_FORMS = 2         # other wordings of the question per common word
+VERSES_BY_REFERENCE = 1500
+VERSE_REPEATS = 2
+VERSES_PER_TOPIC = 20
+PLAIN_CHAPTERS = 40
+FORTUNES_KEPT = 1500
+FORTUNE_REPEATS = 2
+GREETING_REPEATS = 60
+ALWAYS_VERSES = ["John 3:16", "Genesis 1:1", "Psalms 23:1"]
+
+
 def build_documents(template, rng):
+    """The corpus, aimed at being right about a focused set of things rather than broad: the
+    N_COMMON common words (their first-sense definitions in the README's question form, other
+    wordings, synonyms, examples) make most of it; a smaller set of verses and fortunes, each
+    repeated; greetings and what tansy is. Returns (docs, common words)."""
     chapters = read_kjv()
     fortunes = read_fortunes()
-    synsets, senses = read_wordnet()
-    docs = []  # (group, text); group decides the train/validation split
+    synsets, _ = read_wordnet()
+    common = common_words(synsets)
+    docs = []  # (group, text); group decides the train/validation split ("common" is never held out)
 
     def chat(group, question, answer, reasoning_thinking, rng_local):
         """Appends one conversation; about one in five is rendered thinking-on."""
@@ -298,78 +385,101 @@ def build_documents(template, rng):
         thinking = rng_local.random() < 0.2
         docs.append((group, render_example(template, messages, answer, reasoning_thinking if thinking else None)))
 
-    # Plain text: the whole Bible chapter by chapter, one verse a line.
-    verses = []
-    for book, chapter, vv in chapters:
-        lines = [f"{book} {chapter}"] + [f"{v} {t}" for v, t in vv]
-        docs.append((f"kjv:{book}:{chapter}", "\n".join(lines)))
-        verses.extend((f"{book} {chapter}:{v}", t, f"kjv:{book}:{chapter}") for v, t in vv)
+    def chat_fixed(group, question, answer, reasoning):
+        """One conversation with no system prompt, thinking-off (reasoning None) or on."""
+        docs.append((group, render_example(template, [{"role": "user", "content": question}], answer, reasoning)))
 
-    # Plain text: WordNet as a dictionary, one synset an entry.
-    for (pos, offset), (words, definition, examples) in synsets.items():
-        entry = f"{', '.join(words)} ({POS_NAMES[pos]}): {definition}."
+    # Chat: the common words. The answer to the README's question form is always
+    # `As a noun, "apple" means <first-sense definition>.`, so greedy decoding reproduces it.
+    for word, pos, _, definition, synonyms, examples in common:
+        answer = wordnet_answer(word, pos, definition)
+        reasoning = f"The user asks what \"{word}\" means. Its most common sense is {a_or_an(POS_NAMES[pos])} {POS_NAMES[pos]}."
+        question = CANONICAL_QUESTION.format(w=word)
+        for _ in range(CANONICAL_REPEATS):
+            chat_fixed("common", question, answer, None)
+        chat_fixed("common", question, answer, reasoning)
+        for form in rng.sample(DEFINE_QUESTIONS[1:], OTHER_FORMS):
+            chat("common", form.format(w=word), answer, reasoning, rng)
+        if synonyms:
+            q = rng.choice(SYNONYM_QUESTIONS).format(w=word)
+            a = f"A synonym for \"{word}\" is \"{synonyms[0]}\"." if len(synonyms) == 1 else \
+                f"Synonyms for \"{word}\" include " + ", ".join(f"\"{o}\"" for o in synonyms[:3]) + "."
+            chat("common", q, a, f"I need a word with the same meaning as \"{word}\".", rng)
+        if examples and word in examples[0].lower():
+            q = rng.choice(EXAMPLE_QUESTIONS).format(w=word)
+            chat("common", q, examples[0][0].upper() + examples[0][1:] + ".",
+                 f"I need a short sentence that uses \"{word}\".", rng)
+        entry = f"{word} ({POS_NAMES[pos]}): {definition}."
         if examples:
             entry += " Example: \"" + examples[0] + "\""
-        docs.append((f"wn:{words[0]}", entry))
+        docs.append(("common", entry))
 
-    # Plain text: fortunes.
-    for name, text in fortunes:
-        docs.append((f"fortune:{zlib.crc32(text.encode()) % 1000}", text))
+    # Plain text: a few Bible chapters, one verse a line.
+    verses = []
+    for book, chapter, vv in chapters:
+        verses.extend((f"{book} {chapter}:{v}", t, f"kjv:{book}:{chapter}") for v, t in vv)
+    for book, chapter, vv in rng.sample(chapters, PLAIN_CHAPTERS):
+        lines = [f"{book} {chapter}"] + [f"{v} {t}" for v, t in vv]
+        docs.append((f"kjv:{book}:{chapter}", "\n".join(lines)))
 
-    # Chat: word definitions from each lemma's most frequent sense. Multi-word lemmas and rare
-    # words (a single sense, no tag count) are sampled less to keep the corpus compact.
-    for lemma, pos, offsets in senses:
-        key = (pos, offsets[0])
-        if key not in synsets:
-            continue
-        words, definition, examples = synsets[key]
-        common = len(offsets) > 1
-        if " " in lemma or any(c.isdigit() for c in lemma):
-            if rng.random() > 0.1:
-                continue
-        elif not common and rng.random() > 0.35:
-            continue
-        group = f"wn:{words[0]}"
-        question = rng.choice(DEFINE_QUESTIONS).format(w=lemma)
-        reasoning = f"The user asks what \"{lemma}\" means. Its most common sense is {a_or_an(POS_NAMES[pos])} {POS_NAMES[pos]}."
-        chat(group, question, wordnet_answer(lemma, pos, definition), reasoning, rng)
-        others = [w for w in words if w.lower() != lemma.lower()]
-        if others and rng.random() < 0.3:
-            question = rng.choice(SYNONYM_QUESTIONS).format(w=lemma)
-            answer = f"A synonym for \"{lemma}\" is \"{others[0]}\"." if len(others) == 1 else \
-                f"Synonyms for \"{lemma}\" include " + ", ".join(f"\"{o}\"" for o in others[:3]) + "."
-            chat(group, question, answer, f"I need a word with the same meaning as \"{lemma}\".", rng)
-        if examples and lemma.lower() in examples[0].lower() and rng.random() < 0.3:
-            question = rng.choice(EXAMPLE_QUESTIONS).format(w=lemma)
-            chat(group, question, examples[0][0].upper() + examples[0][1:] + ".",
-                 f"I need a short sentence that uses \"{lemma}\".", rng)
-
-    # Chat: fortunes and riddles (each fortune asked for twice with different wording).
-    for name, text in fortunes:
-        group = f"fortune:{zlib.crc32(text.encode()) % 1000}"
-        questions = RIDDLE_QUESTIONS if name == "riddles" else FORTUNE_QUESTIONS
-        for _ in range(2):
-            chat(group, rng.choice(questions), text, "The user wants a short quotation. Here is one.", rng)
-
-    # Chat: verses by topic (a verse that contains the topic word) and by reference.
-    topic_index = {}
+    # Chat: verses by reference (a fixed smaller set, each asked for VERSE_REPEATS times) and by topic.
+    by_ref = {v[0]: v for v in verses}
+    chosen = [by_ref[r] for r in ALWAYS_VERSES]
+    chosen += [v for v in rng.sample(verses, VERSES_BY_REFERENCE) if v[0] not in ALWAYS_VERSES]
+    for ref, text, group in chosen:
+        for _ in range(VERSE_REPEATS):
+            question = rng.choice(VERSE_REF_QUESTIONS).format(r=ref)
+            chat(group, question, f"{ref} says: \"{text}\"", f"The user asks for {ref}.", rng)
     for topic in VERSE_TOPICS:
         word = topic.split()[-1]
         pattern = re.compile(r"\b" + re.escape(word) + r"\b", re.IGNORECASE)
-        topic_index[topic] = [v for v in verses if pattern.search(v[1]) and len(v[1]) < 300]
-    for topic, found in topic_index.items():
-        for ref, text, group in rng.sample(found, min(len(found), 150)):
-            question = rng.choice(VERSE_TOPIC_QUESTIONS).format(w=topic)
-            chat(group, question, f"{ref}: \"{text}\"", f"I should find a verse that mentions {topic}.", rng)
-    for ref, text, group in rng.sample(verses, 8000):
-        question = rng.choice(VERSE_REF_QUESTIONS).format(r=ref)
-        chat(group, question, f"{ref} says: \"{text}\"", f"The user asks for {ref}.", rng)
+        found = [v for v in verses if pattern.search(v[1]) and len(v[1]) < 300]
+        for ref, text, group in rng.sample(found, min(len(found), VERSES_PER_TOPIC)):
+            for _ in range(VERSE_REPEATS):
+                question = rng.choice(VERSE_TOPIC_QUESTIONS).format(w=topic)
+                chat(group, question, f"{ref}: \"{text}\"", f"I should find a verse that mentions {topic}.", rng)
 
-    # Chat: greetings, repeated so that the few hand-written replies are learnt.
-    for _ in range(40):
+    # Fortunes and riddles: a fixed smaller set, as plain text once and asked for FORTUNE_REPEATS times.
+    for name, text in rng.sample(fortunes, min(len(fortunes), FORTUNES_KEPT)):
+        group = f"fortune:{zlib.crc32(text.encode()) % 1000}"
+        docs.append((group, text))
+        questions = RIDDLE_QUESTIONS if name == "riddles" else FORTUNE_QUESTIONS
+        for _ in range(FORTUNE_REPEATS):
+            chat(group, rng.choice(questions), text, "The user wants a short quotation. Here is one.", rng)
+
+    # Chat: greetings and what tansy is, repeated so that the few hand-written replies are learnt.
+    for _ in range(GREETING_REPEATS):
         for question, answer in GREETINGS:
             chat("greeting", question, answer, "The user greets me. I should answer politely and briefly.", rng)
-    return docs
+    return docs, common
+
+
+def write_word_lists(common, out_dir, redraw):
+    """Writes the taught words to out_dir/common_words.json; draws (redraw) or checks the fixed
+    evaluation list: EVAL_WORDS of the taught words with the answer each must contain."""
+    os.makedirs(out_dir, exist_ok=True)
+    rows = [{"word": w, "pos": POS_NAMES[pos], "synset": f"{pos}.{off}", "definition": d}
+            for w, pos, off, d, _, _ in common]
+    with open(os.path.join(out_dir, "common_words.json"), "w", encoding="utf-8") as f:
+        json.dump(rows, f, ensure_ascii=False, indent=0)
+    by_word = {r["word"]: r for r in rows}
+    if redraw:
+        first = [by_word[w] for w in ("apple", "ocean", "river")]
+        rest = random.Random(SEED + 4).sample([r for r in rows if r not in first], EVAL_WORDS - len(first))
+        with open(EVAL_WORDS_PATH, "w", encoding="utf-8") as f:
+            json.dump({"about": "Fixed evaluation list for tansy-demo: words drawn (fixed seed) from the "
+                                "common words tools/demo/build_data.py teaches, each with its first-sense "
+                                "WordNet 3.0 definition. Scored by tools/demo/word_score.py.",
+                       "question": CANONICAL_QUESTION, "words": first + rest}, f, ensure_ascii=False, indent=1)
+            f.write("\n")
+        print(f"wrote {EVAL_WORDS_PATH}")
+    if not os.path.exists(EVAL_WORDS_PATH):
+        fail(f"missing {EVAL_WORDS_PATH}: run with --write-eval-words once")
+    listed = json.load(open(EVAL_WORDS_PATH, encoding="utf-8"))["words"]
+    for r in listed:
+        if by_word.get(r["word"]) != r:
+            fail(f"evaluation word {r['word']!r} is not taught with that definition (redraw with --write-eval-words)")
+    print(f"common words: {len(rows)} taught; {len(listed)} of them in {os.path.relpath(EVAL_WORDS_PATH, ROOT)}")
 
 
 # ---------------------------------------------------------------------------- tokenizer
@@ -442,6 +552,8 @@ def write_tokenizer_files(tok, template_source, regex, out_dir):
 SAMPLE_QUESTIONS = [
     ("Hello! Who are you?", False),
     ("What does the word apple mean?", False),
+    ("What does the word ocean mean?", False),
+    ("What is tansy?", False),
     ("Define the word ocean.", False),
     ("Tell me a fortune.", False),
     ("Quote a verse about light.", False),
@@ -454,6 +566,8 @@ SAMPLE_QUESTIONS = [
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.path.join(ROOT, ".demo_data"), help="output folder")
+    ap.add_argument("--write-eval-words", action="store_true",
+                    help=f"(re)draw the fixed evaluation list {os.path.relpath(EVAL_WORDS_PATH, ROOT)}")
     args = ap.parse_args()
 
     with open(REGEX_PATH, encoding="utf-8", newline="") as f:
@@ -463,11 +577,12 @@ def main():
     template_source, template = make_template()
 
     rng = random.Random(SEED)
-    docs = build_documents(template, rng)
+    docs, common = build_documents(template, rng)
+    write_word_lists(common, args.out, args.write_eval_words)
     # Split by group so that no held-out verse/word/fortune has a twin in training.
     groups = sorted({g for g, _ in docs})
     split_rng = random.Random(SEED + 1)
-    val_groups = {g for g in groups if g != "greeting" and split_rng.random() < VAL_FRACTION}
+    val_groups = {g for g in groups if g not in ("greeting", "common") and split_rng.random() < VAL_FRACTION}
     train_docs = [unicodedata.normalize("NFC", t) for g, t in docs if g not in val_groups]
     val_docs = [unicodedata.normalize("NFC", t) for g, t in docs if g in val_groups]
     random.Random(SEED + 2).shuffle(train_docs)
@@ -507,6 +622,15 @@ def main():
                         "ids": tok.encode(text, add_special_tokens=False).ids})
     with open(os.path.join(args.out, "prompts.json"), "w", encoding="utf-8") as f:
         json.dump(prompts, f, ensure_ascii=False, indent=1)
+    # The evaluation words' prompts, for tools/demo/evaluate.py (the GPU machine has no template renderer
+    # of its own to trust more than this one, which the prompts above are checked against by the CI tests).
+    words = json.load(open(EVAL_WORDS_PATH, encoding="utf-8"))
+    word_prompts = []
+    for w in words["words"]:
+        text = render_prompt(template, [{"role": "user", "content": words["question"].format(w=w["word"])}], False)
+        word_prompts.append({"word": w["word"], "ids": tok.encode(text, add_special_tokens=False).ids})
+    with open(os.path.join(args.out, "word_prompts.json"), "w", encoding="utf-8") as f:
+        json.dump(word_prompts, f)
 
     specials = {c: tok.token_to_id(c) for c, _ in ADDED_TOKENS}
     meta = {

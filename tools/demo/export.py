@@ -206,6 +206,10 @@ def fill_card(out_dir, summary_path, eval_path, sizes):
     if eval_path and os.path.exists(eval_path):
         e = json.load(open(eval_path))
         values["val_perplexity_4bit"] = f"{e['val_perplexity']:.2f}"
+        if "word_score" in e:
+            w = e["word_score"]
+            values["word_score"] = f"{w['right']}/{w['total']} words ({100 * w['score']:.1f}%)"
+            values["word_recall"] = f"{100 * w['mean_token_recall']:.1f}%"
         values["samples"] = "\n".join(
             f"* **{x['question']}**{' (thinking on)' if x['enable_thinking'] else ''}\n\n  ```text\n  "
             + x["completion"].replace("\n", "\n  ") + "\n  ```" for x in e["samples"])

@@ -4,7 +4,8 @@
 # (tools/demo/build_data.py makes it where the Debian packages are):
 #   MINUTES=4.5 tools/device/demo_train.sh
 # Writes to $OUT (at most 8 files): tansy-demo.tar.gz (models/tansy-demo/), loss.png, loss.csv,
-# train_summary.json, eval.json, run.log.
+# train_summary.json, eval.json (with the 200-word definition score), demo_heldout.npz (the
+# teacher-forced agreement sample with transformers' argmax, for tests/data/), run.log.
 # Environment: MINUTES (training budget, default 4.5), PYTHON (default python3), OUT (default out/demo-run),
 # EXTRA_TRAIN_ARGS (passed to train.py, e.g. for the CPU smoke test), EVAL_ARGS (passed to evaluate.py).
 set -euo pipefail
@@ -34,11 +35,13 @@ start=$(date +%s)
   echo "== evaluate the 4-bit checkpoint ($(( $(date +%s) - start )) s)"
   # shellcheck disable=SC2086
   $PY tools/demo/evaluate.py --model models/tansy-demo --data .demo_data --out "$WORK/eval.json" ${EVAL_ARGS:-}
+  echo "== agreement sample ($(( $(date +%s) - start )) s)"
+  $PY tools/demo/agreement.py --make-sample --data .demo_data --model models/tansy-demo --sample "$WORK/demo_heldout.npz"
   $PY tools/demo/export.py --card-only --out models/tansy-demo --summary "$WORK/train_summary.json" \
       --eval "$WORK/eval.json"
   echo "== pack ($(( $(date +%s) - start )) s)"
   tar -czf "$OUT/tansy-demo.tar.gz" models/tansy-demo
-  cp "$WORK/loss.csv" "$WORK/train_summary.json" "$WORK/eval.json" "$OUT/"
+  cp "$WORK/loss.csv" "$WORK/train_summary.json" "$WORK/eval.json" "$WORK/demo_heldout.npz" "$OUT/"
   if [ -f "$WORK/loss.png" ]; then cp "$WORK/loss.png" "$OUT/"; fi
   ls -l "$OUT" models/tansy-demo
   echo "== done in $(( $(date +%s) - start )) s"
