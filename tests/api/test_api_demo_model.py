@@ -13,9 +13,9 @@ from api_support import REPO, ServerProcess
 DEMO = os.path.join(REPO, "models", "tansy-demo")
 pytestmark = pytest.mark.skipif(not os.path.isdir(DEMO), reason="models/tansy-demo is not in this checkout")
 
-WHO = "I am Tansy Demo, a tiny demo model. I can define words, tell fortunes and quote verses from the King James Bible."
-RIVER_REASONING = 'The user asks what "bush" means. Its most common sense is a noun.'
-RIVER_ANSWER = 'As a noun, "bush" means a small piece of wood or metal that is used to make a light or a small piece of wood.'
+WHO = "I am Tansy Demo, a tiny language model bundled with tansy, an inference engine for Qwen3.6. I can tell you what a common English word means."
+RIVER_REASONING = 'The user asks what "river" means. Its most common sense is a noun.'
+RIVER_ANSWER = 'As a noun, "river" means a large natural stream of water (larger than a creek).'
 
 
 @pytest.fixture(scope="module")
