@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "text/jinja_internal.h"
 
 namespace tansy::text {
 namespace {
@@ -184,21 +185,6 @@ std::string_view implemented_template() { return kQwen36Template; }
 // ---------------------------------------------------------------------------------------------
 namespace {
 
-// Decodes one code point starting at s[i]; returns 0 bytes consumed on malformed input so that
-// callers stop rather than misread (parsed JSON is valid UTF-8, hand-built JSON may not be).
-size_t decode_utf8(std::string_view s, size_t i, char32_t& cp) {
-  auto b = static_cast<unsigned char>(s[i]);
-  size_t len = b < 0x80 ? 1 : (b >> 5) == 6 ? 2 : (b >> 4) == 14 ? 3 : (b >> 3) == 30 ? 4 : 0;
-  if (len == 0 || i + len > s.size()) return 0;
-  cp = len == 1 ? b : len == 2 ? (b & 0x1F) : len == 3 ? (b & 0x0F) : (b & 0x07);
-  for (size_t k = 1; k < len; ++k) {
-    auto c = static_cast<unsigned char>(s[i + k]);
-    if ((c >> 6) != 2) return 0;
-    cp = (cp << 6) | (c & 0x3F);
-  }
-  return len;
-}
-
 bool python_isspace(char32_t c) {
   return (c >= 0x09 && c <= 0x0D) || (c >= 0x1C && c <= 0x20) || c == 0x85 || c == 0xA0 || c == 0x1680 ||
          (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F ||
@@ -233,7 +219,7 @@ std::string python_str_repr(std::string_view s) {
   std::string out(1, quote);
   for (size_t i = 0; i < s.size();) {
     char32_t cp = 0;
-    size_t len = decode_utf8(s, i, cp);
+    size_t len = jinja::utf8_decode(s, i, cp);
     if (len == 0) fail("string is not valid UTF-8");
     std::string_view ch = s.substr(i, len);
     i += len;
@@ -400,7 +386,7 @@ std::string_view python_strip(std::string_view s) {
   size_t b = 0;
   while (b < s.size()) {
     char32_t cp = 0;
-    size_t len = decode_utf8(s, b, cp);
+    size_t len = jinja::utf8_decode(s, b, cp);
     if (len == 0 || !python_isspace(cp)) break;
     b += len;
   }
@@ -409,7 +395,7 @@ std::string_view python_strip(std::string_view s) {
     size_t start = e - 1;
     while (start > b && (static_cast<unsigned char>(s[start]) >> 6) == 2) --start;
     char32_t cp = 0;
-    size_t len = decode_utf8(s, start, cp);
+    size_t len = jinja::utf8_decode(s, start, cp);
     if (len != e - start || !python_isspace(cp)) break;
     e = start;
   }
