@@ -18,7 +18,7 @@ pytestmark = [
     pytest.mark.skipif(not os.path.isdir(DEMO), reason="models/tansy-demo is not in this checkout"),
     pytest.mark.skipif(not (CHROMEDRIVER and CHROMIUM), reason="chromium / chromedriver not installed"),
 ]
-WHO = "I am Tansy Demo, a tiny demo model. I can define words, tell fortunes and quote verses from the King James Bible."
+WHO = "I am Tansy Demo, a tiny language model bundled with tansy, an inference engine for Qwen3.6. I can tell you what a common English word means."
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,7 @@ def test_reasoning_is_folded(browser, demo):
     assert details.get_attribute("open") is None  # folded
     assert details.get_attribute("hidden") is None
     assert browser.execute_script("return arguments[0].querySelector('div').textContent", details) == \
-        'The user asks what "bush" means. Its most common sense is a noun.'
+        'The user asks what "river" means. Its most common sense is a noun.'
     browser.find_element("id", "thinking").click()
     assert console_errors(browser) == []
 
@@ -133,7 +133,16 @@ def test_reasoning_is_folded(browser, demo):
 def test_stop_cancels_a_long_answer(browser, demo):
     open_fresh(browser, demo)
     gen0 = demo.metric("tansy_generation_tokens_total")
-    ask(browser, "Quote Genesis chapter 1.", max_tokens=20000)
+    # The demo model answers briefly; ignore_eos (added to the page's request here, as an API client
+    # may send it) makes it go on until stopped.
+    browser.execute_script("""
+        const f = window.fetch;
+        window.fetch = (url, opts) => {
+          if (opts && opts.body && String(url).endsWith('/v1/chat/completions'))
+            opts = Object.assign({}, opts, {body: JSON.stringify(Object.assign(JSON.parse(opts.body), {ignore_eos: true}))});
+          return f(url, opts);
+        };""")
+    ask(browser, "Tell me a fortune.", max_tokens=20000)
     wait_for(lambda: last_answer(browser) and len(last_answer(browser).text) > 200, 60, "a long partial answer")
     browser.find_element("id", "stop").click()
     wait_for(lambda: last_answer(browser).get_attribute("data-outcome") == "stopped", 10, "the stopped state")
