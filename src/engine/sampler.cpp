@@ -50,9 +50,13 @@ void Sampler::apply_penalties(std::span<float> logits) const {
     if (id >= 0 && id < n) logits[id] += float(bias);
 }
 
-int32_t Sampler::sample(std::span<float> logits) {
+int32_t Sampler::sample(std::span<float> logits, const uint32_t* allowed) {
   TANSY_CHECK(!logits.empty(), "sampler: empty logits");
   apply_penalties(logits);
+  if (allowed) {
+    for (size_t i = 0; i < logits.size(); ++i)
+      if (!(allowed[i / 32] >> (i % 32) & 1u)) logits[i] = -std::numeric_limits<float>::infinity();
+  }
   for (float& x : logits)
     if (std::isnan(x)) x = -std::numeric_limits<float>::infinity();
   if (p_.temperature <= 0.0) return argmax(logits);

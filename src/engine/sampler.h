@@ -40,8 +40,10 @@ class Sampler {
   // `prompt` seeds the repetition-penalty set.
   Sampler(const SamplingParams& p, std::span<const int32_t> prompt);
 
-  // Chooses the next token. `logits` is scratch: it is modified.
-  int32_t sample(std::span<float> logits);
+  // Chooses the next token. `logits` is scratch: it is modified. `allowed`, when given, is a
+  // bitmask over the ids of `logits` (bit i % 32 of word i / 32): ids whose bit is clear are never
+  // chosen (structured output). A mask must allow at least one id.
+  int32_t sample(std::span<float> logits, const uint32_t* allowed = nullptr);
   // Records a generated token (penalties count it from now on).
   void accept(int32_t id);
 
