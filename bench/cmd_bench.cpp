@@ -107,11 +107,40 @@ Run measure_once(tansy::Model& model, const std::vector<int32_t>& prompt) {
   return r;
 }
 
+// The sampled arm: Qwen's recommended thinking settings with a fixed seed, through the backend's
+// TokenSampler (on CUDA: the device sampler after the decode graph). Timed as measure_once.
+tansy::SamplingParams sampled_arm_params() {
+  tansy::SamplingParams p;
+  p.temperature = 0.6;
+  p.top_p = 0.95;
+  p.top_k = 20;
+  p.seed = 1234;
+  return p;
+}
+
+Run measure_sampled(tansy::Model& model, const std::vector<int32_t>& prompt) {
+  auto st = model.new_state(int(prompt.size()) + kDecodeSteps);
+  tansy::SamplerSpec spec{sampled_arm_params(), prompt, model.config().vocab_size, -1};
+  Run r;
+  const double t0 = now_s();
+  auto sampler = model.make_sampler(spec);
+  sampler->feed(*st, prompt);
+  std::vector<double> t;
+  for (int i = 0; i <= kDecodeSteps; ++i) {
+    if (i > 0) sampler->feed(*st, std::span<const int32_t>(&r.ids.back(), 1));
+    r.ids.push_back(sampler->next(nullptr, -1).token);
+    t.push_back(now_s());
+  }
+  r.prefill_s = t[0] - t0;
+  r.decode_s = t[kDecodeSteps] - t[0];
+  return r;
+}
+
 // The digest covers the 64 ids the measured decode steps produced (which depend on the prefill's
 // first token, fed back as the first decode input).
 uint64_t decode_digest(const Run& r) { return tansy::fnv1a64_ids(std::span(r.ids).subspan(1)); }
 
-json child_context(const std::string& dir, const std::string& backend, int ctx) {
+json child_context(const std::string& dir, const std::string& backend, int ctx, bool sampled) {
   tansy::ModelOptions opt;
   opt.backend = backend;
   double t0 = now_s();
@@ -120,7 +149,18 @@ json child_context(const std::string& dir, const std::string& backend, int ctx) 
   const auto prompt = tansy::synthetic_prompt(ctx, model->config().vocab_size);
   Run warm = measure_once(*model, prompt);
   Run r = measure_once(*model, prompt);
+  json arm;
+  if (sampled) {
+    Run sw = measure_sampled(*model, prompt);
+    Run sr = measure_sampled(*model, prompt);
+    arm = json{{"decode_tps", kDecodeSteps / sr.decode_s},
+               {"prefill_tps", ctx / sr.prefill_s},
+               {"digest", hex64(decode_digest(sr))},
+               {"warmup_digest", hex64(decode_digest(sw))},
+               {"warmup_decode_tps", kDecodeSteps / sw.decode_s}};
+  }
   return json{{"context", ctx},
+              {"sampled", arm},
               {"load_s", load_s},
               {"prefill_s", r.prefill_s},
               {"decode_s", r.decode_s},
@@ -335,13 +375,14 @@ namespace tansy::bench {
 
 const char kBenchSummary[] =
     "speed contract (BENCHMARK.md): --model DIR [--contexts 256,512,...] [--rounds 2] "
-    "[--json FILE] [--backend cuda|cpu] [--commit ID] [--stages] [--child-timeout S]";
+    "[--json FILE] [--backend cuda|cpu] [--commit ID] [--stages] [--child-timeout S] "
+    "[--sampled-contexts 256,4096]";
 
 int run_bench(const std::vector<std::string>& args) {
   tansy::cli::Flags f(args,
                       {"model", "contexts", "rounds", "json", "backend", "commit", "child-timeout", "context",
-                       "stages-context"},
-                      {"child", "child-ceilings", "child-stages", "stages", "no-ceilings"});
+                       "stages-context", "sampled-contexts"},
+                      {"child", "child-ceilings", "child-stages", "stages", "no-ceilings", "sampled"});
   const std::string backend = f.get("backend", "cuda");
   if (backend != "cuda" && backend != "cpu") tansy::fail("--backend must be cuda or cpu, got '{}'", backend);
 
@@ -350,7 +391,8 @@ int run_bench(const std::vector<std::string>& args) {
     const std::string dir = f.get("model");
     if (!f.has("context")) tansy::fail("--context is required with the child modes");
     const int ctx = int(f.get_int("context", 0, 1, 1L << 22));
-    json j = f.has("child") ? child_context(dir, backend, ctx) : child_stages(dir, backend, ctx);
+    json j =
+        f.has("child") ? child_context(dir, backend, ctx, f.has("sampled")) : child_stages(dir, backend, ctx);
     std::printf("%s%s\n", kResultTag, j.dump().c_str());
     return 0;
   }
@@ -366,6 +408,9 @@ int run_bench(const std::vector<std::string>& args) {
     if (c + kDecodeSteps > cfg.max_position)
       tansy::fail("--contexts: {} + {} decode tokens exceed max_position_embeddings {}", c, kDecodeSteps,
                   cfg.max_position);
+  // The sampled arm runs at these contexts (each adds two prefills and 130 decode steps).
+  const auto sampled_contexts =
+      f.has("sampled-contexts") ? parse_contexts(f.get("sampled-contexts")) : std::vector<int>{256, 4096};
   const int rounds = int(f.get_int("rounds", 2, 1, 100));
   const double timeout = double(f.get_int("child-timeout", 900, 10, 86400));
   const std::string json_path = f.get("json", "");
@@ -418,9 +463,11 @@ int run_bench(const std::vector<std::string>& args) {
   for (int r = 0; r < rounds; ++r) {
     for (size_t i = 0; i < contexts.size(); ++i) {
       const int ctx = contexts[i];
-      auto o = run_child(
-          {"bench", "--child", "--model", dir, "--context", std::to_string(ctx), "--backend", backend},
-          timeout);
+      std::vector<std::string> child = {"bench",     "--child",           "--model",   dir,
+                                        "--context", std::to_string(ctx), "--backend", backend};
+      if (std::find(sampled_contexts.begin(), sampled_contexts.end(), ctx) != sampled_contexts.end())
+        child.push_back("--sampled");
+      auto o = run_child(child, timeout);
       if (o.result) {
         const json& j = *o.result;
         std::fprintf(stderr,
@@ -468,6 +515,26 @@ int run_bench(const std::vector<std::string>& args) {
       row["decode_tps_rounds"] = dec;
       row["digest_rounds"] = digests;
       if (!agree) ++failures;
+      if (!runs[i][0]["sampled"].is_null()) {
+        std::vector<double> sdec;
+        std::vector<std::string> sdig;
+        bool sagree = true;
+        for (auto& j : runs[i]) {
+          const json& a = j["sampled"];
+          sdec.push_back(a["decode_tps"].get<double>());
+          sdig.push_back(a["digest"].get<std::string>());
+          sagree =
+              sagree && a["digest"] == a["warmup_digest"] && a["digest"] == runs[i][0]["sampled"]["digest"];
+        }
+        row["sampled"] = {{"settings", "temperature 0.6, top_p 0.95, top_k 20, seed 1234 (device sampler)"},
+                          {"decode_tps", median(sdec)},
+                          {"decode_tps_rounds", sdec},
+                          {"digest", sdig[0]},
+                          {"digest_rounds", sdig},
+                          {"digests_agree", sagree},
+                          {"of_greedy", median(sdec) / median(dec)}};
+        if (!sagree) ++failures;
+      }
       const double dbytes = cost.decode_bytes(ctx + kDecodeSteps / 2.0), pflops = cost.prefill_flops(ctx);
       row["decode_bytes_per_token"] = dbytes;
       row["prefill_flops"] = pflops;
@@ -518,6 +585,15 @@ int run_bench(const std::vector<std::string>& args) {
                 row["digest"].get<std::string>().c_str(), frac("bandwidth_floor_fraction").c_str(),
                 frac("compute_floor_fraction").c_str(), status.c_str());
   }
+  for (auto& row : results)
+    if (row.contains("sampled")) {
+      const json& a = row["sampled"];
+      std::printf(
+          "%9d sampled (T 0.6, top_p 0.95, top_k 20, seed 1234): decode %.2f tok/s = %.3f of greedy, "
+          "digest %s %s\n",
+          row["context"].get<int>(), a["decode_tps"].get<double>(), a["of_greedy"].get<double>(),
+          a["digest"].get<std::string>().c_str(), a["digests_agree"].get<bool>() ? "ok" : "DIGEST MISMATCH");
+    }
   if (report.contains("stages")) {
     const json& s = report["stages"];
     if (s.contains("error")) {

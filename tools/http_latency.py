@@ -10,7 +10,11 @@ Standard library only (the GPU machine has no openai package and no network). It
 Per context: the prompt is docs/BENCHMARK.md's synthetic one, sent as token ids (token i =
 ((i * 2654435761) mod 2^32) mod vocab_size, as tansy::synthetic_prompt), to a streaming
 /v1/completions with max_tokens 65, temperature 0 (the engine's greedy fast path), ignore_eos;
-one warm-up, then --rounds measured requests, medians reported.
+one warm-up, then --rounds measured requests, medians reported. --settings adds sampled arms
+(each compared with the bench's greedy decode, issue 14's floor): "qwen" = temperature 0.6,
+top_p 0.95, top_k 20, seed 1234 (Qwen's recommended thinking settings); "qwen_logprobs" = the
+same with logprobs 5; "t1" = temperature 1.0 over the whole vocabulary; "presence" = qwen with
+presence_penalty 1.5.
 
 - TTFT = request sent (connection already open) -> first SSE chunk carrying generated text.
   tansy bench's counterpart is its prefill time (submit -> first id on the host) = context /
@@ -129,9 +133,20 @@ class Server:
             c.close()
 
 
-def one_request(server, model, prompt, max_tokens):
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+QWEN = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "seed": 1234}
+SETTINGS = {
+    "greedy": {"temperature": 0},
+    "qwen": QWEN,
+    "qwen_logprobs": dict(QWEN, logprobs=5),
+    "t1": {"temperature": 1.0, "seed": 1234},
+    "presence": dict(QWEN, presence_penalty=1.5),
+}
+
+
+def one_request(server, model, prompt, max_tokens, settings=None):
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
+    body.update(settings or SETTINGS["greedy"])
     m0 = server.metrics()
     t_sent, chunks, usage, finish = server.stream_completion(body)
     m1 = server.metrics()
@@ -193,7 +208,13 @@ def main():
     ap.add_argument("--tolerance", type=float, default=0.05, help="allowed relative difference (default 0.05)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per HTTP request")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--settings", default="greedy",
+                    help="comma-separated sampling settings per context: " + ", ".join(SETTINGS))
     a = ap.parse_args()
+    settings = [x.strip() for x in a.settings.split(",") if x.strip()]
+    for x in settings:
+        if x not in SETTINGS:
+            ap.error(f"--settings: unknown {x!r} (known: {', '.join(SETTINGS)})")
     if a.rounds < 1 or a.max_tokens < 2:
         ap.error("--rounds must be >= 1 and --max-tokens >= 2")
     contexts = [int(x) for x in a.contexts.split(",") if x.strip()]
@@ -232,7 +253,7 @@ def main():
         "results": [],
     }
     failures = 0
-    for ctx in contexts:
+    for ctx, setting in [(c, x) for c in contexts for x in settings]:
         if max_len and ctx + a.max_tokens > max_len:
             print(f"context {ctx}: skipped, {ctx} + {a.max_tokens} exceeds the server's max_model_len {max_len}",
                   file=sys.stderr)
@@ -240,10 +261,10 @@ def main():
             failures += 1
             continue
         prompt = synthetic_prompt(ctx, vocab)
-        row = {"context": ctx}
+        row = {"context": ctx, "settings": setting, "sampling": SETTINGS[setting]}
         try:
-            warm = one_request(server, model, prompt, a.max_tokens)
-            runs = [one_request(server, model, prompt, a.max_tokens) for _ in range(a.rounds)]
+            warm = one_request(server, model, prompt, a.max_tokens, SETTINGS[setting])
+            runs = [one_request(server, model, prompt, a.max_tokens, SETTINGS[setting]) for _ in range(a.rounds)]
         except (OSError, RuntimeError, ValueError, KeyError) as e:
             print(f"context {ctx}: FAILED: {e}", file=sys.stderr)
             row["error"] = str(e)
@@ -277,7 +298,7 @@ def main():
             notes.append(f"{row['cached_tokens']} prompt tokens came from the prefix cache (run the server with "
                          "--prefix-cache 0): TTFT is not a full prefill")
         if not row["texts_agree"]:
-            notes.append("greedy rounds produced different text")
+            notes.append("rounds produced different text (greedy, or sampling with a fixed seed)")
         b = rows.get(ctx)
         if b:
             row["bench_ttft_s"] = ctx / b["prefill_tps"]
@@ -295,15 +316,15 @@ def main():
     # Table.
     print(f"http_latency  {a.url}  model {model}  {a.rounds} round(s) after 1 warm-up, medians; "
           f"tolerance {a.tolerance:.0%}")
-    print(f"{'context':>8} {'TTFT ms':>9} {'bench':>9} {'ratio':>6} {'ok':>3} {'ITL ms':>8} {'bench':>8} "
+    print(f"{'context':>8} {'settings':>13} {'TTFT ms':>9} {'bench':>9} {'ratio':>6} {'ok':>3} {'ITL ms':>8} {'bench':>8} "
           f"{'ratio':>6} {'ok':>3} {'srv TTFT':>9} {'srv ITL':>8}  chunks")
     for r in report["results"]:
         if "error" in r:
-            print(f"{r['context']:>8}  FAILED: {r['error']}")
+            print(f"{r['context']:>8} {r.get('settings', ''):>13}  FAILED: {r['error']}")
             continue
         f = lambda k, s=1e3, w=9, p=2: f"{r[k] * s:>{w}.{p}f}" if r.get(k) is not None else f"{'-':>{w}}"  # noqa
         ok = lambda k: (" yes" if r[k] else "  NO") if k in r else "   -"  # noqa: E731
-        print(f"{r['context']:>8} {f('ttft_s')} {f('bench_ttft_s')} {f('ttft_ratio', 1, 6, 3)}{ok('ttft_within')} "
+        print(f"{r['context']:>8} {r['settings']:>13} {f('ttft_s')} {f('bench_ttft_s')} {f('ttft_ratio', 1, 6, 3)}{ok('ttft_within')} "
               f"{f('itl_s', 1e3, 8, 3)} {f('bench_itl_s', 1e3, 8, 3)} {f('itl_ratio', 1, 6, 3)}{ok('itl_within')} "
               f"{f('server_ttft_s')} {f('server_itl_s', 1e3, 8, 3)}  {r['token_chunks']}/{r['completion_tokens']}")
         for n in r.get("notes", []):

@@ -153,6 +153,13 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
   // as they do on the host path.
   const bool greedy_fast = opt_.greedy_fast_path && is_plain_greedy(req.sampling) && req.logprobs < 0;
   int32_t next_greedy = -1;  // the next token, already chosen by greedy_step (-1: none)
+  // Every other request samples on the backend that holds the logits (on CUDA: the device), which
+  // follows the reference Sampler's rule; with the fast path off, on the host (tests compare).
+  std::unique_ptr<TokenSampler> sampler;
+  if (!greedy_fast) {
+    SamplerSpec spec{req.sampling, req.prompt, int(n_real), req.logprobs};
+    sampler = opt_.greedy_fast_path ? model_->make_sampler(spec) : model_->make_host_sampler(spec);
+  }
   // Without a cache there is nothing to snapshot at the cut: prefill straight through (a snapshot
   // is a whole state copy, ~10 ms on CUDA for a new state and its decode graph).
   const size_t cut = cache_.capacity() > 0 ? req.cache_cut : 0;
@@ -166,6 +173,8 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
     const std::span<const int32_t> piece(req.prompt.data() + pos, size_t(end - pos));
     if (greedy_fast && end == n_prompt)
       next_greedy = model_->greedy_step(*state, piece, int(n_real));
+    else if (sampler && end == n_prompt)
+      sampler->feed(*state, piece);
     else
       forward(piece);
     fed.insert(fed.end(), req.prompt.begin() + pos, req.prompt.begin() + end);
@@ -176,10 +185,9 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
     }
   }
 
-  Sampler sampler(req.sampling, req.prompt);
+  Sampler greedy_sampler(req.sampling, req.prompt);  // the fast path's argmax when greedy_step has not run
   StreamDecoder decoder(tok_);
   StopMatcher stops(req.stop);
-  std::vector<float> raw;
   bool ended = false;            // by a stop string or an end-of-sequence token
   std::vector<int32_t> pending;  // forced tokens still to emit, in reverse order
   bool armed = false;            // forcing happens once per request
@@ -196,24 +204,30 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
   res.finish = Finish::kLength;
   for (int i = 0; i < req.max_tokens; ++i) {
     GenStep step;
-    if (req.logprobs >= 0) raw = logits;
     int32_t tok;
     if (!armed && i == req.trigger_budget) arm_budget();
+    int32_t forced = -1;
     if (!pending.empty()) {
-      tok = pending.back();
+      forced = pending.back();
       pending.pop_back();
       step.forced = true;
-    } else {
-      tok = next_greedy >= 0 ? next_greedy : sampler.sample(logits);
-      if (!armed && req.force_trigger && tok == *req.force_trigger) arm_forcing();
     }
+    std::optional<LogprobInfo> lp;
+    if (sampler) {
+      SampleChoice c = sampler->next(nullptr, forced);
+      tok = c.token;
+      lp = std::move(c.logprobs);
+    } else {
+      tok = forced >= 0 ? forced : next_greedy >= 0 ? next_greedy : greedy_sampler.sample(logits);
+      greedy_sampler.accept(tok);
+    }
+    if (forced < 0 && !armed && req.force_trigger && tok == *req.force_trigger) arm_forcing();
     next_greedy = -1;
-    sampler.accept(tok);
     ++res.completion_tokens;
     step.token = tok;
     const bool eos = !req.ignore_eos && std::find(eos_.begin(), eos_.end(), tok) != eos_.end();
     // The end-of-sequence token is not part of the text, so it gets no logprobs entry.
-    if (req.logprobs >= 0 && !eos) step.logprobs = logprobs_of(raw, tok, req.logprobs);
+    if (req.logprobs >= 0 && !eos) step.logprobs = std::move(lp);
     if (eos) {
       res.finish = Finish::kStop;
       res.stop_token = tok;
@@ -235,7 +249,9 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
       res.finish = *f;
       break;
     }
-    if (greedy_fast && pending.empty())
+    if (sampler)
+      sampler->feed(*state, std::span<const int32_t>(&tok, 1));
+    else if (pending.empty())
       next_greedy = model_->greedy_step(*state, std::span<const int32_t>(&tok, 1), int(n_real));
     else
       forward(std::span<const int32_t>(&tok, 1));

@@ -5,10 +5,12 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "engine/sampler.h"
 #include "model/config.h"
 
 namespace tansy {
@@ -18,6 +20,35 @@ class SequenceState {
  public:
   virtual ~SequenceState() = default;
   virtual int n_tokens() const = 0;
+};
+
+// What a request asks of the sampler: its parameters, the prompt (the repetition penalty's set;
+// the first sampled token sits at position prompt.size()), the ids it may choose from [0, limit)
+// and how many logprob alternatives it wants (-1: no logprobs).
+struct SamplerSpec {
+  SamplingParams params;
+  std::span<const int32_t> prompt;
+  int limit = 0;
+  int logprobs = -1;
+};
+
+struct SampleChoice {
+  int32_t token = -1;
+  std::optional<LogprobInfo> logprobs;  // when the spec asked for them
+};
+
+// Feeds one request's tokens and chooses its next ones, on the backend that holds the logits
+// (Model::make_sampler). Every choice follows the reference Sampler's rule (engine/sample_math.h).
+class TokenSampler {
+ public:
+  virtual ~TokenSampler() = default;
+  // Feeds ids after what `state` holds. May return before the backend is done (the CUDA plan
+  // enqueues the step), so that the caller can prepare the next mask meanwhile.
+  virtual void feed(SequenceState& state, std::span<const int32_t> ids) = 0;
+  // The next token after what was fed: drawn among the ids `allowed` permits (a bitmask over
+  // [0, limit), bit i % 32 of word i / 32; null: all), or `forced` when >= 0. Either way it counts
+  // for the penalties from now on, and the next choice is at the next position.
+  virtual SampleChoice next(const uint32_t* allowed, int32_t forced) = 0;
 };
 
 class Model {
@@ -57,6 +88,12 @@ class Model {
   // on the host; the CUDA backend keeps the logits on the device (one token: its decode graph)
   // and moves only the token id.
   virtual int32_t greedy_step(SequenceState& state, std::span<const int32_t> ids, int limit);
+
+  // A sampler for one request. The default computes logits with forward() and chooses on the
+  // host with Sampler; the CUDA plan chooses on the device and moves only the choice.
+  virtual std::unique_ptr<TokenSampler> make_sampler(const SamplerSpec& spec);
+  // The host sampler, whatever the backend (tests compare the two).
+  std::unique_ptr<TokenSampler> make_host_sampler(const SamplerSpec& spec);
 
   // Debugging and layer-by-layer tests: when set, forward() reports named intermediates of the
   // last position fed ("layer.{i}.mixer_out", "layer.{i}.moe_out", "layer.{i}.hidden", "final_norm"),

@@ -18,9 +18,12 @@ namespace {
 
 std::vector<float> make_logits(std::initializer_list<float> v) { return std::vector<float>(v); }
 
+// One draw, then the sampler moves to the next position (each position has its own draw).
 int32_t draw(Sampler& s, const std::vector<float>& logits) {
   std::vector<float> l = logits;
-  return s.sample(l);
+  const int32_t t = s.sample(l);
+  s.accept(t);
+  return t;
 }
 
 TEST(Sampler, GreedyPicksArgmaxLowestIdOnTies) {
@@ -44,6 +47,24 @@ TEST(Sampler, SeedMakesSamplingReproducible) {
   std::vector<int32_t> xc;
   for (int i = 0; i < 50; ++i) xc.push_back(draw(c, logits));
   EXPECT_NE(xa, xc);
+}
+
+// The draw depends on (seed, position) only: a sampler that reached a position through a longer
+// prompt or through accepted tokens draws the same there; other positions draw differently.
+TEST(Sampler, DrawIsKeyedBySeedAndPosition) {
+  SamplingParams p;
+  p.seed = 5;
+  std::vector<float> logits(5000);
+  for (size_t i = 0; i < logits.size(); ++i) logits[i] = float(std::cos(double(i) * 0.37));
+  std::vector<int32_t> long_prompt(10, 1), short_prompt(7, 1);
+  Sampler a(p, long_prompt), b(p, short_prompt);
+  for (int i = 0; i < 3; ++i) b.accept(2);
+  EXPECT_EQ(a.position(), b.position());
+  std::vector<int32_t> xa, xb;
+  for (int i = 0; i < 40; ++i) xa.push_back(draw(a, logits)), xb.push_back(draw(b, logits));
+  EXPECT_EQ(xa, xb);
+  std::set<int32_t> distinct(xa.begin(), xa.end());
+  EXPECT_GT(distinct.size(), 20u) << "successive positions should draw independently";
 }
 
 TEST(Sampler, FrequenciesFollowSoftmaxAtTemperature) {
@@ -89,7 +110,6 @@ TEST(Sampler, PenaltiesAndLogitBias) {
   Sampler s(p, {});
   const auto logits = make_logits({2.0f, 1.5f, 0.0f});
   EXPECT_EQ(draw(s, logits), 0);
-  s.accept(0);
   EXPECT_EQ(draw(s, logits), 1);  // 2.0 - 1.0 < 1.5
   SamplingParams r;
   r.temperature = 0;

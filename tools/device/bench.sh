@@ -20,7 +20,8 @@
 # bench.json (issue 5: within 5%). The server is always stopped afterwards.
 # Knobs (environment): BENCH_CONTEXTS (default: all ten), BENCH_ROUNDS (2), PEER_CONTEXTS
 # (256,512,1024,2048,4096), SERVER_CONTEXTS (256,4096), SERVER_ROUNDS (5), SERVER_ARGS (extra
-# `tansy serve` flags, e.g. "--prefill-chunk 4096"), SKIP_GPU_TESTS=1, SKIP_PEER=1, SKIP_BENCH=1,
+# `tansy serve` flags, e.g. "--prefill-chunk 4096"), SERVER_SETTINGS (greedy,qwen,qwen_logprobs,t1,presence:
+# tools/http_latency.py --settings), SKIP_GPU_TESTS=1, SKIP_PEER=1, SKIP_BENCH=1,
 # SKIP_SERVER=1, SYNTH_DIR (/dev/shm/tansy-synth).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
@@ -78,6 +79,7 @@ server_step() {
     [ -f "$OUT/bench.json" ] && bench_flag=(--bench "$OUT/bench.json")
     timeout $((end - $(date +%s))) python3 tools/http_latency.py --url "http://127.0.0.1:$port" \
       --contexts "${SERVER_CONTEXTS:-256,4096}" --rounds "${SERVER_ROUNDS:-5}" --model-dir "$synth_dir" \
+      --settings "${SERVER_SETTINGS:-greedy,qwen,qwen_logprobs,t1,presence}" \
       "${bench_flag[@]}" --json "$OUT/server_latency.json"
     echo "http_latency exit $?"
   elif kill -0 "$pid" 2>/dev/null; then
@@ -136,10 +138,10 @@ run() {
 
   if [ -z "${SKIP_BENCH:-}" ]; then
     left=$(remaining)
-    # Leave the peer arm ~150 s and the server step ~45 s when they are to run.
+    # Leave the peer arm ~150 s and the server step ~75 s (five sampling settings) when they are to run.
     local bench_cap=$((left - 10))
     [ -z "${SKIP_PEER:-}" ] && bench_cap=$((bench_cap - 140))
-    [ -z "${SKIP_SERVER:-}" ] && bench_cap=$((bench_cap - 45))
+    [ -z "${SKIP_SERVER:-}" ] && bench_cap=$((bench_cap - 75))
     [ "$bench_cap" -lt 30 ] && bench_cap=30
     echo "== tansy bench (cap $bench_cap s)"
     local ctx_flag=()

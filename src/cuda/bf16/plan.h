@@ -39,6 +39,7 @@
 #include "cuda/matvec/matvec.cuh"
 #include "cuda/moe/moe.cuh"
 #include "cuda/norm/norm.cuh"
+#include "cuda/sample/sample.cuh"
 #include "model/stage_profiler.h"
 #include "model/weights.h"
 
@@ -47,7 +48,7 @@ namespace tansy::cuda {
 constexpr int kChunk = 4096;             // tokens per forward chunk (bounds the scratch buffers)
 constexpr int kLogitRows = 32;           // lm_head rows computed per pass when all positions are wanted
 constexpr int kDecodeSplits = 128;       // key-range splits of the unfused decode attention (traced steps)
-constexpr int kFusedDecodeSplits = 64;   // the same for the fused one-token kernel (2 x 64 blocks at 4,096)
+constexpr int kFusedDecodeSplits = 128;  // the same for the fused one-token kernel (64 used up to 4,096 keys)
 constexpr int kPrefillSplitKeys = 2048;  // GEMV-path prefill: keys per split
 
 // A device matrix assembled from row ranges of host matrices (views into the mapped checkpoint).
@@ -132,6 +133,14 @@ class CudaModel final : public Model, public StageProfiler {
 
   void generate_greedy(SequenceState& state, std::span<const int32_t> prompt, int n,
                        const std::function<bool(int32_t)>& on_token) override;
+
+  // Sampling on the device (bf16/sampler.cu): one request's sampler at a time.
+  std::unique_ptr<TokenSampler> make_sampler(const SamplerSpec& spec) override;
+  // Feeds ids, leaving the logits after the last in device_logits() (one token: the decode
+  // graph); enqueued on stream(), not waited for.
+  void feed_device(CudaState& st, std::span<const int32_t> ids);
+  const float* device_logits() const { return d_logits_.get(); }
+  cudaStream_t stream() const { return stream_; }
 
  private:
   void validate_config();
@@ -259,7 +268,9 @@ class CudaModel final : public Model, public StageProfiler {
   DeviceBuffer<unsigned long long> d_head_scratch_;  // fused head: one argmax candidate per block
   DeviceBuffer<unsigned> head_counter_;
   DeviceBuffer<int> expert_offsets_, tile_offsets_, sorted_slot_, slot_row_;  // prefill MoE routing
-  DeviceBuffer<bf16> yd_;               // [m*k, H] routed experts' down outputs in sorted order
+  DeviceBuffer<bf16> yd_;                          // [m*k, H] routed experts' down outputs in sorted order
+  std::unique_ptr<DeviceSampler> device_sampler_;  // made by the first make_sampler
+  bool sampler_busy_ = false;
   int32_t* h_tok_ = nullptr;            // pinned
   int greedy_limit_ = 0;                // argmax range captured into new decode graphs
   std::vector<Mark>* marks_ = nullptr;  // set while a StageProfiler call runs
