@@ -116,11 +116,11 @@ TANSY_HD float det_exp(float x) {
   float r = fsub(x, fmul(kf, kLn2Hi));
   r = fsub(r, fmul(kf, kLn2Lo));  // |r| <= ~0.35
   // Taylor series to r^7 (relative error < 1e-8 on |r| <= 0.35), Horner's rule.
-  float p = 1.98412698e-04f;                 // 1/5040
-  p = fadd(fmul(p, r), 1.38888889e-03f);     // 1/720
-  p = fadd(fmul(p, r), 8.33333333e-03f);     // 1/120
-  p = fadd(fmul(p, r), 4.16666667e-02f);     // 1/24
-  p = fadd(fmul(p, r), 1.66666667e-01f);     // 1/6
+  float p = 1.98412698e-04f;              // 1/5040
+  p = fadd(fmul(p, r), 1.38888889e-03f);  // 1/720
+  p = fadd(fmul(p, r), 8.33333333e-03f);  // 1/120
+  p = fadd(fmul(p, r), 4.16666667e-02f);  // 1/24
+  p = fadd(fmul(p, r), 1.66666667e-01f);  // 1/6
   p = fadd(fmul(p, r), 0.5f);
   p = fadd(fmul(p, r), 1.0f);
   p = fadd(fmul(p, r), 1.0f);
@@ -145,7 +145,9 @@ TANSY_HD uint64_t mix64(uint64_t z) {  // splitmix64's finaliser
   return z ^ (z >> 31);
 }
 // The random draw of a request with `seed` for the token at sequence position `position`.
-TANSY_HD uint64_t draw_bits(uint64_t seed, int64_t position) { return mix64(mix64(seed) ^ uint64_t(position)); }
+TANSY_HD uint64_t draw_bits(uint64_t seed, int64_t position) {
+  return mix64(mix64(seed) ^ uint64_t(position));
+}
 
 TANSY_HD uint64_t mulhi64(uint64_t a, uint64_t b) {
 #ifdef __CUDA_ARCH__
@@ -164,7 +166,8 @@ struct Penalties {
 };
 TANSY_HD float penalized(float l, const Penalties& p, bool seen, int count, bool has_bias, float bias) {
   if (p.repetition && seen) l = l > 0.0f ? fdiv(l, p.rep) : fmul(l, p.rep);
-  if (p.presence_frequency && count > 0) l = fsub(l, float(dadd(p.presence, dmul(p.frequency, double(count)))));
+  if (p.presence_frequency && count > 0)
+    l = fsub(l, float(dadd(p.presence, dmul(p.frequency, double(count)))));
   if (has_bias) l = fadd(l, bias);
   return l != l ? -__builtin_huge_valf() : l;
 }

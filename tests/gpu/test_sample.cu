@@ -23,9 +23,9 @@ using cuda::DeviceBuffer;
 struct Case {
   std::string name;
   SamplingParams p;
-  float scale = 3.f;     // logits ~ N(0, scale)
-  float quantum = 0.f;   // > 0: logits rounded to multiples of it (many ties)
-  double allow = 1.0;    // fraction of ids the mask allows (1: no mask)
+  float scale = 3.f;    // logits ~ N(0, scale)
+  float quantum = 0.f;  // > 0: logits rounded to multiples of it (many ties)
+  double allow = 1.0;   // fraction of ids the mask allows (1: no mask)
   int logprobs = -1;
   int vocab = 248320, limit = 248320;
 };
@@ -38,30 +38,24 @@ std::vector<Case> cases() {
     set(c);
     v.push_back(c);
   };
-  add("qwen thinking: T 0.6 top_p 0.95 top_k 20", [](Case& c) {
-    c.p.temperature = 0.6, c.p.top_p = 0.95, c.p.top_k = 20;
-  });
-  add("qwen instruct: T 0.7 top_p 0.8 top_k 20, presence 1.5", [](Case& c) {
-    c.p.temperature = 0.7, c.p.top_p = 0.8, c.p.top_k = 20, c.p.presence_penalty = 1.5;
-  });
+  add("qwen thinking: T 0.6 top_p 0.95 top_k 20",
+      [](Case& c) { c.p.temperature = 0.6, c.p.top_p = 0.95, c.p.top_k = 20; });
+  add("qwen instruct: T 0.7 top_p 0.8 top_k 20, presence 1.5",
+      [](Case& c) { c.p.temperature = 0.7, c.p.top_p = 0.8, c.p.top_k = 20, c.p.presence_penalty = 1.5; });
   add("T 1.0, full vocabulary", [](Case& c) { c.p.temperature = 1.0; });
   add("T 1.0, full vocabulary, flat", [](Case& c) { c.p.temperature = 1.0, c.scale = 0.05f; });
-  add("T 1.0 top_p 0.9 (nucleus over the whole vocabulary)", [](Case& c) {
-    c.p.temperature = 1.0, c.p.top_p = 0.9;
-  });
+  add("T 1.0 top_p 0.9 (nucleus over the whole vocabulary)",
+      [](Case& c) { c.p.temperature = 1.0, c.p.top_p = 0.9; });
   add("T 0.8 top_p 0.5, sharp", [](Case& c) { c.p.temperature = 0.8, c.p.top_p = 0.5, c.scale = 8.f; });
   add("min_p 0.05 (few candidates)", [](Case& c) { c.p.temperature = 1.0, c.p.min_p = 0.05, c.scale = 4.f; });
-  add("min_p 0.2 (thousands of candidates), top_p 0.7", [](Case& c) {
-    c.p.temperature = 1.0, c.p.min_p = 0.2, c.p.top_p = 0.7, c.scale = 1.f;
-  });
+  add("min_p 0.2 (thousands of candidates), top_p 0.7",
+      [](Case& c) { c.p.temperature = 1.0, c.p.min_p = 0.2, c.p.top_p = 0.7, c.scale = 1.f; });
   add("top_k 1000 top_p 0.99", [](Case& c) { c.p.temperature = 0.9, c.p.top_k = 1000, c.p.top_p = 0.99; });
   add("top_k 5000 (past the gather limit)", [](Case& c) { c.p.temperature = 1.2, c.p.top_k = 5000; });
-  add("ties: logits in steps of 0.5, top_k 7 top_p 0.6", [](Case& c) {
-    c.p.temperature = 1.0, c.p.top_k = 7, c.p.top_p = 0.6, c.quantum = 0.5f;
-  });
-  add("ties: logits in steps of 1, top_p 0.3 over the vocabulary", [](Case& c) {
-    c.p.temperature = 0.5, c.p.top_p = 0.3, c.quantum = 1.f;
-  });
+  add("ties: logits in steps of 0.5, top_k 7 top_p 0.6",
+      [](Case& c) { c.p.temperature = 1.0, c.p.top_k = 7, c.p.top_p = 0.6, c.quantum = 0.5f; });
+  add("ties: logits in steps of 1, top_p 0.3 over the vocabulary",
+      [](Case& c) { c.p.temperature = 0.5, c.p.top_p = 0.3, c.quantum = 1.f; });
   add("penalties: repetition 1.3, frequency 0.5, presence 0.5, logit_bias", [](Case& c) {
     c.p.temperature = 0.8, c.p.top_k = 40, c.p.repetition_penalty = 1.3, c.p.frequency_penalty = 0.5,
     c.p.presence_penalty = 0.5;
@@ -76,17 +70,14 @@ std::vector<Case> cases() {
   add("T 1e-40 (greedy by underflow)", [](Case& c) { c.p.temperature = 1e-40; });
   add("mask 10%, top_p 0.9", [](Case& c) { c.p.temperature = 1.0, c.p.top_p = 0.9, c.allow = 0.1; });
   add("mask of 3 ids", [](Case& c) { c.p.temperature = 1.0, c.allow = 3.0 / 248320; });
-  add("logprobs 5, qwen settings", [](Case& c) {
-    c.p.temperature = 0.6, c.p.top_p = 0.95, c.p.top_k = 20, c.logprobs = 5;
-  });
+  add("logprobs 5, qwen settings",
+      [](Case& c) { c.p.temperature = 0.6, c.p.top_p = 0.95, c.p.top_k = 20, c.logprobs = 5; });
   add("logprobs 20, T 1", [](Case& c) { c.p.temperature = 1.0, c.logprobs = 20; });
   add("logprobs 0, greedy", [](Case& c) { c.p.temperature = 0, c.logprobs = 0; });
-  add("small vocabulary 1000, limit 990", [](Case& c) {
-    c.p.temperature = 0.7, c.p.top_p = 0.9, c.vocab = 1000, c.limit = 990, c.logprobs = 3;
-  });
-  add("Qwen3 tokenizer size 151936, limit 151669", [](Case& c) {
-    c.p.temperature = 1.0, c.p.top_k = 50, c.vocab = 151936, c.limit = 151669;
-  });
+  add("small vocabulary 1000, limit 990",
+      [](Case& c) { c.p.temperature = 0.7, c.p.top_p = 0.9, c.vocab = 1000, c.limit = 990, c.logprobs = 3; });
+  add("Qwen3 tokenizer size 151936, limit 151669",
+      [](Case& c) { c.p.temperature = 1.0, c.p.top_k = 50, c.vocab = 151936, c.limit = 151669; });
   return v;
 }
 
@@ -129,7 +120,8 @@ TEST(Sample, MatchesTheReference) {
       ++steps_total;
       if (got.token != want) {
         ++mismatches;
-        ADD_FAILURE() << c.name << " step " << step << ": device chose " << got.token << ", reference " << want;
+        ADD_FAILURE() << c.name << " step " << step << ": device chose " << got.token << ", reference "
+                      << want;
       }
       if (c.logprobs >= 0) {
         std::vector<float> raw(logits.begin(), logits.begin() + c.limit);
@@ -138,7 +130,8 @@ TEST(Sample, MatchesTheReference) {
         ASSERT_EQ(got.n_top, int(lp.top.size())) << c.name;
         for (size_t i = 0; i < lp.top.size(); ++i) {
           EXPECT_EQ(got.top_id[i], lp.top[i].id) << c.name << " alternative " << i;
-          EXPECT_NEAR(got.top_logprob[i], lp.top[i].logprob, 1e-4 * std::max(1.f, std::fabs(lp.top[i].logprob)))
+          EXPECT_NEAR(got.top_logprob[i], lp.top[i].logprob,
+                      1e-4 * std::max(1.f, std::fabs(lp.top[i].logprob)))
               << c.name;
         }
       }
@@ -220,7 +213,8 @@ TEST(Sample, Timing) {
     CUDA_CHECK(cudaEventSynchronize(b));
     float ms = 0;
     CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-    std::printf("  sampler %-44s %7.1f us per choice (kernel + 1 KB copy back)\n", t.name, 1000.0 * ms / reps);
+    std::printf("  sampler %-44s %7.1f us per choice (kernel + 1 KB copy back)\n", t.name,
+                1000.0 * ms / reps);
   }
 }
 

@@ -12,17 +12,11 @@ constexpr int kWarps = 8;
 constexpr int kKeysPerStep = 8;  // keys whose loads are in flight together
 // Splits shorter than this cost more in the merge than they save; short contexts use fewer.
 constexpr int kMinKeysPerSplit = 16;
-// Up to kLongSplitFrom keys, at most kShortSplits splits (a step's latency is a few tiles per
-// block); past it every split the launch has, of at least kLongMinKeys keys each, so that long
-// contexts keep two blocks per multiprocessor streaming the cache.
-constexpr int kShortSplits = 64, kLongSplitFrom = 4096, kLongMinKeys = 64;
 
 // Keys per split for a context of `len` keys and at most `splits` splits; the splits in use are
-// ceil(len / keys), none of them empty. All three kernels derive the same numbers from the position.
+// ceil(len / keys), none of them empty. Both kernels derive the same numbers from the position.
 __device__ __forceinline__ int split_keys(int len, int splits) {
-  const int used = len <= kLongSplitFrom
-                       ? min(min(splits, kShortSplits), (len + kMinKeysPerSplit - 1) / kMinKeysPerSplit)
-                       : min(splits, (len + kLongMinKeys - 1) / kLongMinKeys);
+  const int used = min(splits, (len + kMinKeysPerSplit - 1) / kMinKeysPerSplit);
   return (len + used - 1) / used;
 }
 constexpr double kTwoPi = 6.283185307179586476925286766559;

@@ -48,7 +48,7 @@ namespace tansy::cuda {
 constexpr int kChunk = 4096;             // tokens per forward chunk (bounds the scratch buffers)
 constexpr int kLogitRows = 32;           // lm_head rows computed per pass when all positions are wanted
 constexpr int kDecodeSplits = 128;       // key-range splits of the unfused decode attention (traced steps)
-constexpr int kFusedDecodeSplits = 128;  // the same for the fused one-token kernel (64 used up to 4,096 keys)
+constexpr int kFusedDecodeSplits = 64;   // the same for the fused one-token kernel (2 x 64 blocks at 4,096)
 constexpr int kPrefillSplitKeys = 2048;  // GEMV-path prefill: keys per split
 
 // A device matrix assembled from row ranges of host matrices (views into the mapped checkpoint).

@@ -10,7 +10,12 @@ namespace {
 class CudaTokenSampler final : public TokenSampler {
  public:
   CudaTokenSampler(CudaModel& m, DeviceSampler& ds, const SamplerSpec& spec, bool& busy)
-      : m_(m), ds_(ds), busy_(busy), seed_(sampling_seed(spec.params)), limit_(spec.limit), logprobs_(spec.logprobs) {
+      : m_(m),
+        ds_(ds),
+        busy_(busy),
+        seed_(sampling_seed(spec.params)),
+        limit_(spec.limit),
+        logprobs_(spec.logprobs) {
     TANSY_CHECK(!busy_, "cuda sampler: another request's sampler is still alive (one request at a time)");
     TANSY_CHECK(limit_ >= 1 && limit_ <= m.config().vocab_size, "sampler: limit {} outside 1..{}", limit_,
                 m.config().vocab_size);
@@ -31,8 +36,8 @@ class CudaTokenSampler final : public TokenSampler {
   SampleChoice next(const uint32_t* allowed, int32_t forced) override {
     TANSY_CHECK(fed_, "sampler: next() before anything was fed");
     fed_ = false;
-    ds_.enqueue(m_.device_logits(), limit_, sample_math::draw_bits(seed_, position_), allowed, forced, logprobs_,
-                m_.stream());
+    ds_.enqueue(m_.device_logits(), limit_, sample_math::draw_bits(seed_, position_), allowed, forced,
+                logprobs_, m_.stream());
     CUDA_CHECK(cudaStreamSynchronize(m_.stream()));
     const SampleOutput& o = ds_.output();
     SampleChoice c;

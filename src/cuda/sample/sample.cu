@@ -12,11 +12,11 @@ namespace sm = tansy::sample_math;
 
 namespace {
 
-constexpr int kThreads = 512;        // 16 warps; a slice of up to kThreads * kPerThread ids per block
-constexpr int kPerThread = 8;        // registers per thread for the slice
+constexpr int kThreads = 512;  // 16 warps; a slice of up to kThreads * kPerThread ids per block
+constexpr int kPerThread = 8;  // registers per thread for the slice
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxBlocks = 256;
-constexpr int kBins = 256;           // 8 bits of key per radix pass
+constexpr int kBins = 256;  // 8 bits of key per radix pass
 
 using u64 = unsigned long long;
 
@@ -93,15 +93,16 @@ __device__ void grid_sync(unsigned* bar) {
   __syncthreads();
 }
 
+// The block's reduction of v by op; `identity` fills the lanes past the last warp's partial.
 template <typename T, typename Op>
-__device__ T block_reduce(T v, Op op, T* sh /* [kWarps + 1] */) {
+__device__ T block_reduce(T v, Op op, T* sh /* [kWarps + 1] */, T identity = T(0)) {
   for (int o = 16; o; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
   const int w = threadIdx.x / 32, l = threadIdx.x % 32;
   __syncthreads();  // sh may still be read by a previous reduction
   if (l == 0) sh[w] = v;
   __syncthreads();
   if (w == 0) {
-    v = l < kWarps ? sh[l] : sh[0];
+    v = l < kWarps ? sh[l] : identity;
     for (int o = 16; o; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
     if (l == 0) sh[kWarps] = v;
   }
@@ -168,22 +169,22 @@ struct Shared {
 
 // The slice of one block, in registers: element j of thread t is id base + j * kThreads + t.
 struct Slice {
-  float l[kPerThread];    // penalised logits (-inf outside the slice)
-  uint32_t k[kPerThread]; // order_key(l)
-  bool in[kPerThread];    // in the candidate set
+  float l[kPerThread];     // penalised logits (-inf outside the slice)
+  uint32_t k[kPerThread];  // order_key(l)
+  bool in[kPerThread];     // in the candidate set
 };
 
 struct Selected {
-  uint32_t theta;         // the key of the crossing element
-  u64 above_w, tied_w;    // weight strictly above theta, and at theta, among the candidates
+  uint32_t theta;       // the key of the crossing element
+  u64 above_w, tied_w;  // weight strictly above theta, and at theta, among the candidates
   unsigned above_n, tied_n;
 };
 
 // The key theta at which the running weight of the candidates, taken from the largest key down,
 // first reaches `need` (count: need = the rank wanted; mass: double(weight) >= need). 4 barriers.
 template <bool kMass>
-__device__ Selected radix_select(const uint32_t* key, const bool* in, const u64* w, double need, Acc& A, int sel,
-                                 Scratch& S, Shared& sh) {
+__device__ Selected radix_select(const uint32_t* key, const bool* in, const u64* w, double need, Acc& A,
+                                 int sel, Scratch& S, Shared& sh) {
   uint32_t prefix = 0, mask = 0;
   u64 above_w = 0;
   unsigned above_n = 0;
@@ -267,7 +268,8 @@ __device__ void id_ranks(const bool* flag, unsigned* rank, u64* block_counts, Sc
 }
 
 // Keeps the candidates above theta and the first `keep` at theta by id.
-__device__ void cut_at(Slice& s, const Selected& r, unsigned keep, u64* block_counts, Scratch& S, Shared& sh) {
+__device__ void cut_at(Slice& s, const Selected& r, unsigned keep, u64* block_counts, Scratch& S,
+                       Shared& sh) {
   if (keep >= r.tied_n) {  // every tied candidate stays: no ranks needed
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) s.in[j] = s.in[j] && s.k[j] >= r.theta;
@@ -341,7 +343,7 @@ __device__ int finish_gathered(const Args& a, int n, float top, Scratch& S, Shar
     unsigned first = unsigned(n - 1);
     for (int i = threadIdx.x; i < n; i += kThreads)
       if (double(sh.scan[i]) >= need) first = min(first, unsigned(i));
-    kept = int(block_reduce<unsigned>(first, Min{}, sh.red32)) + 1;
+    kept = int(block_reduce<unsigned>(first, Min{}, sh.red32, ~0u)) + 1;
   }
   // The kept ones by id, ascending: a descending sort of ~(id << 32 | rank); padding (0) sorts last.
   for (int i = threadIdx.x; i < p2; i += kThreads)
@@ -355,7 +357,7 @@ __device__ int finish_gathered(const Args& a, int n, float top, Scratch& S, Shar
   unsigned q = unsigned(kept - 1);
   for (int i = threadIdx.x; i < kept; i += kThreads)
     if (sh.scan[i] > target) q = min(q, unsigned(i));
-  q = block_reduce<unsigned>(q, Min{}, sh.red32);
+  q = block_reduce<unsigned>(q, Min{}, sh.red32, ~0u);
   return int(~sh.sorted[q] >> 32);
 }
 
@@ -451,7 +453,8 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(Args a) {
     if (a.use_min_p) {
       unsigned c = 0;
 #pragma unroll
-      for (int j = 0; j < kPerThread; ++j) c += s.in[j] && sm::fmul(sm::fsub(s.l[j], top), a.inv_t) >= a.log_min_p;
+      for (int j = 0; j < kPerThread; ++j)
+        c += s.in[j] && sm::fmul(sm::fsub(s.l[j], top), a.inv_t) >= a.log_min_p;
       c = block_reduce<unsigned>(c, Sum{}, sh.red32);
       if (threadIdx.x == 0) atomicAdd(&A.n_minp, c);
       grid_sync(S.bar);
@@ -607,8 +610,8 @@ void DeviceSampler::begin(const SamplingParams& p, std::span<const int32_t> prom
   }
 }
 
-void DeviceSampler::enqueue(const float* logits, int limit, uint64_t R, const uint32_t* allowed, int32_t forced,
-                            int n_logprobs, cudaStream_t stream) {
+void DeviceSampler::enqueue(const float* logits, int limit, uint64_t R, const uint32_t* allowed,
+                            int32_t forced, int n_logprobs, cudaStream_t stream) {
   TANSY_CHECK(limit >= 1 && limit <= vocab_, "device sampler: limit {} outside 1..{}", limit, vocab_);
   TANSY_CHECK(n_logprobs <= kMaxTopLogprobs, "device sampler: {} logprobs exceed {}", n_logprobs,
               kMaxTopLogprobs);
