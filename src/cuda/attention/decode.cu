@@ -200,21 +200,26 @@ __global__ void __launch_bounds__(kWarps * 32)
 // were written by earlier steps, never by the projection just before) the block starts cp.async
 // copies of its first kFusedStages tiles of cached keys and values into shared memory and
 // computes the rotation angles; after it, it norms and rotates the group's query heads and the
-// new key, and the block whose split holds the position writes the new k/v into the cache. Warp w
-// handles keys 4w .. 4w+3 of every 32-key tile for all G query heads (lane = 8 dims) with its own
-// online softmax; the warps merge at the end into the same partials attn_split_kernel writes.
+// new key, and the block whose split holds the position writes the new k/v into the cache (and
+// into its last tile in shared memory). The products run on tensor cores (mma m16n8k16, bf16 in,
+// f32 out): S = Q·Kᵀ with the G query heads as the rows (padded to 16) and Oᵀ += Vᵀ·Pᵀ with the
+// heads as the columns, so P goes from S's accumulator to Pᵀ's operand without a shuffle. Warp
+// (grp, ds) = (warp & 1, warp >> 1) takes keys grp*16 .. +15 of every 32-key tile and output dims
+// ds*64 .. +63; the two key groups keep their own online softmax and merge at the end into the
+// same partials attn_split_kernel writes. P is rounded to bf16 for the product, as in prefill.
 constexpr int kFusedWarps = 8;
-constexpr int kKeysPerWarp = 4;
-constexpr int kFusedTile = kFusedWarps * kKeysPerWarp;  // keys per tile
-constexpr int kFusedStages = 3;                         // tiles in flight
+constexpr int kFusedTile = 32;   // keys per tile: two groups of 16 (one mma's n x 2)
+constexpr int kFusedStages = 3;  // tiles in flight (96 KiB of K and V per block)
 constexpr int kTileElems = kFusedTile * kHeadDim;
 
 template <int G>
 constexpr size_t fused_smem_bytes() {
   constexpr size_t tiles = size_t(2) * kFusedStages * kTileElems * sizeof(bf16);
-  constexpr size_t merge = (size_t(2) * kFusedWarps * G + size_t(kFusedWarps) * G * kHeadDim) * sizeof(float);
-  static_assert(merge <= tiles, "the warps' merge reuses the tile buffers");
-  return tiles + 2 * kHeadDim * sizeof(bf16) + size_t(G) * kHeadDim * sizeof(float);
+  constexpr size_t merge = (size_t(2) * 2 * 8 + size_t(2) * 8 * kHeadDim) * sizeof(float);
+  static_assert(merge <= tiles, "the key groups' merge reuses the tile buffers");
+  // + the new key and value, q as f32 [G][256], q as the bf16 A operand [16][256]
+  return tiles + 2 * kHeadDim * sizeof(bf16) + size_t(G) * kHeadDim * sizeof(float) +
+         size_t(16) * kHeadDim * sizeof(bf16);
 }
 
 struct FusedArgs {
@@ -230,28 +235,6 @@ struct FusedArgs {
   int splits;
   float* scratch;
 };
-
-// Reduce-scatter of N values over a warp: at lane offset O a lane keeps the half of its values
-// selected by lane bit O and adds its partner's copy of them; once one value is left the rest of
-// the levels are a plain sum. In the end lane holds the warp's total of value lane / (32 / N).
-template <int N, int O>
-__device__ __forceinline__ void reduce_scatter(float* v, int lane) {
-  if constexpr (O >= 1) {
-    if constexpr (N > 1) {
-      const bool upper = lane & O;
-#pragma unroll
-      for (int i = 0; i < N / 2; ++i) {
-        const float send = upper ? v[i] : v[i + N / 2];
-        const float keep = upper ? v[i + N / 2] : v[i];
-        v[i] = keep + __shfl_xor_sync(0xffffffffu, send, O);
-      }
-      reduce_scatter<N / 2, O / 2>(v, lane);
-    } else {
-      v[0] += __shfl_xor_sync(0xffffffffu, v[0], O);
-      reduce_scatter<1, O / 2>(v, lane);
-    }
-  }
-}
 
 template <int G>
 __global__ void __launch_bounds__(kFusedWarps * 32, 1) attn_decode_fused_kernel(FusedArgs a) {
@@ -269,7 +252,9 @@ __global__ void __launch_bounds__(kFusedWarps * 32, 1) attn_decode_fused_kernel(
   const int chunk = split_keys(len, a.splits), b = s * chunk;
   if (b >= len) return;  // a split the merge does not read (split 0 always runs and waits)
   const int e = min(len, b + chunk), old_end = min(e, p);
-  const int n_old = max(0, old_end - b), n_tiles = (n_old + kFusedTile - 1) / kFusedTile;
+  // Keys of this split: the cached ones (copied by cp.async) and, in the split holding the
+  // position, the new one (written into the last tile once it is computed).
+  const int n_keys = e - b, n_tiles = (n_keys + kFusedTile - 1) / kFusedTile;
   const int64_t kv_stride = int64_t(L.n_kv) * kHeadDim;
   const bf16* kg = a.k_cache + int64_t(kvh) * kHeadDim;
   const bf16* vg = a.v_cache + int64_t(kvh) * kHeadDim;
@@ -282,8 +267,8 @@ __global__ void __launch_bounds__(kFusedWarps * 32, 1) attn_decode_fused_kernel(
         const int key = b + tile * kFusedTile + r;
         const bool ok = key < old_end;
         const int64_t off = int64_t(ok ? key : b) * kv_stride + col;
-        cp_async16(kd + r * kHeadDim + col, kg + off, ok);
-        cp_async16(vd + r * kHeadDim + col, vg + off, ok);
+        cp_async16(kd + swz<kHeadDim / 8>(r, col), kg + off, ok);
+        cp_async16(vd + swz<kHeadDim / 8>(r, col), vg + off, ok);
       }
     }
     cp_async_commit();  // one group per tile, empty past the end: the wait count stays uniform
@@ -321,130 +306,141 @@ __global__ void __launch_bounds__(kFusedWarps * 32, 1) attn_decode_fused_kernel(
     }
   }
   __syncthreads();
-  float q[G][8];
-#pragma unroll
-  for (int h = 0; h < G; ++h)
-#pragma unroll
-    for (int i = 0; i < 8; ++i) q[h][i] = qs[h * kHeadDim + lane * 8 + i];
-  float m[G], l[G], acc[G][8];
-#pragma unroll
-  for (int h = 0; h < G; ++h) {
-    m[h] = -FLT_MAX;
-    l[h] = 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) acc[h][i] = 0.f;
+  // Q as the A operand of S = Q·Kᵀ (rows = heads, padded to 16 with zeros), in registers for
+  // every tile: 16 k-steps of 16 dims.
+  bf16* Qb = reinterpret_cast<bf16*>(qs + G * kHeadDim);  // [16][256] swizzled
+  for (int i = tid; i < 16 * kHeadDim; i += kFusedWarps * 32) {
+    const int r = i / kHeadDim, c = i % kHeadDim;
+    Qb[swz<kHeadDim / 8>(r, c)] = __float2bfloat16(r < G ? qs[r * kHeadDim + c] : 0.f);
   }
+  __syncthreads();
+  uint32_t qa[kHeadDim / 16][4];
+#pragma unroll
+  for (int ks = 0; ks < kHeadDim / 16; ++ks)
+    ldmatrix_x4(qa[ks],
+                Qb + swz<kHeadDim / 8>((lane & 7) + ((lane >> 3) & 1) * 8, ks * 16 + (lane >> 4) * 8));
+
+  // Warp (grp, ds): keys grp*16 .. +15 of every 32-key tile, output dims ds*64 .. +63. The two key
+  // groups keep their own online softmax (per head: m, l) and merge at the end; the four dim
+  // slices of a key group compute the same scores (16 mma per slice per tile, cheap next to the
+  // loads) so that each holds a quarter of the output: 4 m-tiles of Oᵀ [dims x heads].
+  const int grp = warp & 1, ds = warp >> 1;
+  const int g = lane >> 2, c = lane & 3;  // fragment row group and column pair
   const float scale = rsqrtf(float(kHeadDim));
-  // (key, head) pairs of a warp per tile; after the reduce-scatter below lane holds pair
-  // lane / (32 / NP), i.e. key lane / 8 and head (lane % 8) / (8 / G): keys differ in lane bits 3, 4.
-  constexpr int NP = kKeysPerWarp * G;
-  constexpr int kHeadLanes = 8 / G;
-  static_assert(NP <= 32 && 32 % NP == 0 && 8 % G == 0, "G must be 1, 2, 4 or 8");
+  float m_run = -FLT_MAX, l_run = 0.f;  // head g's running max and sum (lanes of one quad agree)
+  float o[4][4];                        // Oᵀ m-tile mt: dims ds*64 + mt*16 + g (+8), heads 2c, 2c+1
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) o[mt][i] = 0.f;
+  // ldmatrix row addresses shared by K (B operand) and V (A operand, transposed): lane -> key
+  // grp*16 + (lane>>4)*8 + (lane&7), dim offset ((lane>>3)&1)*8.
+  const int ld_key = grp * 16 + (lane >> 4) * 8 + (lane & 7), ld_dim = ((lane >> 3) & 1) * 8;
   auto process = [&](const bf16* Ks, const bf16* Vs, int nvalid) {
-    float v[NP];
-    uint4 vr[kKeysPerWarp];
+    float sc[2][4] = {{0.f, 0.f, 0.f, 0.f},
+                      {0.f, 0.f, 0.f, 0.f}};  // S: heads g / g+8 x keys (2c, 2c+1) of n-tiles 0, 1
 #pragma unroll
-    for (int k = 0; k < kKeysPerWarp; ++k) {
-      const int kk = warp * kKeysPerWarp + k;
-      uint4 kr = make_uint4(0, 0, 0, 0);
-      vr[k] = make_uint4(0, 0, 0, 0);
-      if (kk < nvalid) {
-        kr = *reinterpret_cast<const uint4*>(Ks + kk * kHeadDim + lane * 8);
-        vr[k] = *reinterpret_cast<const uint4*>(Vs + kk * kHeadDim + lane * 8);
-      }
-      float kf[8];
-      bf16x8_to_f32(kr, kf);
-#pragma unroll
-      for (int h = 0; h < G; ++h) {
-        float d = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) d = fmaf(q[h][i], kf[i], d);
-        v[k * G + h] = d;
-      }
+    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+      uint32_t kb[4];
+      ldmatrix_x4(kb, Ks + swz<kHeadDim / 8>(ld_key, ks * 16 + ld_dim));
+      mma_bf16(sc[0], qa[ks], kb[0], kb[1]);
+      mma_bf16(sc[1], qa[ks], kb[2], kb[3]);
     }
-    reduce_scatter<NP, 16>(v, lane);
-    const int my_k = lane / 8, my_h = (lane % 8) / kHeadLanes;
-    const bool valid = warp * kKeysPerWarp + my_k < nvalid;
-    const float sc = valid ? v[0] * scale : -FLT_MAX;
-    float tmax = fmaxf(sc, __shfl_xor_sync(0xffffffffu, sc, 8));
-    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 16));
-    float mnew[G], corr[G], mine = 0.f;
+    // Online softmax for head g over this group's 16 keys (rows g+8 are padding).
+    float x[4];
+    float tmax = -FLT_MAX;
 #pragma unroll
-    for (int h = 0; h < G; ++h) {
-      mnew[h] = fmaxf(m[h], __shfl_sync(0xffffffffu, tmax, h * kHeadLanes));
-      corr[h] = __expf(m[h] - mnew[h]);
-      if (h == my_h) mine = mnew[h];
-    }
-    const float pr = valid ? __expf(sc - mine) : 0.f;
-    float ps = pr + __shfl_xor_sync(0xffffffffu, pr, 8);
-    ps += __shfl_xor_sync(0xffffffffu, ps, 16);
+    for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-    for (int h = 0; h < G; ++h) {
-      l[h] = l[h] * corr[h] + __shfl_sync(0xffffffffu, ps, h * kHeadLanes);
-      m[h] = mnew[h];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc[h][i] *= corr[h];
-    }
-#pragma unroll
-    for (int k = 0; k < kKeysPerWarp; ++k) {
-      float vf[8];
-      bf16x8_to_f32(vr[k], vf);
-#pragma unroll
-      for (int h = 0; h < G; ++h) {
-        const float pk = __shfl_sync(0xffffffffu, pr, k * 8 + h * kHeadLanes);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[h][i] = fmaf(pk, vf[i], acc[h][i]);
+      for (int j = 0; j < 2; ++j) {
+        const int key = grp * 16 + nt * 8 + 2 * c + j;
+        x[nt * 2 + j] = key < nvalid ? sc[nt][j] * scale : -FLT_MAX;
+        tmax = fmaxf(tmax, x[nt * 2 + j]);
       }
+    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
+    tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
+    const float m_new = fmaxf(m_run, tmax);
+    const float corr = __expf(m_run - m_new);
+    float pr[4], psum = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int key = grp * 16 + (i >> 1) * 8 + 2 * c + (i & 1);
+      pr[i] = key < nvalid ? __expf(x[i] - m_new) : 0.f;
+      psum += pr[i];
+    }
+    psum += __shfl_xor_sync(0xffffffffu, psum, 1);
+    psum += __shfl_xor_sync(0xffffffffu, psum, 2);
+    l_run = l_run * corr + psum;
+    m_run = m_new;
+    // Oᵀ += Vᵀ·Pᵀ: Pᵀ (keys x heads) is the B operand, straight from this lane's S fragment
+    // (column n = head g, rows = keys 2c, 2c+1 and +8); Oᵀ's columns 2c, 2c+1 are heads whose
+    // rescale factors live in the quads of lanes 8c and 8c+4.
+    const uint32_t pb0 = pack_bf16(pr[0], pr[1]), pb1 = pack_bf16(pr[2], pr[3]);
+    const float c0 = __shfl_sync(0xffffffffu, corr, 8 * c), c1 = __shfl_sync(0xffffffffu, corr, 8 * c + 4);
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt) {
+      uint32_t va[4];
+      ldmatrix_x4_trans(va, Vs + swz<kHeadDim / 8>(ld_key, ds * 64 + mt * 16 + ld_dim));
+      o[mt][0] *= c0;
+      o[mt][1] *= c1;
+      o[mt][2] *= c0;
+      o[mt][3] *= c1;
+      mma_bf16(o[mt], va, pb0, pb1);
     }
   };
+  const int last_tile = n_tiles - 1;
   for (int t = 0; t < n_tiles; ++t) {
     cp_async_wait<kFusedStages - 1>();
     __syncthreads();
     const int slot = t % kFusedStages;
-    process(Kt + slot * kTileElems, Vt + slot * kTileElems, min(kFusedTile, n_old - t * kFusedTile));
+    bf16* ks = Kt + slot * kTileElems;
+    bf16* vs = Vt + slot * kTileElems;
+    if (e == len && t == last_tile && tid < kHeadDim / 8) {  // the new key joins the last tile
+      const int r = p - b - t * kFusedTile, col = tid * 8;
+      *reinterpret_cast<uint4*>(ks + swz<kHeadDim / 8>(r, col)) = *reinterpret_cast<const uint4*>(Kn + col);
+      *reinterpret_cast<uint4*>(vs + swz<kHeadDim / 8>(r, col)) = *reinterpret_cast<const uint4*>(Vn + col);
+    }
+    __syncthreads();
+    process(ks, vs, min(kFusedTile, n_keys - t * kFusedTile));
     __syncthreads();  // the slot is free for the tile kFusedStages ahead
     issue(t + kFusedStages);
   }
-  if (e == len) process(Kn, Vn, 1);
 
-  // Merge the warps: per head, rescale each warp's sums to the common max.
+  // Merge the two key groups: per head, rescale each group's sums to the common max.
   cp_async_wait<0>();
   __syncthreads();
-  float* mb = reinterpret_cast<float*>(smem);  // [warp][G], reusing the tiles
-  float* lb = mb + kFusedWarps * G;
-  float* ab = lb + kFusedWarps * G;  // [warp][G][256]
+  float* mb = reinterpret_cast<float*>(smem);  // [grp][8 heads], reusing the tiles
+  float* lb = mb + 2 * 8;
+  float* ab = lb + 2 * 8;  // [grp][8 heads][256]
+  if (c == 0 && ds == 0) {
+    mb[grp * 8 + g] = m_run;
+    lb[grp * 8 + g] = l_run;
+  }
 #pragma unroll
-  for (int h = 0; h < G; ++h) {
-    if (lane == 0) {
-      mb[warp * G + h] = m[h];
-      lb[warp * G + h] = l[h];
+  for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int dim = ds * 64 + mt * 16 + g + (i >> 1) * 8, head = 2 * c + (i & 1);
+      ab[(grp * 8 + head) * kHeadDim + dim] = o[mt][i];
     }
-    float* dst = ab + (warp * G + h) * kHeadDim + lane * 8;
-    *reinterpret_cast<float4*>(dst) = make_float4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
-    *reinterpret_cast<float4*>(dst + 4) = make_float4(acc[h][4], acc[h][5], acc[h][6], acc[h][7]);
-  }
   __syncthreads();
-  if (warp >= G) return;
-  const int h = warp;
-  float M = -FLT_MAX;
+  for (int i = tid; i < G * kHeadDim; i += kFusedWarps * 32) {
+    const int h = i / kHeadDim, dim = i % kHeadDim;
+    const float M = fmaxf(mb[h], mb[8 + h]);
+    float Ls = 0.f, acc = 0.f;
 #pragma unroll
-  for (int w = 0; w < kFusedWarps; ++w) M = fmaxf(M, mb[w * G + h]);
-  float Ls = 0.f, o[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#pragma unroll
-  for (int w = 0; w < kFusedWarps; ++w) {
-    const float lw = lb[w * G + h];
-    const float f = lw > 0.f ? __expf(mb[w * G + h] - M) : 0.f;  // a warp with no key has l = 0
-    Ls = fmaf(f, lw, Ls);
-    const float* src = ab + (w * G + h) * kHeadDim + lane * 8;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) o[i] = fmaf(f, src[i], o[i]);
-  }
-  float* part = a.scratch + (int64_t(kvh * G + h) * a.splits + s) * kAttnPartStride;
-  *reinterpret_cast<float4*>(part + lane * 8) = make_float4(o[0], o[1], o[2], o[3]);
-  *reinterpret_cast<float4*>(part + lane * 8 + 4) = make_float4(o[4], o[5], o[6], o[7]);
-  if (lane == 0) {
-    part[kHeadDim] = M;
-    part[kHeadDim + 1] = Ls;
+    for (int k = 0; k < 2; ++k) {
+      const float lk = lb[k * 8 + h];
+      const float f = lk > 0.f ? __expf(mb[k * 8 + h] - M) : 0.f;  // a group with no key has l = 0
+      Ls = fmaf(f, lk, Ls);
+      acc = fmaf(f, ab[(k * 8 + h) * kHeadDim + dim], acc);
+    }
+    float* part = a.scratch + (int64_t(kvh * G + h) * a.splits + s) * kAttnPartStride;
+    part[dim] = acc;
+    if (dim == 0) {
+      part[kHeadDim] = M;
+      part[kHeadDim + 1] = Ls;
+    }
   }
 }
 
