@@ -151,7 +151,9 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
   // feeding tokens with choosing the next one (Model::greedy_step: on CUDA the logits stay on
   // the device), from the prompt's last piece on. Forced tokens still pending take precedence,
   // as they do on the host path.
-  const bool greedy_fast = opt_.greedy_fast_path && is_plain_greedy(req.sampling) && req.logprobs < 0;
+  // constraint: a constrained request samples through the mask, never through greedy_step.
+  const bool greedy_fast =
+      opt_.greedy_fast_path && is_plain_greedy(req.sampling) && req.logprobs < 0 && !req.constraint;
   int32_t next_greedy = -1;  // the next token, already chosen by greedy_step (-1: none)
   // Without a cache there is nothing to snapshot at the cut: prefill straight through (a snapshot
   // is a whole state copy, ~10 ms on CUDA for a new state and its decode graph).
@@ -180,6 +182,9 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
   StreamDecoder decoder(tok_);
   StopMatcher stops(req.stop);
   std::vector<float> raw;
+  std::vector<uint32_t> mask;  // constraint: the allowed-token bitmask, reused every step
+  if (req.constraint) mask.resize((size_t(vocab) + 31) / 32);
+  bool document_done = false;    // constraint: ended by a complete document
   bool ended = false;            // by a stop string or an end-of-sequence token
   std::vector<int32_t> pending;  // forced tokens still to emit, in reverse order
   bool armed = false;            // forcing happens once per request
@@ -204,11 +209,17 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
       pending.pop_back();
       step.forced = true;
     } else {
-      tok = next_greedy >= 0 ? next_greedy : sampler.sample(logits);
+      const uint32_t* allowed = nullptr;  // constraint: mask the step while it applies
+      if (req.constraint && req.constraint->active()) {
+        req.constraint->fill_mask(mask);
+        allowed = mask.data();
+      }
+      tok = next_greedy >= 0 ? next_greedy : sampler.sample(logits, allowed);
       if (!armed && req.force_trigger && tok == *req.force_trigger) arm_forcing();
     }
     next_greedy = -1;
     sampler.accept(tok);
+    if (req.constraint) req.constraint->accept(tok);  // constraint: sampled and forced tokens alike
     ++res.completion_tokens;
     step.token = tok;
     const bool eos = !req.ignore_eos && std::find(eos_.begin(), eos_.end(), tok) != eos_.end();
@@ -224,6 +235,10 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
         res.finish = Finish::kStop;
         res.stop_string = stops.matched();
         ended = true;
+      } else if (req.constraint && req.constraint->complete()) {
+        // constraint: a document that nothing may follow ends the generation (no end-of-turn token).
+        res.finish = Finish::kStop;
+        ended = document_done = true;
       }
     }
     if (!on_step(step)) {
@@ -241,7 +256,7 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
       forward(std::span<const int32_t>(&tok, 1));
     fed.push_back(tok);
   }
-  if (res.finish == Finish::kLength || (res.finish == Finish::kStop && res.stop_token)) {
+  if (res.finish == Finish::kLength || (res.finish == Finish::kStop && (res.stop_token || document_done))) {
     GenStep last;
     last.text = stops.push(decoder.flush());
     if (stops.stopped() && !res.stop_token) {

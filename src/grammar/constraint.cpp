@@ -27,10 +27,13 @@ void GrammarConstraint::fill_mask(std::span<uint32_t> bits) {
   TANSY_CHECK(active_ && !ended_, "structured output: mask asked for outside the document");
   // Tokens left after this one; a document is kept closable within them where possible.
   const int budget = opt_.max_tokens >= 0 ? opt_.max_tokens - accepted_ - 1 : -1;
-  if (!rt_->mask(state_, bits, budget)) rt_->mask(state_, bits, -1);
+  const bool can_end = rt_->accepting(state_);
+  // No token leaves room to finish: end here if the document is complete, else (it will be cut
+  // anyway) continue without the budget.
+  if (!rt_->mask(state_, bits, budget) && !can_end) rt_->mask(state_, bits, -1);
   bool any = false;
   for (uint32_t w : bits) any = any || w != 0;
-  if (rt_->accepting(state_) || !any)
+  if (can_end || !any)
     for (int32_t e : opt_.end_tokens)
       if (size_t(e) < bits.size() * 32) bits[size_t(e) >> 5] |= 1u << (e & 31);
 }

@@ -21,14 +21,15 @@ struct Vocabulary {
 };
 
 struct ConstraintOptions {
-  std::vector<int32_t> end_tokens;      // end-of-turn ids: allowed only where the document is complete
+  std::vector<int32_t> end_tokens;     // end-of-turn ids: allowed only where the document is complete
   std::optional<int32_t> start_after;  // inactive until this token is emitted ("</think>")
-  int max_tokens = -1;                 // the request's budget: the document is closed within it when it can be
+  int max_tokens = -1;  // the request's budget: the document is closed within it when it can be
 };
 
 class GrammarConstraint : public TokenConstraint {
  public:
-  GrammarConstraint(std::shared_ptr<Runtime> rt, std::shared_ptr<const Vocabulary> vocab, ConstraintOptions opt);
+  GrammarConstraint(std::shared_ptr<Runtime> rt, std::shared_ptr<const Vocabulary> vocab,
+                    ConstraintOptions opt);
   bool active() const override { return active_; }
   void fill_mask(std::span<uint32_t> bits) override;
   void accept(int32_t token) override;

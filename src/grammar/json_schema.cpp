@@ -4,8 +4,8 @@
 
 #include <algorithm>
 #include <array>
-#include <functional>
 #include <cmath>
+#include <functional>
 #include <map>
 #include <optional>
 #include <set>
@@ -343,7 +343,8 @@ class Builder {
       std::vector<std::vector<Sym>> alts;
       std::string nines(n - 1, '9'), zeros(n - 1, '0');
       alts.push_back({g.byte(uint8_t(x[0])), fixed_range(x.substr(1), nines)});
-      if (x[0] + 1 <= y[0] - 1) alts.push_back({byte_range(x[0] + 1, y[0] - 1), digits(int(n - 1), int(n - 1))});
+      if (x[0] + 1 <= y[0] - 1)
+        alts.push_back({byte_range(x[0] + 1, y[0] - 1), digits(int(n - 1), int(n - 1))});
       alts.push_back({g.byte(uint8_t(y[0])), fixed_range(zeros, y.substr(1))});
       r = rule("digits", alts);
     }
@@ -402,14 +403,16 @@ class RegexParser {
 
  private:
   [[noreturn]] void error(const std::string& what) const {
-    schema_fail(fmt::format("pattern '{}': {} (docs/API.md lists the supported regular expressions)", pat_, what));
+    schema_fail(
+        fmt::format("pattern '{}': {} (docs/API.md lists the supported regular expressions)", pat_, what));
   }
 
   static uint32_t decode(const std::string& s, size_t& i) {
     unsigned char c = uint8_t(s[i]);
     int n = c < 0x80 ? 1 : c < 0xE0 ? 2 : c < 0xF0 ? 3 : 4;
     uint32_t cp = n == 1 ? c : n == 2 ? (c & 0x1F) : n == 3 ? (c & 0x0F) : (c & 0x07);
-    for (int k = 1; k < n && i + size_t(k) < s.size(); ++k) cp = (cp << 6) | (uint8_t(s[i + size_t(k)]) & 0x3F);
+    for (int k = 1; k < n && i + size_t(k) < s.size(); ++k)
+      cp = (cp << 6) | (uint8_t(s[i + size_t(k)]) & 0x3F);
     i += size_t(n);
     return cp;
   }
@@ -521,7 +524,10 @@ class RegexParser {
       if (!more()) error("a hexadecimal escape is cut short");
       uint32_t c = peek();
       ++pos_;
-      int d = c >= '0' && c <= '9' ? int(c - '0') : c >= 'a' && c <= 'f' ? int(c - 'a' + 10) : c >= 'A' && c <= 'F' ? int(c - 'A' + 10) : -1;
+      int d = c >= '0' && c <= '9'   ? int(c - '0')
+              : c >= 'a' && c <= 'f' ? int(c - 'a' + 10)
+              : c >= 'A' && c <= 'F' ? int(c - 'A' + 10)
+                                     : -1;
       if (d < 0) error("bad hexadecimal escape");
       v = v * 16 + uint32_t(d);
     }
@@ -689,7 +695,8 @@ Sym emit_regex(Builder& b, const Re& re, Mode mode) {
       return b.rule("re_alt", alts);
     }
     case Re::Kind::kRepeat:
-      return b.repeat(emit_regex(b, re.kids[0], mode), re.min, re.max, "a regular expression repetition count");
+      return b.repeat(emit_regex(b, re.kids[0], mode), re.min, re.max,
+                      "a regular expression repetition count");
   }
   return b.seq("re_empty", {});
 }
@@ -703,8 +710,10 @@ Sym regex_rule(Builder& b, const std::string& pattern, Mode mode) {
 const std::map<std::string, std::string>& formats() {
   static const std::map<std::string, std::string> f = [] {
     std::string date =
-        "[0-9]{4}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)|02-(0[1-9]|1[0-9]|2[0-8]))";
-    std::string time = "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]{1,6})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])";
+        "[0-9]{4}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)|02-(0[1-9]|1["
+        "0-9]|2[0-8]))";
+    std::string time =
+        "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]{1,6})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])";
     return std::map<std::string, std::string>{
         {"date", "^" + date + "$"},
         {"time", "^" + time + "$"},
@@ -718,15 +727,32 @@ const std::map<std::string, std::string>& formats() {
 
 // ---- schemas --------------------------------------------------------------------------------
 
-const std::set<std::string> kAnnotations = {"title",    "description", "default",   "examples", "$comment",
-                                            "deprecated", "readOnly",  "writeOnly", "$schema",  "$id",
-                                            "discriminator", "$defs",   "definitions"};
-const std::set<std::string> kKeywords = {"type",      "properties", "required",  "additionalProperties",
-                                         "enum",      "const",      "anyOf",     "oneOf",
-                                         "allOf",     "items",      "prefixItems", "minItems",
-                                         "maxItems",  "minLength",  "maxLength", "pattern",
-                                         "format",    "minimum",    "maximum",   "exclusiveMinimum",
-                                         "exclusiveMaximum", "$ref", "nullable"};
+const std::set<std::string> kAnnotations = {
+    "title",     "description", "default", "examples",      "$comment", "deprecated", "readOnly",
+    "writeOnly", "$schema",     "$id",     "discriminator", "$defs",    "definitions"};
+const std::set<std::string> kKeywords = {"type",
+                                         "properties",
+                                         "required",
+                                         "additionalProperties",
+                                         "enum",
+                                         "const",
+                                         "anyOf",
+                                         "oneOf",
+                                         "allOf",
+                                         "items",
+                                         "prefixItems",
+                                         "minItems",
+                                         "maxItems",
+                                         "minLength",
+                                         "maxLength",
+                                         "pattern",
+                                         "format",
+                                         "minimum",
+                                         "maximum",
+                                         "exclusiveMinimum",
+                                         "exclusiveMaximum",
+                                         "$ref",
+                                         "nullable"};
 
 std::string at(const std::string& path) { return path.empty() ? "the schema root" : "'" + path + "'"; }
 
@@ -796,7 +822,8 @@ class SchemaCompiler {
     if (s.contains("enum")) {
       if (!s["enum"].is_array() || s["enum"].empty())
         schema_fail(fmt::format("'enum' at {} must be a non-empty array", at(path)));
-      if (s.contains("const")) schema_fail(fmt::format("'enum' with 'const' at {} is not supported", at(path)));
+      if (s.contains("const"))
+        schema_fail(fmt::format("'enum' with 'const' at {} is not supported", at(path)));
       for (auto& v : s["enum"]) vals.push_back(v);
     }
     return vals;
@@ -806,7 +833,8 @@ class SchemaCompiler {
     std::vector<std::string> types;
     if (s.contains("type")) {
       const Json& t = s["type"];
-      static const std::set<std::string> known = {"null", "boolean", "object", "array", "number", "integer", "string"};
+      static const std::set<std::string> known = {"null",   "boolean", "object", "array",
+                                                  "number", "integer", "string"};
       auto add = [&](const Json& x) {
         if (!x.is_string() || !known.count(x.get<std::string>()))
           schema_fail(fmt::format("'type' at {} must be a JSON type name or an array of them", at(path)));
@@ -830,14 +858,16 @@ class SchemaCompiler {
     if (!s.is_object()) schema_fail(fmt::format("the schema at {} must be an object or a boolean", at(path)));
     check_keywords(s, path);
     if (allow_null_flag && s.contains("nullable")) {
-      if (!s["nullable"].is_boolean()) schema_fail(fmt::format("'nullable' at {} must be a boolean", at(path)));
+      if (!s["nullable"].is_boolean())
+        schema_fail(fmt::format("'nullable' at {} must be a boolean", at(path)));
       if (s["nullable"].get<bool>())
         return b_.rule("nullable", {{value_impl(s, path, false)}, {b_.lit("null")}});
     }
     if (s.contains("$ref")) {
       auto extra = validation_keys(s, {"$ref", "nullable"});
       if (!extra.empty())
-        schema_fail(fmt::format("'$ref' with the sibling keyword '{}' at {} is not supported", extra[0], at(path)));
+        schema_fail(
+            fmt::format("'$ref' with the sibling keyword '{}' at {} is not supported", extra[0], at(path)));
       return ref(s["$ref"], path);
     }
     if (s.contains("allOf")) {
@@ -855,27 +885,30 @@ class SchemaCompiler {
         schema_fail(fmt::format("'{}' at {} must be a non-empty array", comb, at(path)));
       auto extra = validation_keys(s, {comb, "nullable"});
       if (!extra.empty())
-        schema_fail(
-            fmt::format("'{}' with the sibling keyword '{}' at {} is not supported", comb, extra[0], at(path)));
+        schema_fail(fmt::format("'{}' with the sibling keyword '{}' at {} is not supported", comb, extra[0],
+                                at(path)));
       std::vector<std::vector<Sym>> alts;
-      for (size_t i = 0; i < a.size(); ++i) alts.push_back({value(a[i], fmt::format("{}/{}/{}", path, comb, i))});
+      for (size_t i = 0; i < a.size(); ++i)
+        alts.push_back({value(a[i], fmt::format("{}/{}/{}", path, comb, i))});
       return b_.rule(comb, alts);
     }
     std::vector<std::string> types = types_of(s, path);
     if (s.contains("enum") || s.contains("const")) {
       auto extra = validation_keys(s, {"enum", "const", "type", "nullable"});
       if (!extra.empty())
-        schema_fail(fmt::format("'enum'/'const' with the sibling keyword '{}' at {} is not supported", extra[0],
-                                at(path)));
+        schema_fail(fmt::format("'enum'/'const' with the sibling keyword '{}' at {} is not supported",
+                                extra[0], at(path)));
       std::vector<std::vector<Sym>> alts;
       for (const Json& v : enum_values(s, path)) {
         std::string t = json_type_of(v);
         bool ok = types.empty();
         for (auto& want : types)
-          ok = ok || want == t || (want == "integer" && is_integral(v)) || (want == "number" && t == "number");
+          ok =
+              ok || want == t || (want == "integer" && is_integral(v)) || (want == "number" && t == "number");
         if (ok) alts.push_back({b_.lit(v.dump(-1, ' ', false, Json::error_handler_t::strict))});
       }
-      if (alts.empty()) schema_fail(fmt::format("no 'enum'/'const' value at {} has the schema's type", at(path)));
+      if (alts.empty())
+        schema_fail(fmt::format("no 'enum'/'const' value at {} has the schema's type", at(path)));
       return b_.rule("enum", alts);
     }
     if (types.empty()) {
@@ -899,7 +932,8 @@ class SchemaCompiler {
     if (!r.is_string()) schema_fail(fmt::format("'$ref' at {} must be a string", at(path)));
     std::string p = r.get<std::string>();
     if (p.empty() || p[0] != '#')
-      schema_fail(fmt::format("'$ref' '{}' at {}: only references within the schema (#...) are supported", p, at(path)));
+      schema_fail(fmt::format("'$ref' '{}' at {}: only references within the schema (#...) are supported", p,
+                              at(path)));
     const Json* target = &root_;
     std::string ptr = p.substr(1);
     if (!ptr.empty()) {
@@ -923,14 +957,16 @@ class SchemaCompiler {
     if (!is_integral(v) || v.get<double>() < 0)
       schema_fail(fmt::format("'{}' at {} must be a non-negative integer", k, at(path)));
     double d = v.get<double>();
-    if (d > kMaxRepeat) schema_fail(fmt::format("'{}' above {} at {} is not supported", k, kMaxRepeat, at(path)));
+    if (d > kMaxRepeat)
+      schema_fail(fmt::format("'{}' above {} at {} is not supported", k, kMaxRepeat, at(path)));
     return int64_t(d);
   }
 
   Sym typed(const Json& s, const std::string& t, const std::string& path) {
     if (t == "null") return b_.lit("null");
     if (t == "boolean") return b_.rule("boolean", {{b_.lit("true")}, {b_.lit("false")}});
-    if (t == "string") return b_.seq("string", {b_.g.byte('"'), string_body(s, path, Mode::kJson), b_.g.byte('"')});
+    if (t == "string")
+      return b_.seq("string", {b_.g.byte('"'), string_body(s, path, Mode::kJson), b_.g.byte('"')});
     if (t == "integer") return integer(s, path);
     if (t == "number") return number(s, path);
     if (t == "object") return object(s, path);
@@ -975,11 +1011,11 @@ class SchemaCompiler {
   void bounds(const Json& s, const std::string& path, Bound& lo, Bound& hi) {
     auto num = [&](const char* k) -> std::optional<double> {
       if (!s.contains(k)) return std::nullopt;
-      if (!s[k].is_number())
-        schema_fail(fmt::format("'{}' at {} must be a number", k, at(path)));
+      if (!s[k].is_number()) schema_fail(fmt::format("'{}' at {} must be a number", k, at(path)));
       return s[k].get<double>();
     };
-    auto mn = num("minimum"), emn = num("exclusiveMinimum"), mx = num("maximum"), emx = num("exclusiveMaximum");
+    auto mn = num("minimum"), emn = num("exclusiveMinimum"), mx = num("maximum"),
+         emx = num("exclusiveMaximum");
     if (mn) lo = {mn, false};
     if (emn && (!lo.v || *emn >= *lo.v)) lo = {emn, true};
     if (mx) hi = {mx, false};
@@ -992,8 +1028,10 @@ class SchemaCompiler {
     Bound lo, hi;
     bounds(s, path, lo, hi);
     if (!lo.v && !hi.v)
-      return b_.seq("integer", {b_.opt(b_.g.byte('-')),
-                                b_.rule("int", {{b_.lit("0")}, {b_.byte_range('1', '9'), b_.digits(0, kMaxIntDigits - 1)}})});
+      return b_.seq(
+          "integer",
+          {b_.opt(b_.g.byte('-')),
+           b_.rule("int", {{b_.lit("0")}, {b_.byte_range('1', '9'), b_.digits(0, kMaxIntDigits - 1)}})});
     double l = -kIntCap, h = kIntCap;
     if (lo.v) l = lo.exclusive ? std::floor(*lo.v) + 1 : std::ceil(*lo.v);
     if (hi.v) h = hi.exclusive ? std::ceil(*hi.v) - 1 : std::floor(*hi.v);
@@ -1004,10 +1042,12 @@ class SchemaCompiler {
   }
 
   // Magnitudes m with a <(=) m <(=) b, written as an integer part and an optional fraction.
-  void magnitudes(int64_t a, bool a_open, std::optional<int64_t> b, bool b_incl, std::vector<std::vector<Sym>>& out) {
+  void magnitudes(int64_t a, bool a_open, std::optional<int64_t> b, bool b_incl,
+                  std::vector<std::vector<Sym>>& out) {
     Sym any_frac = b_.opt(b_.seq("frac", {b_.g.byte('.'), b_.digits(1, kMaxFracDigits)}));
     Sym nz_frac = b_.seq("frac", {b_.g.byte('.'), b_.digits(0, kMaxFracDigits - 1), b_.byte_range('1', '9')});
-    Sym zero_frac = b_.opt(b_.seq("frac", {b_.g.byte('.'), b_.repeat(b_.g.byte('0'), 1, kMaxFracDigits, "digits")}));
+    Sym zero_frac =
+        b_.opt(b_.seq("frac", {b_.g.byte('.'), b_.repeat(b_.g.byte('0'), 1, kMaxFracDigits, "digits")}));
     const int64_t top = b ? *b : int64_t(kIntCap);
     if (b && a == *b) {
       if (!a_open && b_incl) out.push_back({b_.nonneg_range(a, a), zero_frac});
@@ -1028,8 +1068,8 @@ class SchemaCompiler {
     if (!lo.v && !hi.v) return b_.any_number();
     for (auto* bd : {&lo, &hi})
       if (bd->v && (*bd->v != std::floor(*bd->v) || std::fabs(*bd->v) > kIntCap))
-        schema_fail(fmt::format("bounds of a 'number' at {} must be integers (non-integer bounds are not supported)",
-                                at(path)));
+        schema_fail(fmt::format(
+            "bounds of a 'number' at {} must be integers (non-integer bounds are not supported)", at(path)));
     std::optional<int64_t> L, H;
     if (lo.v) L = int64_t(*lo.v);
     if (hi.v) H = int64_t(*hi.v);
@@ -1102,14 +1142,17 @@ class SchemaCompiler {
     std::vector<std::pair<std::string, const Json*>> props;
     static const Json kAny = true;
     if (s.contains("properties")) {
-      if (!s["properties"].is_object()) schema_fail(fmt::format("'properties' at {} must be an object", at(path)));
+      if (!s["properties"].is_object())
+        schema_fail(fmt::format("'properties' at {} must be an object", at(path)));
       for (auto& [k, v] : s["properties"].items()) props.push_back({k, &v});
     }
     std::set<std::string> required;
     if (s.contains("required")) {
-      if (!s["required"].is_array()) schema_fail(fmt::format("'required' at {} must be an array of strings", at(path)));
+      if (!s["required"].is_array())
+        schema_fail(fmt::format("'required' at {} must be an array of strings", at(path)));
       for (auto& r : s["required"]) {
-        if (!r.is_string()) schema_fail(fmt::format("'required' at {} must be an array of strings", at(path)));
+        if (!r.is_string())
+          schema_fail(fmt::format("'required' at {} must be an array of strings", at(path)));
         required.insert(r.get<std::string>());
       }
     }
@@ -1125,7 +1168,8 @@ class SchemaCompiler {
       for (auto& p : props) declared = declared || p.first == r;
       if (declared) continue;
       if (s.contains("additionalProperties") && !extra)
-        schema_fail(fmt::format("required property '{}' at {} is not allowed by 'additionalProperties'", r, at(path)));
+        schema_fail(fmt::format("required property '{}' at {} is not allowed by 'additionalProperties'", r,
+                                at(path)));
       props.push_back({r, extra ? extra : &kAny});
     }
     // rest[i][comma]: properties i.. given whether a comma must precede the next one.
@@ -1164,7 +1208,8 @@ class SchemaCompiler {
   Sym array(const Json& s, const std::string& path) {
     std::vector<const Json*> prefix;
     if (s.contains("prefixItems")) {
-      if (!s["prefixItems"].is_array()) schema_fail(fmt::format("'prefixItems' at {} must be an array", at(path)));
+      if (!s["prefixItems"].is_array())
+        schema_fail(fmt::format("'prefixItems' at {} must be an array", at(path)));
       for (auto& x : s["prefixItems"]) prefix.push_back(&x);
     }
     int64_t mn = count(s, "minItems", path, 0), mx = count(s, "maxItems", path, -1);
@@ -1183,7 +1228,8 @@ class SchemaCompiler {
     if (items_false) mx = mx < 0 ? P : std::min(mx, P);
     if (mx >= 0 && mn > mx) schema_fail(fmt::format("no array length satisfies the bounds at {}", at(path)));
     std::vector<Sym> prefix_syms;
-    for (int64_t i = 0; i < P; ++i) prefix_syms.push_back(value(*prefix[size_t(i)], fmt::format("{}/prefixItems/{}", path, i)));
+    for (int64_t i = 0; i < P; ++i)
+      prefix_syms.push_back(value(*prefix[size_t(i)], fmt::format("{}/prefixItems/{}", path, i)));
     auto elem = [&](int64_t i) { return i < P ? prefix_syms[size_t(i)] : item; };
     auto with_sep = [&](int64_t i, Sym e) {
       return i > 0 ? std::vector<Sym>{b_.g.byte(','), e} : std::vector<Sym>{e};
@@ -1265,7 +1311,8 @@ std::shared_ptr<Grammar> regex_grammar(const std::string& pattern) {
   return finish(g, regex_rule(b, pattern, Mode::kRaw));
 }
 
-std::shared_ptr<Grammar> tool_call_grammar(const std::vector<ToolSpec>& tools, ToolMode mode, const Framing& f) {
+std::shared_ptr<Grammar> tool_call_grammar(const std::vector<ToolSpec>& tools, ToolMode mode,
+                                           const Framing& f, const ToolContent& content) {
   if (tools.empty()) throw SchemaError("tool calls need at least one tool");
   auto g = std::make_shared<Grammar>();
   Builder b(*g);
@@ -1280,7 +1327,8 @@ std::shared_ptr<Grammar> tool_call_grammar(const std::vector<ToolSpec>& tools, T
       name_chars.add_range(0x20, 0xFF);
       for (uint8_t c : {uint8_t('<'), uint8_t('>')}) name_chars.w[c >> 6] &= ~(uint64_t(1) << (c & 63));
       Sym pname = b.repeat(g->bytes(name_chars), 1, -1, "a parameter name");
-      Sym param = b.seq("param", {b.lit("<parameter="), pname, b.lit(">\n"), b.raw_free(), b.lit("\n</parameter>\n")});
+      Sym param = b.seq("param",
+                        {b.lit("<parameter="), pname, b.lit(">\n"), b.raw_free(), b.lit("\n</parameter>\n")});
       body.push_back(b.star(param));
     } else if (tool.parameters.is_object()) {
       const Json& p = tool.parameters;
@@ -1289,17 +1337,20 @@ std::shared_ptr<Grammar> tool_call_grammar(const std::vector<ToolSpec>& tools, T
       for (auto& [k, v] : p.items())
         if (!kAnnotations.count(k) && k != "type" && k != "properties" && k != "required" &&
             k != "additionalProperties")
-          throw SchemaError(fmt::format("unsupported keyword '{}' at {} (parameters must be an object schema)", k, where));
+          throw SchemaError(
+              fmt::format("unsupported keyword '{}' at {} (parameters must be an object schema)", k, where));
       if (p.contains("type") && p["type"] != "object")
         throw SchemaError(fmt::format("'type' at {} must be \"object\"", where));
       std::set<std::string> required;
       if (p.contains("required")) {
-        if (!p["required"].is_array()) throw SchemaError(fmt::format("'required' at {} must be an array", where));
+        if (!p["required"].is_array())
+          throw SchemaError(fmt::format("'required' at {} must be an array", where));
         for (auto& r : p["required"])
           if (r.is_string()) required.insert(r.get<std::string>());
       }
       if (p.contains("properties")) {
-        if (!p["properties"].is_object()) throw SchemaError(fmt::format("'properties' at {} must be an object", where));
+        if (!p["properties"].is_object())
+          throw SchemaError(fmt::format("'properties' at {} must be an object", where));
         for (auto& [k, v] : p["properties"].items()) {
           std::string ppath = "/properties/" + k;
           Sym val = is_string_parameter(v) ? c.raw_string(v, ppath)
@@ -1313,7 +1364,8 @@ std::shared_ptr<Grammar> tool_call_grammar(const std::vector<ToolSpec>& tools, T
         }
       }
       if (!required.empty())
-        throw SchemaError(fmt::format("required parameter '{}' at {} is not in 'properties'", *required.begin(), where));
+        throw SchemaError(
+            fmt::format("required parameter '{}' at {} is not in 'properties'", *required.begin(), where));
     }
     body.push_back(b.lit("</function>\n</tool_call>"));
     rests.push_back(body);
@@ -1322,6 +1374,13 @@ std::shared_ptr<Grammar> tool_call_grammar(const std::vector<ToolSpec>& tools, T
   Sym call = b.seq("call", {b.lit("<tool_call>"), rest});
   Sym more = b.star(b.seq("more", {b.lit("\n"), call}));
   if (mode == ToolMode::kRequired) return finish(g, framed(b, b.seq("calls", {call, more}), f));
+  if (content.kind != ToolContent::Kind::kFree) {
+    // A JSON answer or calls.
+    Sym doc = content.kind == ToolContent::Kind::kJsonObject
+                  ? b.any_object()
+                  : SchemaCompiler(b, content.schema).value(content.schema, "");
+    return finish(g, framed(b, b.rule("answer", {{doc}, {call, more}}), f));
+  }
   // Free text up to the first "<tool_call>" (a KMP automaton over bytes), then calls only.
   const std::string w = "<tool_call>";
   const size_t n = w.size();

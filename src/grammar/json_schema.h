@@ -38,17 +38,22 @@ std::shared_ptr<Grammar> regex_grammar(const std::string& pattern);
 
 struct ToolSpec {
   std::string name;
-  Json parameters;  // null: no schema (no parameters are generated)
+  Json parameters;          // null: no schema (no parameters are generated)
   bool constrained = true;  // false: any parameters with any values
 };
 enum class ToolMode {
   kRequired,  // one or more calls, nothing else
   kAuto,      // free text, then optionally calls
 };
+// What kAuto allows instead of calls: free text, or a JSON document (response_format).
+struct ToolContent {
+  enum class Kind { kFree, kJsonObject, kJsonSchema } kind = Kind::kFree;
+  Json schema;
+};
 // Qwen3.6's tool-call text: <tool_call>\n<function=NAME>\n(<parameter=P>\nVALUE\n</parameter>\n)*
 // </function>\n</tool_call>, calls separated by "\n". A parameter whose schema type is "string"
 // (or string and null) is raw text, as the output parser reads it; others are compact JSON.
 std::shared_ptr<Grammar> tool_call_grammar(const std::vector<ToolSpec>& tools, ToolMode mode,
-                                           const Framing& f = {});
+                                           const Framing& f = {}, const ToolContent& content = {});
 
 }  // namespace tansy::grammar

@@ -29,6 +29,7 @@ struct ApiError : std::runtime_error {
                            const std::string& code = {});
 
 enum class ToolChoice { kNone, kAuto, kRequired, kNamed };
+enum class ResponseFormat { kText, kJsonObject, kJsonSchema };
 
 struct ApiRequest {
   bool chat = true;
@@ -40,6 +41,9 @@ struct ApiRequest {
   std::vector<std::string> stop;
   int logprobs = -1;  // -1 none; else the number of alternatives per token
   bool ignore_eos = false;
+  // response_format (structured output): the schema is compiled when the request is prepared.
+  ResponseFormat response_format = ResponseFormat::kText;
+  Json schema;  // kJsonSchema: response_format.json_schema.schema
 
   // chat
   text::RenderRequest render;  // messages, tools, template switches
