@@ -28,10 +28,42 @@ std::shared_ptr<Vocabulary> small_vocab() {
   const std::string alpha = "{}[]\":,01-.tfaelnrubx\\ ";
   for (char a : alpha)
     for (char b : alpha) v->bytes.push_back(std::string{a, b});
-  for (const char* t : {"true", "false", "null", "\"a\"", "\":", "},{", "\":\"", "12", "-1", "\"b\":", "[1,",
-                        "\"x\":[", "]}", "\"}", "0.5", "1e", "\\u00", "\\\"", "é", "\xc3", "\xa9\"", "abc",
-                        "\"abc\"", "],[", "\"ok\",\"", "10", "99", "-0", "00", "ab\n", "\n<", "<tool_call>",
-                        "\n<function=f>\n", "</parameter>\n", "<parameter=a>\n", "\n</parameter>\n"})
+  for (const char* t : {"true",
+                        "false",
+                        "null",
+                        "\"a\"",
+                        "\":",
+                        "},{",
+                        "\":\"",
+                        "12",
+                        "-1",
+                        "\"b\":",
+                        "[1,",
+                        "\"x\":[",
+                        "]}",
+                        "\"}",
+                        "0.5",
+                        "1e",
+                        "\\u00",
+                        "\\\"",
+                        "é",
+                        "\xc3",
+                        "\xa9\"",
+                        "abc",
+                        "\"abc\"",
+                        "],[",
+                        "\"ok\",\"",
+                        "10",
+                        "99",
+                        "-0",
+                        "00",
+                        "ab\n",
+                        "\n<",
+                        "<tool_call>",
+                        "\n<function=f>\n",
+                        "</parameter>\n",
+                        "<parameter=a>\n",
+                        "\n</parameter>\n"})
     v->bytes.push_back(t);
   v->bytes.push_back("");  // end of turn
   v->trie = std::make_shared<VocabTrie>(v->bytes);
@@ -214,12 +246,14 @@ TEST(GrammarMask, RandomDocumentsParseAndMatch) {
     for (unsigned char ch : s) chars += (ch & 0xC0) != 0x80;
     ASSERT_LE(chars, 5u) << text;
     ASSERT_GE(doc["i"].get<int64_t>(), -5) << text;
-    for (auto& [k, v] : doc.items()) ASSERT_TRUE(k == "s" || k == "n" || k == "i" || k == "tags" || k == "any");
+    for (auto& [k, v] : doc.items())
+      ASSERT_TRUE(k == "s" || k == "n" || k == "i" || k == "tags" || k == "any");
     ++finished;
   }
   EXPECT_EQ(finished, 300);
   // Known documents: every token that spells a prefix of the rest is allowed at every point.
-  for (const char* d : {R"({"s":"a\"\u00e9é","n":-0.5e10,"i":-5})", R"({"s":"","n":0,"i":12,"tags":["x",""],"any":{"k":[null,true,1.5]}})"}) {
+  for (const char* d : {R"({"s":"a\"\u00e9é","n":-0.5e10,"i":-5})",
+                        R"({"s":"","n":0,"i":12,"tags":["x",""],"any":{"k":[null,true,1.5]}})"}) {
     GrammarConstraint c(rt, vocab, {{eot(*vocab)}, std::nullopt, -1});
     std::string rest = d;
     while (!rest.empty()) {
@@ -245,9 +279,9 @@ bool accepts(Runtime& rt, const std::string& s) {
 
 TEST(GrammarRegex, AgreesWithStdRegex) {
   auto vocab = small_vocab();
-  const std::vector<std::string> patterns = {"^a(b|c)*d$", "^[a-c]{2,4}$", "^x?y+z*$", "^(ab|a)(bc|c)?$",
-                                             "^\\d{3}-\\d{2}$", "^[^ab]+$", "b", "^a.c$", "^(a|b){0,3}c{1}$",
-                                             "^[\\w-]+$"};
+  const std::vector<std::string> patterns = {
+      "^a(b|c)*d$", "^[a-c]{2,4}$", "^x?y+z*$",         "^(ab|a)(bc|c)?$", "^\\d{3}-\\d{2}$", "^[^ab]+$",
+      "b",          "^a.c$",        "^(a|b){0,3}c{1}$", "^[\\w-]+$"};
   const std::string alphabet = "abcdxyz-01 _";
   std::mt19937_64 rng(3);
   for (auto& p : patterns) {
@@ -273,24 +307,28 @@ TEST(GrammarSchema, FormatsAndPatternsInsideJson) {
   check(R"({"type":"string","format":"date"})", {R"("2024-02-28")", R"("1999-12-31")"},
         {R"("2024-02-30")", R"("2024-13-01")", R"("24-01-01")"});
   check(R"({"type":"string","format":"uuid"})", {R"("123e4567-e89b-12d3-a456-426614174000")"}, {R"("123")"});
-  check(R"({"type":"string","format":"date-time"})", {R"("2024-01-05T10:20:30Z")", R"("2024-01-05T10:20:30.5+02:00")"},
-        {R"("2024-01-05 10:20:30")"});
+  check(R"({"type":"string","format":"date-time"})",
+        {R"("2024-01-05T10:20:30Z")", R"("2024-01-05T10:20:30.5+02:00")"}, {R"("2024-01-05 10:20:30")"});
   check(R"({"type":"string","format":"email"})", {R"("a.b@example.com")"}, {R"("a@b")", R"("@x.com")"});
   check(R"({"type":"string","pattern":"^\"[a-z]+\\\\$"})", {R"("\"ab\\")"}, {R"(""ab\")"});
   check(R"({"type":"string","minLength":2,"maxLength":3})", {R"("ab")", R"("a\nb")", R"("\u00e9éx")"},
         {R"("a")", R"("abcd")", R"("\ud83d\ude00")"});
-  check(R"({"type":"number","minimum":0,"maximum":1})", {"0", "0.25", "1", "1.000"}, {"-0.5", "1.5", "1.01", "2"});
+  check(R"({"type":"number","minimum":0,"maximum":1})", {"0", "0.25", "1", "1.000"},
+        {"-0.5", "1.5", "1.01", "2"});
   check(R"({"type":"number","exclusiveMinimum":-2,"exclusiveMaximum":3})", {"-1.999", "0", "2.5", "-1"},
         {"-2", "3", "3.0", "-2.0", "-3"});
   check(R"({"type":"integer","exclusiveMinimum":0,"maximum":10})", {"1", "10"}, {"0", "11", "01", "-1"});
   check(R"({"type":["string","null"]})", {"null", R"("x")"}, {"1"});
   check(R"({"type":"string","nullable":true,"maxLength":1})", {"null", R"("x")"}, {R"("xy")"});
-  check(R"({"type":"object","properties":{"a":{"type":"integer"}},"additionalProperties":{"type":"boolean"}})",
-        {R"({"a":1,"b":true})", R"({"ab":false})", "{}"}, {R"({"a":true})", R"({"b":1})", R"({"a":1,"a":true})"});
+  check(
+      R"({"type":"object","properties":{"a":{"type":"integer"}},"additionalProperties":{"type":"boolean"}})",
+      {R"({"a":1,"b":true})", R"({"ab":false})", "{}"},
+      {R"({"a":true})", R"({"b":1})", R"({"a":1,"a":true})"});
   check(R"({"type":"array","prefixItems":[{"type":"integer"},{"type":"string"}],"items":false})",
         {"[]", "[1]", R"([1,"a"])"}, {R"([1,"a",2])", R"(["a"])"});
-  check(R"({"$ref":"#/$defs/t","$defs":{"t":{"type":"object","properties":{"c":{"type":"array","items":{"$ref":"#/$defs/t"}}}}}})",
-        {"{}", R"({"c":[]})", R"({"c":[{"c":[{}]}]})"}, {R"({"c":[1]})"});
+  check(
+      R"({"$ref":"#/$defs/t","$defs":{"t":{"type":"object","properties":{"c":{"type":"array","items":{"$ref":"#/$defs/t"}}}}}})",
+      {"{}", R"({"c":[]})", R"({"c":[{"c":[{}]}]})"}, {R"({"c":[1]})"});
 }
 
 TEST(GrammarSchema, UnsupportedKeywordsAreNamed) {
@@ -303,43 +341,55 @@ TEST(GrammarSchema, UnsupportedKeywordsAreNamed) {
     return std::string("(accepted)");
   };
   EXPECT_NE(err(R"({"type":"array","uniqueItems":true})").find("'uniqueItems'"), std::string::npos);
-  EXPECT_NE(err(R"({"type":"object","properties":{"a":{"type":"integer","multipleOf":3}}})").find("'multipleOf' at '/properties/a'"),
+  EXPECT_NE(err(R"({"type":"object","properties":{"a":{"type":"integer","multipleOf":3}}})")
+                .find("'multipleOf' at '/properties/a'"),
             std::string::npos);
   EXPECT_NE(err(R"({"type":"string","pattern":"(?=a)b"})").find("lookaround"), std::string::npos);
   EXPECT_NE(err(R"({"type":"string","format":"hostname"})").find("'hostname'"), std::string::npos);
   EXPECT_NE(err(R"({"$ref":"#/$defs/missing"})").find("does not resolve"), std::string::npos);
-  EXPECT_NE(err(R"({"$defs":{"a":{"$ref":"#/$defs/a"}},"$ref":"#/$defs/a"})").find("cannot be generated"), std::string::npos);
-  EXPECT_NE(err(R"({"type":"object","properties":{"a":{"$ref":"#"}},"required":["a"]})").find("cannot be generated"),
+  EXPECT_NE(err(R"({"$defs":{"a":{"$ref":"#/$defs/a"}},"$ref":"#/$defs/a"})").find("cannot be generated"),
+            std::string::npos);
+  EXPECT_NE(err(R"({"type":"object","properties":{"a":{"$ref":"#"}},"required":["a"]})")
+                .find("cannot be generated"),
             std::string::npos);
   EXPECT_EQ(err(R"({"type":"object","properties":{"a":{"$ref":"#"}}})"), "(accepted)");
 }
 
 TEST(GrammarTools, CallsFollowTheParameterSchema) {
   auto vocab = small_vocab();
-  J params = J::parse(R"({"type":"object","properties":{"city":{"type":"string"},"days":{"type":"integer","minimum":1,"maximum":7},
+  J params = J::parse(
+      R"({"type":"object","properties":{"city":{"type":"string"},"days":{"type":"integer","minimum":1,"maximum":7},
       "unit":{"type":"string","enum":["c","f"]}},"required":["city","days"]})");
   auto g = tool_call_grammar({{"f", params, true}, {"g", J(), true}}, ToolMode::kRequired, {true});
   Runtime rt(g, vocab->trie);
-  EXPECT_TRUE(accepts(rt, "\n\n<tool_call>\n<function=f>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
-                          "</parameter>\n</function>\n</tool_call>"));
-  EXPECT_TRUE(accepts(rt, "<tool_call>\n<function=g>\n</function>\n</tool_call>\n<tool_call>\n<function=f>\n<parameter=city>\n"
-                          "a b\nc\n</parameter>\n<parameter=days>\n7\n</parameter>\n<parameter=unit>\nf\n</parameter>\n"
-                          "</function>\n</tool_call>"));
-  EXPECT_FALSE(accepts(rt, "<tool_call>\n<function=f>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"));
-  EXPECT_FALSE(accepts(rt, "<tool_call>\n<function=f>\n<parameter=city>\nx\n<y\n</parameter>\n<parameter=days>\n3\n"
-                           "</parameter>\n</function>\n</tool_call>"));
+  EXPECT_TRUE(
+      accepts(rt,
+              "\n\n<tool_call>\n<function=f>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
+              "</parameter>\n</function>\n</tool_call>"));
+  EXPECT_TRUE(accepts(
+      rt,
+      "<tool_call>\n<function=g>\n</function>\n</tool_call>\n<tool_call>\n<function=f>\n<parameter=city>\n"
+      "a b\nc\n</parameter>\n<parameter=days>\n7\n</parameter>\n<parameter=unit>\nf\n</parameter>\n"
+      "</function>\n</tool_call>"));
+  EXPECT_FALSE(accepts(
+      rt, "<tool_call>\n<function=f>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"));
+  EXPECT_FALSE(
+      accepts(rt,
+              "<tool_call>\n<function=f>\n<parameter=city>\nx\n<y\n</parameter>\n<parameter=days>\n3\n"
+              "</parameter>\n</function>\n</tool_call>"));
   EXPECT_FALSE(accepts(rt, "hello"));
   Runtime autort(tool_call_grammar({{"f", params, true}}, ToolMode::kAuto), vocab->trie);
   EXPECT_TRUE(accepts(autort, "just text < tool"));
-  EXPECT_TRUE(accepts(autort, "I'll call it.\n\n<tool_call>\n<function=f>\n<parameter=city>\nx\n</parameter>\n"
-                              "<parameter=days>\n1\n</parameter>\n</function>\n</tool_call>"));
+  EXPECT_TRUE(accepts(autort,
+                      "I'll call it.\n\n<tool_call>\n<function=f>\n<parameter=city>\nx\n</parameter>\n"
+                      "<parameter=days>\n1\n</parameter>\n</function>\n</tool_call>"));
   EXPECT_FALSE(accepts(autort, "x<tool_call>\n<function=f>\n</function>\n</tool_call>"));
 }
 
 TEST(GrammarConstraint, StartsAfterTheReasoningAndHonoursTheBudget) {
   auto vocab = small_vocab();
-  auto rt = std::make_shared<Runtime>(json_schema_grammar(J::parse(R"({"type":"array","items":{"type":"string"}})"), {true}),
-                                      vocab->trie);
+  auto rt = std::make_shared<Runtime>(
+      json_schema_grammar(J::parse(R"({"type":"array","items":{"type":"string"}})"), {true}), vocab->trie);
   const int32_t think_end = int32_t('T');  // stands for "</think>"
   GrammarConstraint c(rt, vocab, {{eot(*vocab)}, think_end, 10});
   EXPECT_FALSE(c.active());
@@ -353,7 +403,8 @@ TEST(GrammarConstraint, StartsAfterTheReasoningAndHonoursTheBudget) {
     // Prefer the longest allowed token: that is what would overrun the budget.
     int32_t pick = -1;
     for (int32_t id = 0; id < eot(*vocab); ++id)
-      if (bit(mask, id) && (pick < 0 || vocab->bytes[size_t(id)].size() >= vocab->bytes[size_t(pick)].size())) pick = id;
+      if (bit(mask, id) && (pick < 0 || vocab->bytes[size_t(id)].size() >= vocab->bytes[size_t(pick)].size()))
+        pick = id;
     if (pick < 0) break;
     c.accept(pick);
     text += vocab->bytes[size_t(pick)];
@@ -369,7 +420,8 @@ TEST(GrammarConstraint, QwenTokenizerMasks) {
   Tokenizer tok = Tokenizer::load(test::source_dir() / "tests" / "fixtures" / "qwen3-tokenizer");
   auto vocab = Vocabulary::of(tok);
   auto rt = std::make_shared<Runtime>(
-      json_schema_grammar(J::parse(R"({"type":"object","properties":{"name":{"type":"string"},"n":{"type":"integer"}},"required":["name","n"]})")),
+      json_schema_grammar(J::parse(
+          R"({"type":"object","properties":{"name":{"type":"string"},"n":{"type":"integer"}},"required":["name","n"]})")),
       vocab->trie);
   auto im_end = *tok.token_id("<|im_end|>");
   GrammarConstraint c(rt, vocab, {{im_end}, std::nullopt, -1});
