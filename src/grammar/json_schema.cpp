@@ -676,6 +676,70 @@ class RegexParser {
   size_t pos_ = 0;
 };
 
+bool nullable(const Re& re) {
+  switch (re.kind) {
+    case Re::Kind::kChars:
+      return false;
+    case Re::Kind::kSeq:
+      for (auto& k : re.kids)
+        if (!nullable(k)) return false;
+      return true;
+    case Re::Kind::kAlt:
+      for (auto& k : re.kids)
+        if (nullable(k)) return true;
+      return false;
+    case Re::Kind::kRepeat:
+      return re.min == 0 || nullable(re.kids[0]);
+  }
+  return true;
+}
+
+// The same language without the empty string (nullopt: it held only the empty string). A
+// repetition of something nullable is emitted as one of its non-empty form ((a?){n} as a{0,n},
+// (a*)* as (a+)*): the matcher would otherwise meet an empty loop or thousands of equal stacks.
+std::optional<Re> nonempty(const Re& re) {
+  if (!nullable(re)) return re;
+  Re a;
+  a.kind = Re::Kind::kAlt;
+  switch (re.kind) {
+    case Re::Kind::kChars:
+      return re;
+    case Re::Kind::kAlt:
+      for (auto& k : re.kids)
+        if (auto n = nonempty(k)) a.kids.push_back(*n);
+      break;
+    case Re::Kind::kSeq:
+      // Every part is nullable: some part is the first non-empty one, the rest may follow.
+      for (size_t i = 0; i < re.kids.size(); ++i) {
+        auto n = nonempty(re.kids[i]);
+        if (!n) continue;
+        Re s;
+        s.kind = Re::Kind::kSeq;
+        s.kids.push_back(*n);
+        for (size_t j = i + 1; j < re.kids.size(); ++j) s.kids.push_back(re.kids[j]);
+        a.kids.push_back(s);
+      }
+      break;
+    case Re::Kind::kRepeat: {
+      auto inner = nonempty(re.kids[0]);
+      if (!inner || re.max == 0) return std::nullopt;
+      // x{m,n} with x nullable (or m = 0) is (x+){0,n}; without the empty string: x+ (x+){0,n-1}.
+      Re rest;
+      rest.kind = Re::Kind::kRepeat;
+      rest.min = 0;
+      rest.max = re.max < 0 ? -1 : re.max - 1;
+      rest.kids.push_back(*inner);
+      Re s;
+      s.kind = Re::Kind::kSeq;
+      s.kids.push_back(*inner);
+      s.kids.push_back(rest);
+      return s;
+    }
+  }
+  if (a.kids.empty()) return std::nullopt;
+  return a;
+}
+
 Sym emit_regex(Builder& b, const Re& re, Mode mode) {
   switch (re.kind) {
     case Re::Kind::kChars: {
@@ -694,9 +758,15 @@ Sym emit_regex(Builder& b, const Re& re, Mode mode) {
       for (auto& k : re.kids) alts.push_back({emit_regex(b, k, mode)});
       return b.rule("re_alt", alts);
     }
-    case Re::Kind::kRepeat:
+    case Re::Kind::kRepeat: {
+      if (nullable(re.kids[0])) {
+        auto inner = nonempty(re.kids[0]);
+        if (!inner || re.max == 0) return b.seq("re_empty", {});
+        return b.repeat(emit_regex(b, *inner, mode), 0, re.max, "a regular expression repetition count");
+      }
       return b.repeat(emit_regex(b, re.kids[0], mode), re.min, re.max,
                       "a regular expression repetition count");
+    }
   }
   return b.seq("re_empty", {});
 }

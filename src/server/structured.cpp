@@ -56,8 +56,8 @@ std::string content_key(const ApiRequest& r) {
 }  // namespace
 
 std::shared_ptr<TokenConstraint> chat_constraint(const ApiRequest& r, const Tokenizer& tok,
-                                                 std::span<const int32_t> end_tokens, bool starts_in_reasoning,
-                                                 int max_tokens) {
+                                                 std::span<const int32_t> end_tokens,
+                                                 bool starts_in_reasoning, int max_tokens) {
   std::optional<int32_t> start_after;
   if (starts_in_reasoning) {
     start_after = tok.token_id("</think>");

@@ -15,8 +15,8 @@ namespace tansy::server {
 // Null when the request is unconstrained. Throws ApiError (400, naming the field) for a schema
 // outside the supported subset. starts_in_reasoning: the constraint applies after "</think>".
 std::shared_ptr<TokenConstraint> chat_constraint(const ApiRequest& r, const Tokenizer& tok,
-                                                 std::span<const int32_t> end_tokens, bool starts_in_reasoning,
-                                                 int max_tokens);
+                                                 std::span<const int32_t> end_tokens,
+                                                 bool starts_in_reasoning, int max_tokens);
 std::shared_ptr<TokenConstraint> completion_constraint(const ApiRequest& r, const Tokenizer& tok,
                                                        std::span<const int32_t> end_tokens, int max_tokens);
 

@@ -280,8 +280,10 @@ bool accepts(Runtime& rt, const std::string& s) {
 TEST(GrammarRegex, AgreesWithStdRegex) {
   auto vocab = small_vocab();
   const std::vector<std::string> patterns = {
-      "^a(b|c)*d$", "^[a-c]{2,4}$", "^x?y+z*$",         "^(ab|a)(bc|c)?$", "^\\d{3}-\\d{2}$", "^[^ab]+$",
-      "b",          "^a.c$",        "^(a|b){0,3}c{1}$", "^[\\w-]+$"};
+      "^a(b|c)*d$",       "^[a-c]{2,4}$",     "^x?y+z*$",   "^(ab|a)(bc|c)?$",
+      "^\\d{3}-\\d{2}$",  "^[^ab]+$",         "b",          "^a.c$",
+      "^(a|b){0,3}c{1}$", "^[\\w-]+$",        "^(a?){3}b$", "^((a*)*b?)*$",
+      "^(a|b?c?){2,3}$",  "^(ab?|c*){0,2}d*$"};
   const std::string alphabet = "abcdxyz-01 _";
   std::mt19937_64 rng(3);
   for (auto& p : patterns) {
