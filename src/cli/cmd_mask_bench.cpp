@@ -22,7 +22,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using tansy::grammar::Json;
 
-double us_since(Clock::time_point t) { return std::chrono::duration<double, std::micro>(Clock::now() - t).count(); }
+double us_since(Clock::time_point t) {
+  return std::chrono::duration<double, std::micro>(Clock::now() - t).count();
+}
 
 double quantile(std::vector<double> v, double q) {
   if (v.empty()) return 0;
@@ -56,10 +58,10 @@ int run(const std::vector<std::string>& args) {
   std::vector<uint32_t> mask((size_t(tok.vocab_size()) + 31) / 32);
   std::vector<double> all_cold, all_warm, compiles;
   Json per_case = Json::array();
-  fmt::print("vocabulary: {} tokens, trie {} nodes, built in {:.0f} ms\n", tok.vocab_size(), vocab->trie->nodes(),
-             vocab_ms);
-  fmt::print("{:<18} {:>6} {:>11} {:>12} {:>12} {:>12} {:>12}\n", "case", "tokens", "compile ms", "cold med us",
-             "cold p90 us", "cold max us", "warm med us");
+  fmt::print("vocabulary: {} tokens, trie {} nodes, built in {:.0f} ms\n", tok.vocab_size(),
+             vocab->trie->nodes(), vocab_ms);
+  fmt::print("{:<18} {:>6} {:>11} {:>12} {:>12} {:>12} {:>12}\n", "case", "tokens", "compile ms",
+             "cold med us", "cold p90 us", "cold max us", "warm med us");
   for (const Json& c : cases) {
     const std::string text = c.contains("text") ? c["text"].get<std::string>() : c["doc"].dump();
     const std::vector<int32_t> ids = tok.encode(text, true);
@@ -76,36 +78,53 @@ int run(const std::vector<std::string>& args) {
         con.fill_mask(mask);
         (pass == 0 ? cold : warm).push_back(us_since(ts));
         if (!((mask[size_t(id) >> 5] >> (id & 31)) & 1))
-          tansy::fail("case {}: the document's token {} ('{}') is masked out", c["name"].get<std::string>(), id,
-                      tok.token_bytes(id));
+          tansy::fail("case {}: the document's token {} ('{}') is masked out", c["name"].get<std::string>(),
+                      id, tok.token_bytes(id));
         con.accept(id);
       }
       if (!con.can_end()) tansy::fail("case {}: the document is not complete", c["name"].get<std::string>());
     }
     all_cold.insert(all_cold.end(), cold.begin(), cold.end());
     all_warm.insert(all_warm.end(), warm.begin(), warm.end());
-    fmt::print("{:<18} {:>6} {:>11.2f} {:>12.1f} {:>12.1f} {:>12.0f} {:>12.1f}\n", c["name"].get<std::string>(),
-               ids.size(), compile_ms, quantile(cold, 0.5), quantile(cold, 0.9), quantile(cold, 1.0),
-               quantile(warm, 0.5));
-    per_case.push_back({{"case", c["name"]},
-                        {"tokens", ids.size()},
-                        {"compile_ms", compile_ms},
-                        {"cold_us", {{"median", quantile(cold, 0.5)}, {"p90", quantile(cold, 0.9)}, {"max", quantile(cold, 1.0)}}},
-                        {"warm_us", {{"median", quantile(warm, 0.5)}, {"p90", quantile(warm, 0.9)}, {"max", quantile(warm, 1.0)}}},
-                        {"states", rt->states()}});
+    fmt::print("{:<18} {:>6} {:>11.2f} {:>12.1f} {:>12.1f} {:>12.0f} {:>12.1f}\n",
+               c["name"].get<std::string>(), ids.size(), compile_ms, quantile(cold, 0.5), quantile(cold, 0.9),
+               quantile(cold, 1.0), quantile(warm, 0.5));
+    per_case.push_back(
+        {{"case", c["name"]},
+         {"tokens", ids.size()},
+         {"compile_ms", compile_ms},
+         {"cold_us",
+          {{"median", quantile(cold, 0.5)}, {"p90", quantile(cold, 0.9)}, {"max", quantile(cold, 1.0)}}},
+         {"warm_us",
+          {{"median", quantile(warm, 0.5)}, {"p90", quantile(warm, 0.9)}, {"max", quantile(warm, 1.0)}}},
+         {"states", rt->states()}});
   }
   Json out = {{"vocab_size", tok.vocab_size()},
               {"trie_nodes", vocab->trie->nodes()},
               {"vocab_build_ms", vocab_ms},
               {"threads", 1},
               {"warm_passes", repeat},
-              {"cold_us", {{"median", quantile(all_cold, 0.5)}, {"p90", quantile(all_cold, 0.9)}, {"max", quantile(all_cold, 1.0)}, {"mean", [&] { double s = 0; for (double x : all_cold) s += x; return all_cold.empty() ? 0 : s / double(all_cold.size()); }()}}},
-              {"warm_us", {{"median", quantile(all_warm, 0.5)}, {"p90", quantile(all_warm, 0.9)}, {"max", quantile(all_warm, 1.0)}}},
+              {"cold_us",
+               {{"median", quantile(all_cold, 0.5)},
+                {"p90", quantile(all_cold, 0.9)},
+                {"max", quantile(all_cold, 1.0)},
+                {"mean",
+                 [&] {
+                   double s = 0;
+                   for (double x : all_cold) s += x;
+                   return all_cold.empty() ? 0 : s / double(all_cold.size());
+                 }()}}},
+              {"warm_us",
+               {{"median", quantile(all_warm, 0.5)},
+                {"p90", quantile(all_warm, 0.9)},
+                {"max", quantile(all_warm, 1.0)}}},
               {"compile_ms", {{"median", quantile(compiles, 0.5)}, {"max", quantile(compiles, 1.0)}}},
               {"cases", per_case}};
-  fmt::print("all: cold median {:.1f} us (p90 {:.1f}, max {:.0f}), warm median {:.1f} us; compile median {:.2f} ms, max {:.2f} ms\n",
-             quantile(all_cold, 0.5), quantile(all_cold, 0.9), quantile(all_cold, 1.0), quantile(all_warm, 0.5),
-             quantile(compiles, 0.5), quantile(compiles, 1.0));
+  fmt::print(
+      "all: cold median {:.1f} us (p90 {:.1f}, max {:.0f}), warm median {:.1f} us; compile median {:.2f} ms, "
+      "max {:.2f} ms\n",
+      quantile(all_cold, 0.5), quantile(all_cold, 0.9), quantile(all_cold, 1.0), quantile(all_warm, 0.5),
+      quantile(compiles, 0.5), quantile(compiles, 1.0));
   if (flags.has("out")) {
     std::ofstream o(flags.get("out"));
     o << out.dump(2) << "\n";
@@ -114,6 +133,7 @@ int run(const std::vector<std::string>& args) {
   return 0;
 }
 
-tansy::cli::Register reg("mask-bench", "time structured-output token masks (--model DIR --schemas FILE)", run);
+tansy::cli::Register reg("mask-bench", "time structured-output token masks (--model DIR --schemas FILE)",
+                         run);
 
 }  // namespace

@@ -6,6 +6,7 @@ output must parse and validate (Python's jsonschema, formats checked) whatever i
 """
 import copy
 import json
+import os
 from typing import List, Literal, Optional
 
 import jsonschema
@@ -13,7 +14,7 @@ import pytest
 import requests
 from pydantic import BaseModel, Field
 
-from api_support import MODEL_ID
+from api_support import MODEL_ID, REPO, ServerProcess
 from schema_corpus import corpus
 
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
@@ -273,3 +274,58 @@ def test_openai_client_strict_tool_parse(client):
                                       max_tokens=MAX_TOKENS, temperature=1.0, seed=4, extra_body=NO_THINK)
     call = r.choices[0].message.tool_calls[0]
     assert isinstance(call.function.parsed_arguments, Lookup)
+
+
+def test_openai_client_responses_parse(client):
+    r = client.responses.parse(model=MODEL_ID, input="A palette", text_format=Palette, max_output_tokens=MAX_TOKENS,
+                               temperature=1.0, reasoning={"effort": "none"})
+    assert isinstance(r.output_parsed, Palette), r
+    assert r.text.format.type == "json_schema"
+
+
+# ---- the bundled demo model (trained weights, its own 8k vocabulary) ------------------------
+
+DEMO = os.path.join(REPO, "models", "tansy-demo")
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    if not os.path.isdir(DEMO):
+        pytest.skip("models/tansy-demo is not in this checkout")
+    s = ServerProcess(None, str(tmp_path_factory.mktemp("logs") / "demo-structured.log"))
+    yield s
+    s.stop()
+
+
+WORD = {"type": "object", "properties": {
+    "word": {"type": "string", "maxLength": 20},
+    "part_of_speech": {"enum": ["noun", "verb", "adjective", "adverb"]},
+    "meaning": {"type": "string", "minLength": 5},
+    "examples": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 2}},
+    "required": ["word", "part_of_speech", "meaning"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("i", range(0, len(CORPUS), 6))
+def test_demo_model_outputs_validate(demo, i):
+    schemas = [WORD, CORPUS[i]]
+    for schema in schemas:
+        for run in [dict(think=True), dict(temperature=0.8, seed=i)]:
+            body = {"model": "tansy-demo", "messages": [{"role": "user", "content": "What does the word river mean?"}],
+                    "max_tokens": MAX_TOKENS, "temperature": 0,
+                    "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}}
+            body.update({k: v for k, v in run.items() if k != "think"})
+            if not run.get("think"):
+                body.update(NO_THINK)
+            r = requests.post(demo.url + "/v1/chat/completions", json=body, timeout=120).json()
+            c = r["choices"][0]
+            assert c["finish_reason"] == "stop", c
+            validate(json.loads(c["message"]["content"]), schema)
+
+
+def test_demo_model_required_tool_call(demo):
+    body = {"model": "tansy-demo", "messages": [{"role": "user", "content": "Weather in Paris and time in Tokyo?"}],
+            "tools": [WEATHER, TIME], "tool_choice": "required", "max_tokens": MAX_TOKENS}
+    for seed in range(2):
+        r = requests.post(demo.url + "/v1/chat/completions", json={**body, "temperature": 0.7, "seed": seed},
+                          timeout=120).json()
+        check_calls(r["choices"][0], set(TOOLS))
