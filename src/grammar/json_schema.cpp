@@ -1136,8 +1136,15 @@ class SchemaCompiler {
     Bound lo, hi;
     bounds(s, path, lo, hi);
     if (!lo.v && !hi.v) return b_.any_number();
+    // Bounds beyond what is generated anyway (16 integer digits) change nothing.
+    if (lo.v && *lo.v < -kIntCap) lo = {};
+    if (hi.v && *hi.v > kIntCap) hi = {};
+    if ((lo.v && *lo.v > kIntCap) || (hi.v && *hi.v < -kIntCap))
+      schema_fail(fmt::format("the bounds at {} lie beyond the {}-digit numbers tansy generates", at(path),
+                              kMaxIntDigits));
+    if (!lo.v && !hi.v) return b_.any_number();
     for (auto* bd : {&lo, &hi})
-      if (bd->v && (*bd->v != std::floor(*bd->v) || std::fabs(*bd->v) > kIntCap))
+      if (bd->v && *bd->v != std::floor(*bd->v))
         schema_fail(fmt::format(
             "bounds of a 'number' at {} must be integers (non-integer bounds are not supported)", at(path)));
     std::optional<int64_t> L, H;

@@ -319,6 +319,8 @@ TEST(GrammarSchema, FormatsAndPatternsInsideJson) {
         {"-0.5", "1.5", "1.01", "2"});
   check(R"({"type":"number","exclusiveMinimum":-2,"exclusiveMaximum":3})", {"-1.999", "0", "2.5", "-1"},
         {"-2", "3", "3.0", "-2.0", "-3"});
+  check(R"({"type":"number","minimum":-1e300,"maximum":1e300})", {"0", "-2.5e3"}, {"x"});
+  check(R"({"type":"integer","minimum":-1e300,"maximum":3})", {"-99", "3"}, {"4"});
   check(R"({"type":"integer","exclusiveMinimum":0,"maximum":10})", {"1", "10"}, {"0", "11", "01", "-1"});
   check(R"({"type":["string","null"]})", {"null", R"("x")"}, {"1"});
   check(R"({"type":"string","nullable":true,"maxLength":1})", {"null", R"("x")"}, {R"("xy")"});
