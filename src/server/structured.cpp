@@ -79,7 +79,10 @@ std::shared_ptr<TokenConstraint> chat_constraint(const ApiRequest& r, const Toke
     }
   }
   const bool forced = r.tool_choice == ToolChoice::kRequired || r.tool_choice == ToolChoice::kNamed;
-  if (forced || any_strict) {
+  // A JSON answer with tools on offer: the answer is the document or calls (with free arguments
+  // unless strict).
+  const bool json_or_calls = r.response_format != ResponseFormat::kText && !specs.empty();
+  if (forced || any_strict || json_or_calls) {
     const auto mode = forced ? grammar::ToolMode::kRequired : grammar::ToolMode::kAuto;
     grammar::ToolContent content;
     if (!forced && r.response_format == ResponseFormat::kJsonObject)
