@@ -122,10 +122,21 @@ enum class Mode { kJson, kRaw };
 
 class Builder {
  public:
-  explicit Builder(Grammar& g) : g(g) {}
+  // no_lt: for tool-call grammars. The output parser ends a parameter value at "</parameter>",
+  // "<parameter=" or "</function>" wherever they occur, so JSON there writes '<' as \u003c (same
+  // value) and raw text never has '<' before '/' or 'p'.
+  Builder(Grammar& g, bool no_lt = false) : g(g), no_lt(no_lt) {}
   Grammar& g;
+  const bool no_lt;
 
   Sym lit(std::string_view s) { return g.literal(s); }
+  // A JSON text (a literal value or key) as written into the output.
+  Sym json_lit(const std::string& json) {
+    if (!no_lt) return lit(json);
+    std::string out;
+    for (char c : json) out += c == '<' ? std::string("\\u003c") : std::string(1, c);
+    return lit(out);
+  }
   Sym rule(const std::string& name, std::vector<std::vector<Sym>> alts) {
     int r = g.add_rule(name);
     for (auto& a : alts) g.add_alt(r, std::move(a));
@@ -166,10 +177,11 @@ class Builder {
     if (mode == Mode::kJson) {
       for (auto [lo, hi] : cps)
         for (uint32_t c = lo; c <= std::min(hi, 0x1Fu); ++c) alts.push_back({lit(json_escape(c))});
-      for (uint32_t c : {uint32_t('"'), uint32_t('\\')})
+      for (uint32_t c : {uint32_t('"'), uint32_t('\\'), uint32_t('<')})
         for (auto [lo, hi] : cps)
-          if (c >= lo && c <= hi) alts.push_back({lit(json_escape(c))});
+          if (c >= lo && c <= hi && (c != '<' || no_lt)) alts.push_back({lit(json_escape(c))});
       cps = subtract(cps, {{0, 0x1F}, {'"', '"'}, {'\\', '\\'}});
+      if (no_lt) cps = subtract(cps, {{'<', '<'}});
     }
     std::vector<std::vector<std::pair<uint8_t, uint8_t>>> seqs;
     for (auto [lo, hi] : cps) utf8_split(lo, hi, seqs);
@@ -212,6 +224,7 @@ class Builder {
     plain.add_range(0x20, 0x7F);
     ByteSet quote_bs;
     for (uint8_t b : {uint8_t('"'), uint8_t('\\')}) quote_bs.add(b);
+    if (no_lt) quote_bs.add('<');
     for (int i = 0; i < 4; ++i) plain.w[i] &= ~quote_bs.w[i];
     alts.push_back({g.bytes(plain)});
     std::vector<std::vector<std::pair<uint8_t, uint8_t>>> seqs;
@@ -278,22 +291,22 @@ class Builder {
     return any_object_;
   }
 
-  // Raw text that cannot end the parameter early: "\n<" never occurs in it (the parser ends a
-  // value at "\n</parameter>").
+  // Raw text that cannot end a parameter value early: no '<' before '/' or 'p' (the parser ends
+  // a value at "</parameter>", "<parameter=" or "</function>").
   Sym raw_free() {
     if (raw_free_ >= 0) return raw_free_;
     Ranges all = subtract({{0, kMaxCp}}, kSurrogates);
-    Sym not_nl = chars(subtract(all, {{'\n', '\n'}}), Mode::kRaw);
-    Sym not_nl_lt = chars(subtract(all, {{'\n', '\n'}, {'<', '<'}}), Mode::kRaw);
-    int a = g.add_rule("raw_a"), b = g.add_rule("raw_b");
-    // a: the last character was not '\n'; b: it was (or nothing yet: the value follows "\n").
+    Sym not_lt = chars(subtract(all, {{'<', '<'}}), Mode::kRaw);
+    Sym after_lt = chars(subtract(all, {{'<', '<'}, {'/', '/'}, {'p', 'p'}}), Mode::kRaw);
+    int a = g.add_rule("raw_a"), l = g.add_rule("raw_lt");
+    // a: the last character was not '<'; l: it was.
     g.add_alt(a, {});
-    g.add_alt(a, {not_nl, a});
-    g.add_alt(a, {g.byte('\n'), b});
-    g.add_alt(b, {});
-    g.add_alt(b, {g.byte('\n'), b});
-    g.add_alt(b, {not_nl_lt, a});
-    raw_free_ = b;
+    g.add_alt(a, {not_lt, a});
+    g.add_alt(a, {g.byte('<'), l});
+    g.add_alt(l, {});
+    g.add_alt(l, {g.byte('<'), l});
+    g.add_alt(l, {after_lt, a});
+    raw_free_ = a;
     return raw_free_;
   }
 
@@ -745,7 +758,8 @@ Sym emit_regex(Builder& b, const Re& re, Mode mode) {
     case Re::Kind::kChars: {
       Ranges cps = re.cps;
       // A raw parameter value stays on one line unless the pattern spells a newline itself.
-      if (mode == Mode::kRaw && cps.size() > 1) cps = subtract(cps, {{'\n', '\n'}});
+      // A raw parameter value keeps to one line and has no '<' unless the pattern spells one.
+      if (mode == Mode::kRaw && cps.size() > 1) cps = subtract(cps, {{'\n', '\n'}, {'<', '<'}});
       return b.chars(cps, mode);
     }
     case Re::Kind::kSeq: {
@@ -975,7 +989,7 @@ class SchemaCompiler {
         for (auto& want : types)
           ok =
               ok || want == t || (want == "integer" && is_integral(v)) || (want == "number" && t == "number");
-        if (ok) alts.push_back({b_.lit(v.dump(-1, ' ', false, Json::error_handler_t::strict))});
+        if (ok) alts.push_back({b_.json_lit(v.dump(-1, ' ', false, Json::error_handler_t::strict))});
       }
       if (alts.empty())
         schema_fail(fmt::format("no 'enum'/'const' value at {} has the schema's type", at(path)));
@@ -1066,7 +1080,7 @@ class SchemaCompiler {
     if (mx >= 0 && mx < mn) schema_fail(fmt::format("'maxLength' is below 'minLength' at {}", at(path)));
     if (mode == Mode::kRaw) {
       if (!has_len) return b_.raw_free();
-      Sym c = b_.chars(subtract({{0, kMaxCp}}, {{'\n', '\n'}}), Mode::kRaw);
+      Sym c = b_.chars(subtract({{0, kMaxCp}}, {{'\n', '\n'}, {'<', '<'}}), Mode::kRaw);
       return b_.repeat(c, int(mn), int(mx), "a string length");
     }
     if (!has_len) return b_.star(b_.json_char());
@@ -1185,6 +1199,7 @@ class SchemaCompiler {
     ByteSet bad;
     bad.add('"');
     bad.add('\\');
+    if (b_.no_lt) bad.add('<');
     for (int i = 0; i < 4; ++i) key_chars.w[i] &= ~bad.w[i];
     Sym free_rest = b_.seq("key_rest", {b_.star(b_.g.bytes(key_chars)), b_.g.byte('"')});
     // A trie of the declared keys' encodings; leaving it anywhere but at a key's end is fine.
@@ -1271,7 +1286,7 @@ class SchemaCompiler {
       for (int comma = 0; comma < 2; ++comma) {
         std::vector<Sym> with;
         if (comma) with.push_back(b_.g.byte(','));
-        with.push_back(b_.lit(key + ":"));
+        with.push_back(b_.json_lit(key + ":"));
         with.push_back(val);
         with.push_back(rest[i + 1][1]);
         std::vector<std::vector<Sym>> alts = {with};
@@ -1392,7 +1407,7 @@ std::shared_ptr<Grammar> tool_call_grammar(const std::vector<ToolSpec>& tools, T
                                            const Framing& f, const ToolContent& content) {
   if (tools.empty()) throw SchemaError("tool calls need at least one tool");
   auto g = std::make_shared<Grammar>();
-  Builder b(*g);
+  Builder b(*g, /*no_lt=*/true);
   // The call after "<tool_call>", per tool.
   std::vector<std::vector<Sym>> rests;
   for (size_t t = 0; t < tools.size(); ++t) {
@@ -1429,7 +1444,7 @@ std::shared_ptr<Grammar> tool_call_grammar(const std::vector<ToolSpec>& tools, T
         if (!p["properties"].is_object())
           throw SchemaError(fmt::format("'properties' at {} must be an object", where));
         for (auto& [k, v] : p["properties"].items()) {
-          std::string ppath = "/properties/" + k;
+          std::string ppath = where + "/properties/" + k;
           Sym val = is_string_parameter(v) ? c.raw_string(v, ppath)
                                            : b.seq("json", {b.lit("\n"), c.value(v, ppath), b.lit("\n")});
           // A raw value is the text between "<parameter=K>\n" and "\n</parameter>".

@@ -377,10 +377,25 @@ TEST(GrammarTools, CallsFollowTheParameterSchema) {
       "</function>\n</tool_call>"));
   EXPECT_FALSE(accepts(
       rt, "<tool_call>\n<function=f>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"));
-  EXPECT_FALSE(
-      accepts(rt,
-              "<tool_call>\n<function=f>\n<parameter=city>\nx\n<y\n</parameter>\n<parameter=days>\n3\n"
-              "</parameter>\n</function>\n</tool_call>"));
+  // The output parser ends a value at "</parameter>", "<parameter=" or "</function>" anywhere:
+  // raw values never hold '<' before '/' or 'p', JSON values write '<' as \u003c.
+  auto call = [](const std::string& city) {
+    return "<tool_call>\n<function=f>\n<parameter=city>\n" + city +
+           "\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>";
+  };
+  EXPECT_TRUE(accepts(rt, call("a < b\n<y")));
+  EXPECT_FALSE(accepts(rt, call("x</y")));
+  EXPECT_FALSE(accepts(rt, call("x<parameter=y")));
+  EXPECT_FALSE(accepts(rt, call("x</function>")));
+  J obj = J::parse(R"({"type":"object","properties":{"o":{"type":"object","properties":{"s":{"type":"string"},
+      "e":{"enum":["<a>"]}}}}})");
+  Runtime ort(tool_call_grammar({{"h", obj, true}}, ToolMode::kRequired), vocab->trie);
+  auto hcall = [](const std::string& json) {
+    return "<tool_call>\n<function=h>\n<parameter=o>\n" + json + "\n</parameter>\n</function>\n</tool_call>";
+  };
+  EXPECT_TRUE(accepts(ort, hcall(R"({"s":"\u003c/function>","e":"\u003ca>"})")));
+  EXPECT_FALSE(accepts(ort, hcall(R"({"s":"</function>"})")));
+  EXPECT_FALSE(accepts(ort, hcall(R"({"e":"<a>"})")));
   EXPECT_FALSE(accepts(rt, "hello"));
   Runtime autort(tool_call_grammar({{"f", params, true}}, ToolMode::kAuto), vocab->trie);
   EXPECT_TRUE(accepts(autort, "just text < tool"));
