@@ -328,8 +328,9 @@ bool Runtime::mask(int32_t state, std::span<uint32_t> bits, int budget) {
   TANSY_CHECK(state != kDead, "grammar: mask of a dead state");
   auto it = masks_.find(state);
   if (it == masks_.end() || it->second.bits.size() != bits.size()) {
-    // Bound the cache: 256 MB of masks (some 8,000 states at 248k tokens).
-    if (mask_bytes_ > (size_t(256) << 20)) {
+    // Bound the cache: 32 MB of masks per grammar (some 1,000 states at 248k tokens; a document
+    // meets a few hundred), times the 32 grammars kept.
+    if (mask_bytes_ > (size_t(32) << 20)) {
       masks_.clear();
       mask_bytes_ = 0;
     }

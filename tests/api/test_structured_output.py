@@ -65,8 +65,9 @@ def test_corpus_is_large_and_compiles():
 def test_corpus_outputs_validate(server, i):
     schema = CORPUS[i]
     # Greedy with the scripted reasoning first (the constraint starts after "</think>"), then
-    # sampling with two seeds on the answer alone.
-    runs = [dict(think=True), dict(temperature=1.0, seed=1), dict(temperature=1.0, seed=2 + i)]
+    # sampling with three seeds (two settings) on the answer alone.
+    runs = [dict(think=True), dict(temperature=1.0, seed=1), dict(temperature=1.0, seed=2 + i),
+            dict(temperature=0.7, top_p=0.9, seed=1000 + i)]
     for run in runs:
         r = chat(server, schema, **run)
         assert r.status_code == 200, r.text
