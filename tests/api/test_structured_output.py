@@ -377,3 +377,39 @@ def test_json_answer_or_tool_call(server):
     r = tool_chat(server, "auto", temperature=0,
                   response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}})
     check_calls(r["choices"][0], {"get_weather"})
+
+
+def test_streamed_tool_calls_match_and_validate(server):
+    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "Weather in Paris and time in Tokyo?"}],
+            "tools": [WEATHER, TIME], "tool_choice": "required", "max_tokens": MAX_TOKENS, "temperature": 1.0,
+            "seed": 9}
+    full = requests.post(server.url + "/v1/chat/completions", json=body, timeout=120).json()["choices"][0]
+    check_calls(full, set(TOOLS))
+    r = requests.post(server.url + "/v1/chat/completions", json={**body, "stream": True}, stream=True, timeout=120)
+    calls, finish = {}, None
+    for line in r.iter_lines():
+        line = line.decode("utf-8")
+        if not line.startswith("data: {"):
+            continue
+        ch = json.loads(line[6:])["choices"][0]
+        finish = ch["finish_reason"] or finish
+        for tc in ch["delta"].get("tool_calls") or []:
+            e = calls.setdefault(tc["index"], {"name": "", "arguments": ""})
+            e["name"] += tc.get("function", {}).get("name") or ""
+            e["arguments"] += tc.get("function", {}).get("arguments") or ""
+    assert finish == "tool_calls"
+    got = [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)]
+    want = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in full["message"]["tool_calls"]]
+    assert got == want
+
+
+def test_anthropic_tool_choice_any_follows_the_schema(server):
+    tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
+    for seed in range(2):
+        r = requests.post(server.url + "/v1/messages", json={
+            "model": MODEL_ID, "max_tokens": MAX_TOKENS, "messages": [{"role": "user", "content": "Paris?"}],
+            "tools": [tool], "tool_choice": {"type": "any"}, "temperature": 1.0}, timeout=120).json()
+        uses = [b for b in r["content"] if b["type"] == "tool_use"]
+        assert r["stop_reason"] == "tool_use" and uses, r
+        for u in uses:
+            validate(u["input"], tool["input_schema"])

@@ -141,6 +141,20 @@ struct Reference {
     return it != docs.end() && it->compare(0, prefix.size(), prefix) == 0;
   }
   bool contains(const std::string& d) const { return std::binary_search(docs.begin(), docs.end(), d); }
+  // Tokens needed at most to finish from a valid prefix: 0 if it is a document nothing extends, 1
+  // (end of turn) if it is a document, else the fewest bytes to a document plus one.
+  int cost(const std::string& p) const {
+    bool doc = false, extended = false;
+    size_t best = SIZE_MAX;
+    for (auto it = std::lower_bound(docs.begin(), docs.end(), p);
+         it != docs.end() && it->compare(0, p.size(), p) == 0; ++it) {
+      if (it->size() == p.size())
+        doc = true;
+      else
+        extended = true, best = std::min(best, it->size() - p.size());
+    }
+    return doc ? (extended ? 1 : 0) : int(best) + 1;
+  }
 };
 
 bool bit(const std::vector<uint32_t>& m, int32_t id) { return (m[size_t(id) >> 5] >> (id & 31)) & 1; }
@@ -160,15 +174,28 @@ void check_exact(const J& schema, int walks, uint64_t seed) {
   std::vector<uint32_t> mask(size_t((n + 31) / 32));
   std::set<std::string> seen_docs;
   for (int w = 0; w < walks; ++w) {
-    GrammarConstraint c(rt, vocab, {{eot(*vocab)}, std::nullopt, -1});
+    // Every other walk has a token budget: then only tokens after which the document can still
+    // be finished within it are allowed (all valid ones when none can).
+    const int max_tokens = w % 2 ? int(rng() % 12) + 1 : -1;
+    GrammarConstraint c(rt, vocab, {{eot(*vocab)}, std::nullopt, max_tokens});
     std::string text;
-    for (int step = 0; step < 200; ++step) {
+    for (int step = 0; step < (max_tokens < 0 ? 200 : max_tokens); ++step) {
       c.fill_mask(mask);
+      const int budget = max_tokens - step - 1;
+      auto valid = [&](int32_t id) {
+        return id == eot(*vocab) ? ref.contains(text) : ref.extends(text + vocab->bytes[size_t(id)]);
+      };
+      auto fits = [&](int32_t id) {
+        return id == eot(*vocab) || max_tokens < 0 || ref.cost(text + vocab->bytes[size_t(id)]) <= budget;
+      };
+      bool any_fits = false;
+      for (int32_t id = 0; id < eot(*vocab); ++id) any_fits = any_fits || (valid(id) && fits(id));
+      const bool use_budget = any_fits || ref.contains(text);
       std::vector<int32_t> allowed;
       for (int32_t id = 0; id < n; ++id) {
-        bool want = id == eot(*vocab) ? ref.contains(text) : ref.extends(text + vocab->bytes[size_t(id)]);
+        bool want = valid(id) && (!use_budget || fits(id));
         ASSERT_EQ(bit(mask, id), want) << "schema " << schema.dump() << " after '" << text << "' token '"
-                                       << vocab->bytes[size_t(id)] << "'";
+                                       << vocab->bytes[size_t(id)] << "' budget " << budget;
         if (want) allowed.push_back(id);
       }
       ASSERT_FALSE(allowed.empty());
