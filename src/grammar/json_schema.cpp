@@ -1404,7 +1404,7 @@ std::shared_ptr<Grammar> regex_grammar(const std::string& pattern) {
 }
 
 std::shared_ptr<Grammar> tool_call_grammar(const std::vector<ToolSpec>& tools, ToolMode mode,
-                                           const Framing& f, const ToolContent& content) {
+                                           const Framing& f, const ToolContent& content, bool single_call) {
   if (tools.empty()) throw SchemaError("tool calls need at least one tool");
   auto g = std::make_shared<Grammar>();
   Builder b(*g, /*no_lt=*/true);
@@ -1464,7 +1464,7 @@ std::shared_ptr<Grammar> tool_call_grammar(const std::vector<ToolSpec>& tools, T
   }
   Sym rest = b.rule("call_rest", rests);
   Sym call = b.seq("call", {b.lit("<tool_call>"), rest});
-  Sym more = b.star(b.seq("more", {b.lit("\n"), call}));
+  Sym more = single_call ? b.seq("none", {}) : b.star(b.seq("more", {b.lit("\n"), call}));
   if (mode == ToolMode::kRequired) return finish(g, framed(b, b.seq("calls", {call, more}), f));
   if (content.kind != ToolContent::Kind::kFree) {
     // A JSON answer or calls.

@@ -53,7 +53,9 @@ struct ToolContent {
 // Qwen3.6's tool-call text: <tool_call>\n<function=NAME>\n(<parameter=P>\nVALUE\n</parameter>\n)*
 // </function>\n</tool_call>, calls separated by "\n". A parameter whose schema type is "string"
 // (or string and null) is raw text, as the output parser reads it; others are compact JSON.
+// single_call: one call at most (parallel_tool_calls false).
 std::shared_ptr<Grammar> tool_call_grammar(const std::vector<ToolSpec>& tools, ToolMode mode,
-                                           const Framing& f = {}, const ToolContent& content = {});
+                                           const Framing& f = {}, const ToolContent& content = {},
+                                           bool single_call = false);
 
 }  // namespace tansy::grammar

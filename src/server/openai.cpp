@@ -386,6 +386,7 @@ ApiRequest parse_chat_request(const Json& body, const SamplingParams& defaults, 
 
   validate_messages(f);
   std::set<std::string> tool_names = validate_tools(f);
+  r.parallel_tool_calls = f.boolean("parallel_tool_calls", true);
   if (f.has("chat_template_kwargs")) {
     const Json& kw = f.at("chat_template_kwargs");
     if (!kw.is_object()) f.bad_type("chat_template_kwargs", "an object");

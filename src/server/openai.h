@@ -48,7 +48,8 @@ struct ApiRequest {
   // chat
   text::RenderRequest render;  // messages, tools, template switches
   ToolChoice tool_choice = ToolChoice::kAuto;
-  std::string tool_name;  // kNamed
+  std::string tool_name;            // kNamed
+  bool parallel_tool_calls = true;  // false: at most one call where calls are constrained
 
   // completions
   std::optional<std::string> prompt_text;

@@ -245,10 +245,8 @@ class ResponsesFrontend : public ChatFrontend {
       const Json& summary = get(reasoning, "summary");
       if (!summary.is_null()) str(summary, "reasoning.summary");
     }
-    for (const char* k : {"parallel_tool_calls"}) {
-      const Json& v = get(body, k);
-      if (!v.is_null()) boolean(v, k);
-    }
+    const Json& parallel = get(body, "parallel_tool_calls");
+    if (!parallel.is_null()) chat["parallel_tool_calls"] = boolean(parallel, "parallel_tool_calls");
     const Json& metadata = get(body, "metadata");
     if (!metadata.is_null()) metadata_ = object(metadata, "metadata");
     for (const char* k : {"user", "safety_identifier", "prompt_cache_key", "service_tier", "truncation"}) {

@@ -93,10 +93,11 @@ std::shared_ptr<TokenConstraint> chat_constraint(const ApiRequest& r, const Toke
     }
     Json key_tools = Json::array();
     for (auto& s : specs) key_tools.push_back({s.name, s.parameters, s.constrained});
-    std::string key = fmt::format("tools:{}:{}:{}:{}", int(mode), int(starts_in_reasoning),
+    const bool single = !r.parallel_tool_calls;
+    std::string key = fmt::format("tools:{}:{}:{}:{}:{}", int(mode), int(starts_in_reasoning), int(single),
                                   forced ? "text" : content_key(r), key_tools.dump());
     return make(key, tok, end_tokens, start_after, max_tokens, "tools",
-                [&] { return grammar::tool_call_grammar(specs, mode, framing, content); });
+                [&] { return grammar::tool_call_grammar(specs, mode, framing, content, single); });
   }
   if (r.response_format == ResponseFormat::kJsonObject)
     return make(fmt::format("object:{}", int(starts_in_reasoning)), tok, end_tokens, start_after, max_tokens,

@@ -413,3 +413,20 @@ def test_anthropic_tool_choice_any_follows_the_schema(server):
         assert r["stop_reason"] == "tool_use" and uses, r
         for u in uses:
             validate(u["input"], tool["input_schema"])
+
+
+def test_parallel_tool_calls_false_gives_one_call(server):
+    f = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}}}}
+
+    def calls(seed, **kw):
+        body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "tools": [f],
+                "tool_choice": "required", "max_tokens": 64, "temperature": 1.5, "seed": seed, **NO_THINK, **kw}
+        c = requests.post(server.url + "/v1/chat/completions", json=body, timeout=120).json()["choices"][0]
+        assert c["finish_reason"] == "tool_calls", c
+        return len(c["message"]["tool_calls"])
+
+    # With parallel calls allowed the random model opens a second call now and then (some 15% of
+    # seeds); with parallel_tool_calls false, never.
+    assert max(calls(s) for s in range(40)) > 1
+    assert {calls(s, parallel_tool_calls=False) for s in range(40)} == {1}
