@@ -421,7 +421,7 @@ def test_parallel_tool_calls_false_gives_one_call(server):
 
     def calls(seed, **kw):
         body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "tools": [f],
-                "tool_choice": "required", "max_tokens": 64, "temperature": 1.5, "seed": seed, **NO_THINK, **kw}
+                "tool_choice": "required", "max_tokens": MAX_TOKENS, "temperature": 1.5, "seed": seed, **NO_THINK, **kw}
         c = requests.post(server.url + "/v1/chat/completions", json=body, timeout=120).json()["choices"][0]
         assert c["finish_reason"] == "tool_calls", c
         return len(c["message"]["tool_calls"])
