@@ -218,6 +218,8 @@ int32_t Runtime::intern_state(std::vector<int32_t>& stacks, bool accept) {
     for (int32_t id : stacks) d = std::min(d, stack_nodes_[size_t(id)].dist);
     s.cost = add_sat(d, 1);
   }
+  costs_.push_back(s.cost);
+  next_.resize(next_.size() + 256, -1);
   states_.push_back(std::move(s));
   int32_t id = int32_t(states_.size()) - 1;
   state_ids_.emplace(std::move(key), id);
@@ -237,13 +239,9 @@ int32_t Runtime::initial() {
 }
 
 int32_t Runtime::step(int32_t state, uint8_t b) {
-  State& st = states_[size_t(state)];
-  if (!st.next) {
-    st.next = std::make_unique<int32_t[]>(256);
-    std::fill(st.next.get(), st.next.get() + 256, -1);
-  }
-  int32_t cached = st.next[b];
+  const int32_t cached = next_[size_t(state) * 256 + b];
   if (cached != -1) return cached;
+  const State& st = states_[size_t(state)];
   std::vector<int32_t> out;
   bool accept = false;
   const std::vector<int32_t> stacks = st.stacks;  // states_ may grow below
@@ -253,7 +251,7 @@ int32_t Runtime::step(int32_t state, uint8_t b) {
     if (g_->sets_[size_t(e.arg)].has(b)) expand(node.pos + 1, node.parent, out, accept, 0);
   }
   int32_t next = intern_state(out, accept);
-  states_[size_t(state)].next[b] = next;
+  next_[size_t(state) * 256 + b] = next;
   return next;
 }
 
@@ -299,8 +297,7 @@ int32_t Runtime::walk(int32_t state, std::span<uint32_t> bits, int budget, bool&
   for (size_t i = 1; i < n;) {
     const uint8_t b = t.byte_[i];
     const int32_t parent = walk_states_[t.depth_[i] - 1];
-    const State& ps = states_[size_t(parent)];
-    int32_t nx = ps.next ? ps.next[b] : -1;
+    int32_t nx = next_[size_t(parent) * 256 + b];
     if (nx == -1) nx = step(parent, b);
     if (nx == kDead) {
       i = size_t(t.end_[i]);
@@ -309,7 +306,7 @@ int32_t Runtime::walk(int32_t state, std::span<uint32_t> bits, int budget, bool&
     walk_states_[t.depth_[i]] = nx;
     const int32_t tb = t.tok_begin_[i], te = t.tok_begin_[i + 1];
     if (tb != te) {
-      const int32_t c = states_[size_t(nx)].cost;
+      const int32_t c = costs_[size_t(nx)];
       if (budget < 0 || c <= budget) {
         for (int32_t k = tb; k < te; ++k) {
           const uint32_t id = uint32_t(t.ids_[size_t(k)]);

@@ -123,7 +123,6 @@ class Runtime {
     std::vector<int32_t> stacks;  // sorted stack node ids
     bool accept = false;
     int32_t cost = 0;
-    std::unique_ptr<int32_t[]> next;  // 256 entries, -1 unknown; allocated on first use
   };
   struct StackNode {
     int32_t pos, parent, dist;
@@ -144,6 +143,9 @@ class Runtime {
   std::vector<StackNode> stack_nodes_;
   std::unordered_map<uint64_t, int32_t> stack_ids_;
   std::vector<State> states_;
+  // Per state: 256 successors (-1 unknown, kDead) and the cost, flat for the trie walk's inner loop.
+  std::vector<int32_t> next_;
+  std::vector<int32_t> costs_;
   std::unordered_map<std::string, int32_t> state_ids_;
   std::unordered_map<int32_t, MaskEntry> masks_;
   size_t mask_bytes_ = 0;
