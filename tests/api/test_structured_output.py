@@ -306,9 +306,10 @@ WORD = {"type": "object", "properties": {
     "required": ["word", "part_of_speech", "meaning"], "additionalProperties": False}
 
 
-@pytest.mark.parametrize("i", range(0, len(CORPUS), 6))
+@pytest.mark.parametrize("i", range(len(CORPUS)))
 def test_demo_model_outputs_validate(demo, i):
-    schemas = [WORD, CORPUS[i]]
+    # The whole corpus, greedy with reasoning and sampled without; the word schema now and then.
+    schemas = [CORPUS[i]] + ([WORD] if i % 10 == 0 else [])
     for schema in schemas:
         for run in [dict(think=True), dict(temperature=0.8, seed=i)]:
             body = {"model": "tansy-demo", "messages": [{"role": "user", "content": "What does the word river mean?"}],
