@@ -24,7 +24,14 @@ GrammarConstraint::GrammarConstraint(std::shared_ptr<Runtime> rt, std::shared_pt
 }
 
 void GrammarConstraint::fill_mask(std::span<uint32_t> bits) {
-  TANSY_CHECK(active_ && !ended_, "structured output: mask asked for outside the document");
+  TANSY_CHECK(active_, "structured output: mask asked for before the document starts");
+  if (ended_) {
+    // Past the end of turn (ignore_eos): the document is over, only end-of-turn tokens follow.
+    std::fill(bits.begin(), bits.end(), 0u);
+    for (int32_t e : opt_.end_tokens)
+      if (size_t(e) < bits.size() * 32) bits[size_t(e) >> 5] |= 1u << (e & 31);
+    return;
+  }
   // Tokens left after this one; a document is kept closable within them where possible.
   const int budget = opt_.max_tokens >= 0 ? opt_.max_tokens - accepted_ - 1 : -1;
   const bool can_end = rt_->accepting(state_);

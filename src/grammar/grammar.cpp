@@ -14,11 +14,16 @@ int32_t add_sat(int32_t a, int32_t b) { return std::min(kInf, a + b); }
 }  // namespace
 
 int Grammar::add_rule(std::string name) {
+  TANSY_CHECK(rules_.size() < kMaxRules, "the grammar would exceed {} rules", kMaxRules);
   rules_.push_back({std::move(name), {}});
   return int(rules_.size()) - 1;
 }
 
-void Grammar::add_alt(int rule, std::vector<Sym> seq) { rules_[size_t(rule)].alts.push_back(std::move(seq)); }
+void Grammar::add_alt(int rule, std::vector<Sym> seq) {
+  symbols_ += seq.size() + 1;
+  TANSY_CHECK(symbols_ <= kMaxSymbols, "the grammar would exceed {} symbols", kMaxSymbols);
+  rules_[size_t(rule)].alts.push_back(std::move(seq));
+}
 
 Grammar::Sym Grammar::bytes(const ByteSet& s) {
   for (size_t i = 0; i < sets_.size(); ++i)

@@ -38,6 +38,8 @@ class Grammar {
   // A symbol: >= 0 is a rule id, < 0 is byte set number -(s + 1).
   using Sym = int32_t;
 
+  // Limits that keep a hostile schema's grammar (and its compile time) bounded.
+  static constexpr size_t kMaxRules = 1'000'000, kMaxSymbols = 4'000'000;
   int add_rule(std::string name);  // an empty rule; give it alternatives with add_alt
   void add_alt(int rule, std::vector<Sym> seq);
   Sym bytes(const ByteSet& s);
@@ -73,6 +75,7 @@ class Grammar {
   };
   std::vector<Rule> rules_;
   std::unordered_map<std::string, int> literals_;
+  size_t symbols_ = 0;
 };
 
 // The byte strings of a vocabulary, as a trie in preorder (children after their parent, a

@@ -499,7 +499,10 @@ class RegexParser {
       r.min = mn;
       r.max = mx;
       r.kids.push_back(std::move(atom_));
-      atom_ = std::move(r);
+      // As in ECMAScript and Python: a quantifier cannot follow another ("a**", "a{2}{3}").
+      if (more() && (peek() == '*' || peek() == '+' || peek() == '?' || peek() == '{'))
+        error("a quantifier cannot follow another (multiple repeat)");
+      return r;
     }
   }
 
@@ -736,17 +739,13 @@ std::optional<Re> nonempty(const Re& re) {
     case Re::Kind::kRepeat: {
       auto inner = nonempty(re.kids[0]);
       if (!inner || re.max == 0) return std::nullopt;
-      // x{m,n} with x nullable (or m = 0) is (x+){0,n}; without the empty string: x+ (x+){0,n-1}.
-      Re rest;
-      rest.kind = Re::Kind::kRepeat;
-      rest.min = 0;
-      rest.max = re.max < 0 ? -1 : re.max - 1;
-      rest.kids.push_back(*inner);
-      Re s;
-      s.kind = Re::Kind::kSeq;
-      s.kids.push_back(*inner);
-      s.kids.push_back(rest);
-      return s;
+      // x{m,n} with x nullable (or m = 0) is (x+){0,n}; without the empty string: (x+){1,n}.
+      Re r;
+      r.kind = Re::Kind::kRepeat;
+      r.min = 1;
+      r.max = re.max;
+      r.kids.push_back(std::move(*inner));
+      return r;
     }
   }
   if (a.kids.empty()) return std::nullopt;
@@ -1384,11 +1383,25 @@ bool is_string_parameter(const Json& prop) {
 
 }  // namespace
 
+// Every failure while building (the grammar's size limits included) is the schema's: SchemaError.
+template <typename F>
+std::shared_ptr<Grammar> guarded(F&& build) {
+  try {
+    return build();
+  } catch (const SchemaError&) {
+    throw;
+  } catch (const Error& e) {
+    throw SchemaError(fmt::format("the schema cannot be generated: {}", e.what()));
+  }
+}
+
 std::shared_ptr<Grammar> json_schema_grammar(const Json& schema, const Framing& f) {
-  auto g = std::make_shared<Grammar>();
-  Builder b(*g);
-  SchemaCompiler c(b, schema);
-  return finish(g, framed(b, c.value(schema, ""), f));
+  return guarded([&] {
+    auto g = std::make_shared<Grammar>();
+    Builder b(*g);
+    SchemaCompiler c(b, schema);
+    return finish(g, framed(b, c.value(schema, ""), f));
+  });
 }
 
 std::shared_ptr<Grammar> json_object_grammar(const Framing& f) {
@@ -1398,13 +1411,16 @@ std::shared_ptr<Grammar> json_object_grammar(const Framing& f) {
 }
 
 std::shared_ptr<Grammar> regex_grammar(const std::string& pattern) {
-  auto g = std::make_shared<Grammar>();
-  Builder b(*g);
-  return finish(g, regex_rule(b, pattern, Mode::kRaw));
+  return guarded([&] {
+    auto g = std::make_shared<Grammar>();
+    Builder b(*g);
+    return finish(g, regex_rule(b, pattern, Mode::kRaw));
+  });
 }
 
-std::shared_ptr<Grammar> tool_call_grammar(const std::vector<ToolSpec>& tools, ToolMode mode,
-                                           const Framing& f, const ToolContent& content, bool single_call) {
+static std::shared_ptr<Grammar> tool_call_grammar_impl(const std::vector<ToolSpec>& tools, ToolMode mode,
+                                                       const Framing& f, const ToolContent& content,
+                                                       bool single_call) {
   if (tools.empty()) throw SchemaError("tool calls need at least one tool");
   auto g = std::make_shared<Grammar>();
   Builder b(*g, /*no_lt=*/true);
@@ -1502,6 +1518,11 @@ std::shared_ptr<Grammar> tool_call_grammar(const std::vector<ToolSpec>& tools, T
     }
   }
   return finish(g, text[0]);
+}
+
+std::shared_ptr<Grammar> tool_call_grammar(const std::vector<ToolSpec>& tools, ToolMode mode,
+                                           const Framing& f, const ToolContent& content, bool single_call) {
+  return guarded([&] { return tool_call_grammar_impl(tools, mode, f, content, single_call); });
 }
 
 }  // namespace tansy::grammar

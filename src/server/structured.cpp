@@ -29,17 +29,16 @@ std::shared_ptr<TokenConstraint> make(const std::string& key, const Tokenizer& t
                                       int max_tokens, const std::string& param,
                                       const std::function<std::shared_ptr<grammar::Grammar>()>& build) {
   auto vocab = vocabulary(tok);
-  std::shared_ptr<grammar::Runtime> rt;
-  try {
-    rt = grammar::cached_runtime(key, vocab, build);
-  } catch (const grammar::SchemaError& e) {
-    api_fail(400, param, e.what());
-  }
   grammar::ConstraintOptions o;
   o.end_tokens.assign(end_tokens.begin(), end_tokens.end());
   o.start_after = start_after;
   o.max_tokens = max_tokens;
-  return std::make_shared<grammar::GrammarConstraint>(rt, vocab, std::move(o));
+  try {
+    return std::make_shared<grammar::GrammarConstraint>(grammar::cached_runtime(key, vocab, build), vocab,
+                                                        std::move(o));
+  } catch (const Error& e) {  // SchemaError, or a grammar whose start the matcher refuses
+    api_fail(400, param, e.what());
+  }
 }
 
 std::string content_key(const ApiRequest& r) {

@@ -431,3 +431,17 @@ def test_parallel_tool_calls_false_gives_one_call(server):
     # seeds); with parallel_tool_calls false, never.
     assert max(calls(s) for s in range(40)) > 1
     assert {calls(s, parallel_tool_calls=False) for s in range(40)} == {1}
+
+
+def test_ignore_eos_with_forced_tool_call(server):
+    # ignore_eos keeps generating past the end of turn: after the call only end-of-turn tokens follow.
+    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": "x"}], "tools": [WEATHER],
+            "tool_choice": "required", "max_tokens": 60, "temperature": 1.0, "seed": 2, "ignore_eos": True, **NO_THINK}
+    r = requests.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    assert c["message"]["tool_calls"], c
+    validate(json.loads(c["message"]["tool_calls"][0]["function"]["arguments"]), TOOLS["get_weather"])
+    # A JSON response_format refuses ignore_eos.
+    r = chat(server, {"type": "boolean"}, ignore_eos=True)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "ignore_eos", r.text

@@ -377,6 +377,9 @@ TEST(GrammarSchema, UnsupportedKeywordsAreNamed) {
             std::string::npos);
   EXPECT_NE(err(R"({"type":"string","pattern":"(?=a)b"})").find("lookaround"), std::string::npos);
   EXPECT_NE(err(R"({"type":"string","format":"hostname"})").find("'hostname'"), std::string::npos);
+  EXPECT_NE(err(R"({"type":"string","pattern":"a???"})").find("multiple repeat"), std::string::npos);
+  EXPECT_NE(err(R"({"type":"string","pattern":"a{2}{3}"})").find("multiple repeat"), std::string::npos);
+  EXPECT_EQ(err(R"({"type":"string","pattern":"^a*?b+?c??$"})"), "(accepted)");
   EXPECT_NE(err(R"({"$ref":"#/$defs/missing"})").find("does not resolve"), std::string::npos);
   EXPECT_NE(err(R"({"$defs":{"a":{"$ref":"#/$defs/a"}},"$ref":"#/$defs/a"})").find("cannot be generated"),
             std::string::npos);
