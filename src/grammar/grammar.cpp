@@ -116,7 +116,21 @@ void Grammar::compile() {
 
 // ---- vocabulary trie ----------------------------------------------------------------------
 
-VocabTrie::VocabTrie(const std::vector<std::string>& token_bytes) : vocab_(int(token_bytes.size())) {
+VocabTrie::VocabTrie(const std::vector<std::string>& token_bytes, bool split_plain)
+    : vocab_(int(token_bytes.size())) {
+  if (split_plain) {
+    std::vector<std::string> rest = token_bytes;
+    for (size_t i = 0; i < token_bytes.size(); ++i) {
+      const std::string& s = token_bytes[i];
+      bool plain = !s.empty();
+      for (unsigned char c : s) plain = plain && c >= 0x20 && c <= 0x7E && c != '"' && c != '\\';
+      if (!plain) continue;
+      plain_ids_.push_back(int32_t(i));
+      for (unsigned char c : s) plain_bytes_.add(c);
+      rest[i].clear();
+    }
+    rest_ = std::make_unique<VocabTrie>(rest, false);
+  }
   std::vector<int32_t> order;
   for (size_t i = 0; i < token_bytes.size(); ++i)
     if (!token_bytes[i].empty()) order.push_back(int32_t(i));
@@ -292,12 +306,34 @@ int32_t Runtime::cost(int32_t state) {
 
 size_t Runtime::states() const { return states_.size(); }
 
+bool Runtime::plain_loop(int32_t state) {
+  if (states_[size_t(state)].plain_loop < 0) {
+    bool loops = true;
+    // Stops at the first byte that leaves: a state outside a string costs one step here.
+    for (int b = 0; b < 256 && loops; ++b)
+      if (trie_->plain_bytes_.has(uint8_t(b))) loops = step(state, uint8_t(b)) == state;
+    states_[size_t(state)].plain_loop = loops ? 1 : 0;
+  }
+  return states_[size_t(state)].plain_loop == 1;
+}
+
 int32_t Runtime::walk(int32_t state, std::span<uint32_t> bits, int budget, bool& any) {
   std::fill(bits.begin(), bits.end(), 0u);
-  const VocabTrie& t = *trie_;
-  const size_t n = t.nodes();
   const size_t nbits = bits.size() * 32;
   int32_t max_cost = 0;
+  const VocabTrie* full = trie_.get();
+  if (full->rest_ && !full->plain_ids_.empty() && plain_loop(state)) {
+    // Every plain token ends where it started: all are allowed, at this state's cost.
+    const int32_t c = costs_[size_t(state)];
+    if (budget < 0 || c <= budget) {
+      for (int32_t id : full->plain_ids_)
+        if (uint32_t(id) < nbits) bits[uint32_t(id) >> 5] |= 1u << (id & 31), any = true;
+      max_cost = c;
+    }
+    full = full->rest_.get();
+  }
+  const VocabTrie& t = *full;
+  const size_t n = t.nodes();
   walk_states_[0] = state;
   for (size_t i = 1; i < n;) {
     const uint8_t b = t.byte_[i];

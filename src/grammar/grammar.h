@@ -83,7 +83,7 @@ class Grammar {
 class VocabTrie {
  public:
   // token_bytes[id]: the bytes of token id; ids with empty bytes (special tokens) are left out.
-  explicit VocabTrie(const std::vector<std::string>& token_bytes);
+  explicit VocabTrie(const std::vector<std::string>& token_bytes, bool split_plain = true);
   int vocab_size() const { return vocab_; }
   size_t nodes() const { return byte_.size(); }
 
@@ -93,6 +93,12 @@ class VocabTrie {
   std::vector<int32_t> tok_begin_;  // tokens spelling exactly this node: ids_[tok_begin_[n], tok_begin_[n+1])
   std::vector<int32_t> ids_;
   int max_depth_ = 0;
+  // Plain tokens: printable ASCII without '"' or '\\'. Inside a free string they all leave the
+  // state as it is, so a state that every one of their bytes maps to itself admits them all and
+  // only the other tokens (rest_, a trie of its own) need a walk.
+  std::vector<int32_t> plain_ids_;
+  ByteSet plain_bytes_;
+  std::unique_ptr<VocabTrie> rest_;
 
  private:
   int vocab_ = 0;
@@ -126,6 +132,7 @@ class Runtime {
     std::vector<int32_t> stacks;  // sorted stack node ids
     bool accept = false;
     int32_t cost = 0;
+    int8_t plain_loop = -1;  // every plain byte maps the state to itself (-1: not known yet)
   };
   struct StackNode {
     int32_t pos, parent, dist;
@@ -138,6 +145,7 @@ class Runtime {
   void expand(int32_t pos, int32_t parent, std::vector<int32_t>& out, bool& accept, int depth);
   int32_t intern_state(std::vector<int32_t>& stacks, bool accept);
   int32_t step(int32_t state, uint8_t b);  // locked by the caller
+  bool plain_loop(int32_t state);
   int32_t walk(int32_t state, std::span<uint32_t> bits, int budget, bool& any);
 
   std::shared_ptr<const Grammar> g_;

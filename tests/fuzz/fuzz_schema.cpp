@@ -17,7 +17,8 @@ static std::shared_ptr<const g::Vocabulary> vocab() {
   static std::shared_ptr<const g::Vocabulary> v = [] {
     auto x = std::make_shared<g::Vocabulary>();
     for (int b = 0; b < 256; ++b) x->bytes.push_back(std::string(1, char(b)));
-    for (const char* t : {"{\"", "\":", "\",\"", "\"}", "true", "null", "12", "-0.5", "],[", "\\u00", "é", "ab"})
+    for (const char* t :
+         {"{\"", "\":", "\",\"", "\"}", "true", "null", "12", "-0.5", "],[", "\\u00", "é", "ab"})
       x->bytes.push_back(t);
     x->bytes.push_back("");  // end of turn
     x->trie = std::make_shared<g::VocabTrie>(x->bytes);

@@ -497,3 +497,42 @@ TEST(GrammarConstraint, QwenTokenizerMasks) {
 
 }  // namespace
 }  // namespace tansy::grammar
+
+namespace tansy::grammar {
+namespace {
+
+// The plain-token shortcut (states that every printable-ASCII byte maps to themselves admit all
+// plain tokens without a walk) gives the masks of a full walk, on the Qwen3 vocabulary.
+TEST(GrammarMask, PlainShortcutEqualsTheFullWalk) {
+  Tokenizer tok = Tokenizer::load(test::source_dir() / "tests" / "fixtures" / "qwen3-tokenizer");
+  auto split = Vocabulary::of(tok);
+  ASSERT_GT(split->trie->plain_ids_.size(), 50000u);
+  auto whole = std::make_shared<VocabTrie>(split->bytes, false);
+  ASSERT_FALSE(whole->rest_);
+  const J schema = J::parse(R"({"type":"object","properties":{"a":{"type":"string"},"b":{"type":"array",
+      "items":{"type":["string","number"]}},"c":{"type":"string","pattern":"^x.*$"},"d":{}},"required":["a","b","c","d"]})");
+  auto g = json_schema_grammar(schema);
+  auto ra = std::make_shared<Runtime>(g, split->trie), rb = std::make_shared<Runtime>(g, whole);
+  const std::vector<std::string> docs = {
+      R"({"a":"hello wörld \"q\" \\ ok","b":["x y",-1.5e3,""],"c":"xyz abc","d":{"k":[true,"s t"]}})"};
+  std::vector<uint32_t> ma((size_t(tok.vocab_size()) + 31) / 32), mb(ma.size());
+  int plain_states = 0;
+  for (auto& d : docs) {
+    int32_t sa = ra->initial(), sb = rb->initial();
+    for (int32_t id : tok.encode(d, false)) {
+      for (int budget : {-1, 3, 40}) {
+        bool a = ra->mask(sa, ma, budget), b = rb->mask(sb, mb, budget);
+        ASSERT_EQ(a, b);
+        ASSERT_EQ(ma, mb) << "after a prefix of " << d << " budget " << budget;
+      }
+      plain_states += (ma[size_t(split->trie->plain_ids_[0]) >> 5] >> (split->trie->plain_ids_[0] & 31)) & 1;
+      sa = ra->advance(sa, tok.token_bytes(id));
+      sb = rb->advance(sb, tok.token_bytes(id));
+      ASSERT_NE(sa, Runtime::kDead);
+    }
+  }
+  EXPECT_GT(plain_states, 5);  // the shortcut was taken
+}
+
+}  // namespace
+}  // namespace tansy::grammar
