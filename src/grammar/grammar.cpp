@@ -123,12 +123,19 @@ VocabTrie::VocabTrie(const std::vector<std::string>& token_bytes, bool split_pla
     for (size_t i = 0; i < token_bytes.size(); ++i) {
       const std::string& s = token_bytes[i];
       bool plain = !s.empty();
-      for (unsigned char c : s) plain = plain && c >= 0x20 && c <= 0x7E && c != '"' && c != '\\';
+      for (unsigned char c : s) plain = plain && c >= 0x20 && c <= 0x7E && c != '"' && c != '\\' && c != '<';
       if (!plain) continue;
       plain_ids_.push_back(int32_t(i));
       for (unsigned char c : s) plain_bytes_.add(c);
       rest[i].clear();
     }
+    std::stable_sort(plain_ids_.begin(), plain_ids_.end(), [&](int32_t a, int32_t b) {
+      return token_bytes[size_t(a)].size() < token_bytes[size_t(b)].size();
+    });
+    size_t longest = plain_ids_.empty() ? 0 : token_bytes[size_t(plain_ids_.back())].size();
+    plain_by_len_.assign(longest + 2, 0);
+    for (int32_t id : plain_ids_) ++plain_by_len_[token_bytes[size_t(id)].size() + 1];
+    for (size_t l = 1; l < plain_by_len_.size(); ++l) plain_by_len_[l] += plain_by_len_[l - 1];
     rest_ = std::make_unique<VocabTrie>(rest, false);
   }
   std::vector<int32_t> order;
@@ -306,15 +313,19 @@ int32_t Runtime::cost(int32_t state) {
 
 size_t Runtime::states() const { return states_.size(); }
 
-bool Runtime::plain_loop(int32_t state) {
-  if (states_[size_t(state)].plain_loop < 0) {
-    bool loops = true;
-    // Stops at the first byte that leaves: a state outside a string costs one step here.
-    for (int b = 0; b < 256 && loops; ++b)
-      if (trie_->plain_bytes_.has(uint8_t(b))) loops = step(state, uint8_t(b)) == state;
-    states_[size_t(state)].plain_loop = loops ? 1 : 0;
+int32_t Runtime::plain_next(int32_t state) {
+  if (state == kDead) return kDead;
+  if (states_[size_t(state)].plain_next == -1) {
+    int32_t next = -1;
+    // Stops at the first byte that disagrees: a state outside a string costs two steps here.
+    for (int b = 0; b < 256 && next != kMixed; ++b) {
+      if (!trie_->plain_bytes_.has(uint8_t(b))) continue;
+      int32_t s = step(state, uint8_t(b));
+      next = next == -1 || next == s ? s : kMixed;
+    }
+    states_[size_t(state)].plain_next = next;
   }
-  return states_[size_t(state)].plain_loop == 1;
+  return states_[size_t(state)].plain_next;
 }
 
 int32_t Runtime::walk(int32_t state, std::span<uint32_t> bits, int budget, bool& any) {
@@ -322,15 +333,26 @@ int32_t Runtime::walk(int32_t state, std::span<uint32_t> bits, int budget, bool&
   const size_t nbits = bits.size() * 32;
   int32_t max_cost = 0;
   const VocabTrie* full = trie_.get();
-  if (full->rest_ && !full->plain_ids_.empty() && plain_loop(state)) {
-    // Every plain token ends where it started: all are allowed, at this state's cost.
-    const int32_t c = costs_[size_t(state)];
-    if (budget < 0 || c <= budget) {
-      for (int32_t id : full->plain_ids_)
-        if (uint32_t(id) < nbits) bits[uint32_t(id) >> 5] |= 1u << (id & 31), any = true;
-      max_cost = c;
+  if (full->rest_ && !full->plain_ids_.empty()) {
+    // Follow the plain bytes' common successor for as long as the longest plain token: a plain
+    // token of length L ends in chain[L]. A state where they disagree needs the full walk.
+    const size_t longest = full->plain_by_len_.size() - 2;
+    std::vector<int32_t>& chain = scratch_;
+    chain.assign(1, state);
+    while (chain.size() <= longest && chain.back() != kDead && chain.back() != kMixed)
+      chain.push_back(plain_next(chain.back()));
+    if (chain.back() != kMixed) {
+      for (size_t len = 1; len < chain.size() && chain[len] != kDead; ++len) {
+        const int32_t c = costs_[size_t(chain[len])];
+        if ((budget >= 0 && c > budget) || full->plain_by_len_[len] == full->plain_by_len_[len + 1]) continue;
+        for (int32_t k = full->plain_by_len_[len]; k < full->plain_by_len_[len + 1]; ++k) {
+          const uint32_t id = uint32_t(full->plain_ids_[size_t(k)]);
+          if (id < nbits) bits[id >> 5] |= 1u << (id & 31), any = true;
+        }
+        max_cost = std::max(max_cost, c);
+      }
+      full = full->rest_.get();
     }
-    full = full->rest_.get();
   }
   const VocabTrie& t = *full;
   const size_t n = t.nodes();

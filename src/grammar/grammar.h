@@ -93,10 +93,12 @@ class VocabTrie {
   std::vector<int32_t> tok_begin_;  // tokens spelling exactly this node: ids_[tok_begin_[n], tok_begin_[n+1])
   std::vector<int32_t> ids_;
   int max_depth_ = 0;
-  // Plain tokens: printable ASCII without '"' or '\\'. Inside a free string they all leave the
-  // state as it is, so a state that every one of their bytes maps to itself admits them all and
-  // only the other tokens (rest_, a trie of its own) need a walk.
-  std::vector<int32_t> plain_ids_;
+  // Plain tokens: printable ASCII without '"', '\\' or '<'. Inside a string every plain byte
+  // takes a state to one and the same next state (itself in a free string, the next count in a
+  // bounded one), so a token's fate depends only on its length; where that holds the plain tokens
+  // are decided by length and only the others (rest_, a trie of its own) need a walk.
+  std::vector<int32_t> plain_ids_;     // by length
+  std::vector<int32_t> plain_by_len_;  // plain_ids_[plain_by_len_[L], plain_by_len_[L+1]): length L
   ByteSet plain_bytes_;
   std::unique_ptr<VocabTrie> rest_;
 
@@ -132,7 +134,7 @@ class Runtime {
     std::vector<int32_t> stacks;  // sorted stack node ids
     bool accept = false;
     int32_t cost = 0;
-    int8_t plain_loop = -1;  // every plain byte maps the state to itself (-1: not known yet)
+    int32_t plain_next = -1;  // the state every plain byte leads to (kDead too); kMixed; -1 unknown
   };
   struct StackNode {
     int32_t pos, parent, dist;
@@ -145,7 +147,8 @@ class Runtime {
   void expand(int32_t pos, int32_t parent, std::vector<int32_t>& out, bool& accept, int depth);
   int32_t intern_state(std::vector<int32_t>& stacks, bool accept);
   int32_t step(int32_t state, uint8_t b);  // locked by the caller
-  bool plain_loop(int32_t state);
+  static constexpr int32_t kMixed = -3;
+  int32_t plain_next(int32_t state);
   int32_t walk(int32_t state, std::span<uint32_t> bits, int budget, bool& any);
 
   std::shared_ptr<const Grammar> g_;
