@@ -151,7 +151,9 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
   // feeding tokens with choosing the next one (Model::greedy_step: on CUDA the logits stay on
   // the device), from the prompt's last piece on. Forced tokens still pending take precedence,
   // as they do on the host path.
-  const bool greedy_fast = opt_.greedy_fast_path && is_plain_greedy(req.sampling) && req.logprobs < 0;
+  // constraint: a constrained request samples through the mask, never through greedy_step.
+  const bool greedy_fast =
+      opt_.greedy_fast_path && is_plain_greedy(req.sampling) && req.logprobs < 0 && !req.constraint;
   int32_t next_greedy = -1;  // the next token, already chosen by greedy_step (-1: none)
   // Every other request samples on the backend that holds the logits (on CUDA: the device), which
   // follows the reference Sampler's rule; with the fast path off, on the host (tests compare).
@@ -188,6 +190,9 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
   Sampler greedy_sampler(req.sampling, req.prompt);  // the fast path's argmax when greedy_step has not run
   StreamDecoder decoder(tok_);
   StopMatcher stops(req.stop);
+  std::vector<uint32_t> mask;  // constraint: the allowed-token bitmask, reused every step
+  if (req.constraint) mask.resize((size_t(vocab) + 31) / 32);
+  bool document_done = false;    // constraint: ended by a complete document
   bool ended = false;            // by a stop string or an end-of-sequence token
   std::vector<int32_t> pending;  // forced tokens still to emit, in reverse order
   bool armed = false;            // forcing happens once per request
@@ -212,9 +217,16 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
       pending.pop_back();
       step.forced = true;
     }
+    // constraint: the mask is computed while the backend runs the step just fed (on CUDA the
+    // feed only enqueued it), and applied by the sampler on the device.
+    const uint32_t* allowed = nullptr;
+    if (forced < 0 && req.constraint && req.constraint->active()) {
+      req.constraint->fill_mask(mask);
+      allowed = mask.data();
+    }
     std::optional<LogprobInfo> lp;
     if (sampler) {
-      SampleChoice c = sampler->next(nullptr, forced);
+      SampleChoice c = sampler->next(allowed, forced);
       tok = c.token;
       lp = std::move(c.logprobs);
     } else {
@@ -223,6 +235,7 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
     }
     if (forced < 0 && !armed && req.force_trigger && tok == *req.force_trigger) arm_forcing();
     next_greedy = -1;
+    if (req.constraint) req.constraint->accept(tok);  // constraint: sampled and forced tokens alike
     ++res.completion_tokens;
     step.token = tok;
     const bool eos = !req.ignore_eos && std::find(eos_.begin(), eos_.end(), tok) != eos_.end();
@@ -238,6 +251,10 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
         res.finish = Finish::kStop;
         res.stop_string = stops.matched();
         ended = true;
+      } else if (req.constraint && req.constraint->complete()) {
+        // constraint: a document that nothing may follow ends the generation (no end-of-turn token).
+        res.finish = Finish::kStop;
+        ended = document_done = true;
       }
     }
     if (!on_step(step)) {
@@ -257,7 +274,7 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
       forward(std::span<const int32_t>(&tok, 1));
     fed.push_back(tok);
   }
-  if (res.finish == Finish::kLength || (res.finish == Finish::kStop && res.stop_token)) {
+  if (res.finish == Finish::kLength || (res.finish == Finish::kStop && (res.stop_token || document_done))) {
     GenStep last;
     last.text = stops.push(decoder.flush());
     if (stops.stopped() && !res.stop_token) {

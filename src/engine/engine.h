@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/constraint.h"
 #include "engine/prefix_cache.h"
 #include "engine/sampler.h"
 #include "model/model.h"
@@ -58,6 +59,8 @@ struct GenRequest {
   // then `forced`. Anthropic's thinking budget ends the reasoning block this way. -1: none.
   int trigger_budget = -1;
   std::vector<int32_t> budget_forced;
+  // Structured output: masks the sampled tokens and sees every emitted one. Null: none.
+  std::shared_ptr<TokenConstraint> constraint;
   std::chrono::steady_clock::time_point deadline = std::chrono::steady_clock::time_point::max();
   std::function<bool()> cancelled;  // polled once per step; true stops the computation
 };

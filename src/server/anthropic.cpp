@@ -197,7 +197,8 @@ Json translate_common(const Json& body, bool& thinking) {
     object(tc, "tool_choice");
     std::string type = str(require(tc, "type", "tool_choice.type"), "tool_choice.type");
     const Json& dp = get(tc, "disable_parallel_tool_use");
-    if (!dp.is_null()) boolean(dp, "tool_choice.disable_parallel_tool_use");
+    if (!dp.is_null() && boolean(dp, "tool_choice.disable_parallel_tool_use"))
+      chat["parallel_tool_calls"] = false;
     if (type == "auto") {
       if (!names.empty()) chat["tool_choice"] = "auto";
     } else if (type == "none") {

@@ -150,15 +150,6 @@ void check_unsupported(const Fields& f, bool chat) {
   if (f.has("n") && f.at("n").get<int64_t>() != 1)
     api_fail(400, "n", "'n' must be 1: tansy generates one choice per request");
   if (chat) {
-    if (f.has("response_format")) {
-      const Json& rf = f.at("response_format");
-      if (!rf.is_object()) f.bad_type("response_format", "an object");
-      if (!rf.contains("type") || !rf["type"].is_string())
-        api_fail(400, "response_format.type", "'response_format.type' must be a string");
-      if (rf["type"].get<std::string>() != "text")
-        api_fail(400, "response_format",
-                 "'response_format' is not supported (structured output is not implemented)");
-    }
     if (f.has("modalities")) {
       const Json& m = f.at("modalities");
       if (!m.is_array()) f.bad_type("modalities", "an array of strings");
@@ -177,6 +168,38 @@ void check_unsupported(const Fields& f, bool chat) {
     if (f.boolean("echo", false)) api_fail(400, "echo", "'echo' is not supported");
     if (f.has("suffix")) api_fail(400, "suffix", "'suffix' is not supported");
   }
+}
+
+// response_format: text, json_object or json_schema (OpenAI's shapes). The schema's own keywords
+// are checked when it is compiled (server/structured.h).
+void parse_response_format(const Fields& f, ApiRequest& r) {
+  if (!f.has("response_format")) return;
+  const Json& rf = f.at("response_format");
+  if (!rf.is_object()) f.bad_type("response_format", "an object");
+  if (!rf.contains("type") || !rf["type"].is_string())
+    api_fail(400, "response_format.type", "'response_format.type' must be a string");
+  const std::string type = rf["type"].get<std::string>();
+  if (type == "text") return;
+  if (type == "json_object") {
+    r.response_format = ResponseFormat::kJsonObject;
+  } else if (type == "json_schema") {
+    if (!rf.contains("json_schema") || !rf["json_schema"].is_object())
+      api_fail(400, "response_format.json_schema", "'response_format.json_schema' must be an object");
+    const Json& js = rf["json_schema"];
+    want_member_string(js, "name", "response_format.json_schema");
+    want_member_string(js, "description", "response_format.json_schema");
+    want_member_boolean(js, "strict", "response_format.json_schema");
+    if (!js.contains("schema") || !(js["schema"].is_object() || js["schema"].is_boolean()))
+      api_fail(400, "response_format.json_schema.schema",
+               "'response_format.json_schema.schema' must be a JSON Schema (an object)");
+    r.response_format = ResponseFormat::kJsonSchema;
+    r.schema = js["schema"];
+  } else {
+    api_fail(400, "response_format.type",
+             fmt::format("'response_format.type' must be text, json_object or json_schema, got '{}'", type));
+  }
+  if (r.ignore_eos)
+    api_fail(400, "ignore_eos", "'ignore_eos' cannot be combined with a JSON 'response_format'");
 }
 
 void parse_common(const Fields& f, ApiRequest& r, const SamplingParams& defaults, int vocab_size) {
@@ -241,6 +264,7 @@ void parse_common(const Fields& f, ApiRequest& r, const SamplingParams& defaults
       if (x.empty()) api_fail(400, "stop", "stop strings must not be empty");
   }
   r.ignore_eos = f.boolean("ignore_eos", false);
+  parse_response_format(f, r);
 }
 
 void validate_content(const Json& content, const std::string& where) {
@@ -362,6 +386,7 @@ ApiRequest parse_chat_request(const Json& body, const SamplingParams& defaults, 
 
   validate_messages(f);
   std::set<std::string> tool_names = validate_tools(f);
+  r.parallel_tool_calls = f.boolean("parallel_tool_calls", true);
   if (f.has("chat_template_kwargs")) {
     const Json& kw = f.at("chat_template_kwargs");
     if (!kw.is_object()) f.bad_type("chat_template_kwargs", "an object");
@@ -493,6 +518,7 @@ ApiRequest parse_completion_request(const Json& body, const SamplingParams& defa
                    "best_of",
                    "echo",
                    "suffix",
+                   "response_format",
                    "ignore_eos"},
                   r);
   return r;

@@ -29,6 +29,7 @@ struct ApiError : std::runtime_error {
                            const std::string& code = {});
 
 enum class ToolChoice { kNone, kAuto, kRequired, kNamed };
+enum class ResponseFormat { kText, kJsonObject, kJsonSchema };
 
 struct ApiRequest {
   bool chat = true;
@@ -40,11 +41,15 @@ struct ApiRequest {
   std::vector<std::string> stop;
   int logprobs = -1;  // -1 none; else the number of alternatives per token
   bool ignore_eos = false;
+  // response_format (structured output): the schema is compiled when the request is prepared.
+  ResponseFormat response_format = ResponseFormat::kText;
+  Json schema;  // kJsonSchema: response_format.json_schema.schema
 
   // chat
   text::RenderRequest render;  // messages, tools, template switches
   ToolChoice tool_choice = ToolChoice::kAuto;
-  std::string tool_name;  // kNamed
+  std::string tool_name;            // kNamed
+  bool parallel_tool_calls = true;  // false: at most one call where calls are constrained
 
   // completions
   std::optional<std::string> prompt_text;

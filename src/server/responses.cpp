@@ -162,8 +162,7 @@ class ResponsesFrontend : public ChatFrontend {
         const Json& params = get(x, "parameters");
         if (!params.is_null()) fn["parameters"] = object(params, join(w, "parameters"));
         const Json& strict = get(x, "strict");
-        if (!strict.is_null() && boolean(strict, join(w, "strict")))
-          bad(join(w, "strict"), "'strict': true needs structured output, which is not implemented yet");
+        if (!strict.is_null()) fn["strict"] = boolean(strict, join(w, "strict"));
         t.push_back({{"type", "function"}, {"function", fn}});
         tools_.push_back(x);
       }
@@ -211,11 +210,20 @@ class ResponsesFrontend : public ChatFrontend {
       if (!format.is_null()) {
         object(format, "text.format");
         std::string type = str(require(format, "type", "text.format.type"), "text.format.type");
-        if (type != "text")
-          bad("text.format",
-              fmt::format(
-                  "'text.format' type '{}' is not supported yet (structured output is not implemented)",
-                  type));
+        // Structured output: the chat request's response_format (its schema checked there).
+        if (type == "json_object") {
+          chat["response_format"] = {{"type", "json_object"}};
+        } else if (type == "json_schema") {
+          Json js{{"name", str(require(format, "name", "text.format.name"), "text.format.name")},
+                  {"schema", object(require(format, "schema", "text.format.schema"), "text.format.schema")}};
+          const Json& strict = get(format, "strict");
+          if (!strict.is_null()) js["strict"] = boolean(strict, "text.format.strict");
+          chat["response_format"] = {{"type", "json_schema"}, {"json_schema", js}};
+        } else if (type != "text") {
+          bad("text.format.type",
+              fmt::format("'text.format.type' must be text, json_object or json_schema, got '{}'", type));
+        }
+        text_format_ = format;
       }
       const Json& verbosity = get(text, "verbosity");
       if (!verbosity.is_null()) str(verbosity, "text.verbosity");
@@ -237,10 +245,8 @@ class ResponsesFrontend : public ChatFrontend {
       const Json& summary = get(reasoning, "summary");
       if (!summary.is_null()) str(summary, "reasoning.summary");
     }
-    for (const char* k : {"parallel_tool_calls"}) {
-      const Json& v = get(body, k);
-      if (!v.is_null()) boolean(v, k);
-    }
+    const Json& parallel = get(body, "parallel_tool_calls");
+    if (!parallel.is_null()) chat["parallel_tool_calls"] = boolean(parallel, "parallel_tool_calls");
     const Json& metadata = get(body, "metadata");
     if (!metadata.is_null()) metadata_ = object(metadata, "metadata");
     for (const char* k : {"user", "safety_identifier", "prompt_cache_key", "service_tier", "truncation"}) {
@@ -499,7 +505,7 @@ class ResponsesFrontend : public ChatFrontend {
                 {"reasoning", reasoning_},
                 {"store", false},
                 {"temperature", temperature_},
-                {"text", {{"format", {{"type", "text"}}}}},
+                {"text", {{"format", text_format_}}},
                 {"tool_choice", tool_choice_},
                 {"tools", tools_},
                 {"top_p", top_p_},
@@ -530,6 +536,7 @@ class ResponsesFrontend : public ChatFrontend {
   Json tool_choice_ = "auto", tools_ = Json::array(),
        reasoning_ = {{"effort", nullptr}, {"summary", nullptr}};
   Json metadata_ = Json::object();
+  Json text_format_ = {{"type", "text"}};
   Json output_ = Json::array(), last_choice_;
   std::string open_, item_id_, text_;
   Json call_id_, call_name_;

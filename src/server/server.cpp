@@ -28,6 +28,7 @@
 #include "server/openai.h"
 #include "server/request_log.h"
 #include "server/responses.h"
+#include "server/structured.h"
 #include "server/tokenize_api.h"
 #include "server/web.h"
 #include "text/chat_template.h"
@@ -258,6 +259,9 @@ struct Server::Impl {
       }
       j.gen.forced = tok.encode(open, true);
     }
+    // Structured output (response_format, forced or strict tool calls): the grammar takes over
+    // after the reasoning; the forced opening above is part of what it allows.
+    j.gen.constraint = chat_constraint(j.api, tok, engine.eos_ids(), j.starts_in_reasoning, j.gen.max_tokens);
     j.id = random_id("chatcmpl-");
     j.created = unix_now();
     return j;
@@ -279,6 +283,7 @@ struct Server::Impl {
     // A repeated or extended prompt resumes after all but its last token (which must be fed
     // again for its logits).
     j.gen.cache_cut = j.gen.prompt.size() - 1;
+    j.gen.constraint = completion_constraint(j.api, engine.tokenizer(), engine.eos_ids(), j.gen.max_tokens);
     j.id = random_id("cmpl-");
     j.created = unix_now();
     return j;
@@ -353,9 +358,10 @@ struct Server::Impl {
     }
   };
 
-  std::string chat_finish_reason(const Job& j, const GenResult& r, const ChatOutput& out) const {
+  std::string chat_finish_reason(const Job&, const GenResult& r, const ChatOutput& out) const {
     if (r.finish == Finish::kLength) return "length";
-    if (out.has_tool_calls() && j.api.tool_choice != ToolChoice::kNamed) return "tool_calls";
+    // A named function's call is forced through its schema: a complete call, so "tool_calls".
+    if (out.has_tool_calls()) return "tool_calls";
     return "stop";
   }
 

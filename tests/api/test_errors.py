@@ -40,7 +40,8 @@ def chat(**kw):
 
 @pytest.mark.parametrize("body,param", [
     (chat(n=2), "n"),
-    (chat(response_format={"type": "json_object"}), "response_format"),
+    (chat(response_format={"type": "json_schema", "json_schema": {"schema": {"not": {}}}}),
+     "response_format.json_schema.schema"),
     (chat(temperature="hot"), "temperature"),
     (chat(temperature=3), "temperature"),
     (chat(top_p=0), "top_p"),

@@ -133,7 +133,8 @@ BASE = {"model": MODEL_ID, "input": "Hi", "max_output_tokens": 2}
 @pytest.mark.parametrize("change,field", [
     ({"store": True}, "store"),
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format"),
+    ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
+    ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
     ({"text": {"format": "json"}}, "text.format"),
     ({"input": None}, "input"),
     ({"input": 5}, "input"),

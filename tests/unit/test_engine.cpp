@@ -506,3 +506,62 @@ TEST(Engine, StatesWithAndWithoutACache) {
   EXPECT_EQ(cached.clones, 2) << "a snapshot at each request's cut";
   EXPECT_EQ(out0, out2) << "the same answers either way";
 }
+
+// ---- structured output: the constraint hook --------------------------------------------------
+
+namespace {
+
+// Allows exactly the next token of a script; complete once the script is done.
+class ScriptConstraint : public tansy::TokenConstraint {
+ public:
+  explicit ScriptConstraint(std::vector<int32_t> script) : script_(std::move(script)) {}
+  bool active() const override { return true; }
+  void fill_mask(std::span<uint32_t> bits) override {
+    ++masks;
+    std::fill(bits.begin(), bits.end(), 0u);
+    int32_t t = script_[pos_];
+    bits[size_t(t) >> 5] |= 1u << (t & 31);
+  }
+  void accept(int32_t token) override {
+    accepted.push_back(token);
+    if (pos_ < script_.size() && token == script_[pos_]) ++pos_;
+  }
+  bool can_end() const override { return pos_ == script_.size(); }
+  bool complete() const override { return pos_ == script_.size(); }
+  int masks = 0;
+  std::vector<int32_t> accepted;
+
+ private:
+  std::vector<int32_t> script_;
+  size_t pos_ = 0;
+};
+
+}  // namespace
+
+TEST(Engine, ConstraintMasksEverySampledStepAndEndsTheDocument) {
+  const auto prompt = prompt_of(9, 5);
+  const std::vector<int32_t> script = {7, 300, 12, 12, 399, 1};
+  for (bool fast : {true, false}) {
+    GenRequest req = greedy_request(prompt, 20);
+    auto c = std::make_shared<ScriptConstraint>(script);
+    req.constraint = c;
+    Harness h(fast);
+    Outcome o = h.run(req);
+    EXPECT_EQ(o.tokens, script);  // greedy would pick others: the mask decides
+    EXPECT_EQ(o.res.finish, Finish::kStop);
+    EXPECT_EQ(o.res.completion_tokens, int(script.size()));
+    EXPECT_EQ(o.greedy_calls, 0);  // a constrained request never takes greedy_step
+    EXPECT_EQ(c->masks, int(script.size()));
+    EXPECT_EQ(c->accepted, script);
+  }
+  // Forced tokens are accepted without a mask; a document cut by max_tokens is "length".
+  GenRequest req = greedy_request(prompt, 4);
+  auto c = std::make_shared<ScriptConstraint>(script);
+  req.constraint = c;
+  req.forced = {7, 300};
+  Harness h(true);
+  Outcome o = h.run(req);
+  EXPECT_EQ(o.tokens, std::vector<int32_t>(script.begin(), script.begin() + 4));
+  EXPECT_EQ(c->masks, 2);
+  EXPECT_EQ(o.res.finish, Finish::kLength);
+}
