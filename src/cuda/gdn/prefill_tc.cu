@@ -250,8 +250,8 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_prefill_tc_kernel(const GdnPr
     __syncthreads();
 
     // ---- 3. V' = (I + A)^{-1} R: each warp owns 4 of the 32 columns, each lane rows lane and
-    // lane+32; right-looking substitution, x_i broadcast by shuffle. Then the bf16 hi/lo copies of
-    // V' and e^{G_last-G} ⊙ V' for the mmas of step 4. ----
+    // lane+32; right-looking substitution, finished rows broadcast by shuffle. Then the bf16 hi/lo
+    // copies of V' and e^{G_last-G} ⊙ V' for the mmas of step 4. ----
     {
       const int cb = 4 * warp;
       float x[4][2];
@@ -263,22 +263,58 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_prefill_tc_kernel(const GdnPr
         x[2][sh] = r.z;
         x[3][sh] = r.w;
       }
-      // A is strictly lower triangular with explicit zeros, so rows <= i are left unchanged.
-#pragma unroll 8
-      for (int i = 0; i < 32; ++i) {
-        const float a0 = sm.a[lane * AP + i], a1 = sm.a[(lane + 32) * AP + i];
+      // Blocks of kSub rows: the block's kSub values (all earlier rows applied) come over by shuffle
+      // at once and every lane finishes them with the small triangle A[i..i+kSub)[i..i+kSub), so
+      // the serial chain is one shuffle per kSub rows. A is strictly lower triangular with explicit
+      // zeros, so rows < i are left unchanged and row i+u receives exactly its final value.
+      constexpr int kSub = 4;
+#pragma unroll 2
+      for (int i = 0; i < 32; i += kSub) {
+        float tri[kSub][kSub], a0[kSub], a1[kSub];
+#pragma unroll
+        for (int u = 0; u < kSub; ++u) {
+#pragma unroll
+          for (int w = 0; w < u; ++w) tri[u][w] = sm.a[(i + u) * AP + i + w];
+          a0[u] = sm.a[lane * AP + i + u];
+          a1[u] = sm.a[(lane + 32) * AP + i + u];
+        }
 #pragma unroll
         for (int cc = 0; cc < 4; ++cc) {
-          const float xi = __shfl_sync(0xffffffffu, x[cc][0], i);
-          x[cc][0] -= a0 * xi;
-          x[cc][1] -= a1 * xi;
+          float xb[kSub];
+#pragma unroll
+          for (int u = 0; u < kSub; ++u) xb[u] = __shfl_sync(0xffffffffu, x[cc][0], i + u);
+#pragma unroll
+          for (int u = 1; u < kSub; ++u)
+#pragma unroll
+            for (int w = 0; w < u; ++w) xb[u] -= tri[u][w] * xb[w];
+#pragma unroll
+          for (int w = 0; w < kSub; ++w) {
+            x[cc][0] -= a0[w] * xb[w];
+            x[cc][1] -= a1[w] * xb[w];
+          }
         }
       }
-#pragma unroll 8
-      for (int i = 32; i < C; ++i) {
-        const float a1 = sm.a[(lane + 32) * AP + i];
+#pragma unroll 2
+      for (int i = 32; i < C; i += kSub) {
+        float tri[kSub][kSub], a1[kSub];
 #pragma unroll
-        for (int cc = 0; cc < 4; ++cc) x[cc][1] -= a1 * __shfl_sync(0xffffffffu, x[cc][1], i - 32);
+        for (int u = 0; u < kSub; ++u) {
+#pragma unroll
+          for (int w = 0; w < u; ++w) tri[u][w] = sm.a[(i + u) * AP + i + w];
+          a1[u] = sm.a[(lane + 32) * AP + i + u];
+        }
+#pragma unroll
+        for (int cc = 0; cc < 4; ++cc) {
+          float xb[kSub];
+#pragma unroll
+          for (int u = 0; u < kSub; ++u) xb[u] = __shfl_sync(0xffffffffu, x[cc][1], i - 32 + u);
+#pragma unroll
+          for (int u = 1; u < kSub; ++u)
+#pragma unroll
+            for (int w = 0; w < u; ++w) xb[u] -= tri[u][w] * xb[w];
+#pragma unroll
+          for (int w = 0; w < kSub; ++w) x[cc][1] -= a1[w] * xb[w];
+        }
       }
 #pragma unroll
       for (int sh = 0; sh < 2; ++sh) {
