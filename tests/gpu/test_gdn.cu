@@ -1,6 +1,7 @@
 // Gated DeltaNet (src/cuda/gdn/) against cpu::conv1d_step, cpu::l2norm_heads, cpu::gdn_gates,
 // cpu::gdn_recurrent_step and cpu::rmsnorm_gated: the decode conv/gates and recurrence, the fused
-// in_proj + step of one token, and the chunked prefill. Tolerances in gpu_test_util.h, and
+// in_proj + step of one token, and the chunked prefill (gdn_prefill on tensor cores, and the f32
+// gdn_prefill_f32 kept beside it). Tolerances in gpu_test_util.h, and
 // kTolF32Chunked 1e-4: chunked GDN with f32 output/state against the token-by-token loop, the same
 // math re-associated through a 64x64 triangular solve per chunk.
 #include <cmath>
@@ -199,10 +200,21 @@ TEST(Gdn, InProjAndStep) {
 
 // ---- prefill ----
 
-void check_gdn(int n_k, int n_v, int n, bool f32_out) {
+using PrefillFn = void (*)(const cuda::GdnPrefillArgs&, cudaStream_t);
+
+// The chunked delta rule over `pieces` (successive calls, each continuing from the state the
+// previous one left) against the token-by-token loop from the same random nonzero state.
+void check_gdn(int n_k, int n_v, const std::vector<int>& pieces, bool f32_out,
+               PrefillFn prefill = cuda::gdn_prefill, const char* name = "gdn_prefill") {
   constexpr int D = cuda::kGdnDim;
-  const std::string label =
-      "gdn heads " + str(n_k) + "/" + str(n_v) + " n=" + str(n) + (f32_out ? " f32" : " bf16");
+  const int n = std::accumulate(pieces.begin(), pieces.end(), 0);
+  std::string label = std::string(name) + " heads " + str(n_k) + "/" + str(n_v) + " n=" + str(n);
+  if (pieces.size() > 1) {
+    label += " (";
+    for (size_t i = 0; i < pieces.size(); ++i) label += (i ? "+" : "") + str(pieces[i]);
+    label += ")";
+  }
+  label += f32_out ? " f32" : " bf16";
   const int key_dim = n_k * D, conv_dim = 2 * key_dim + n_v * D;
   // The conv output layout [n, q | k | v], used in place.
   std::vector<float> y(size_t(n) * conv_dim);
@@ -233,21 +245,25 @@ void check_gdn(int n_k, int n_v, int n, bool f32_out) {
     poison(o32);
   else
     poison(o16);
-  cuda::GdnPrefillArgs a;
-  a.q = dy.get();
-  a.k = dy.get() + key_dim;
-  a.v = dy.get() + 2 * key_dim;
-  a.q_stride = a.k_stride = a.v_stride = conv_dim;
-  a.beta = dbeta.get();
-  a.g = dg.get();
-  a.n = n;
-  a.n_k_heads = n_k;
-  a.n_v_heads = n_v;
-  a.state = dS.get();
-  a.o_f32 = f32_out ? o32.get() : nullptr;
-  a.o_bf16 = f32_out ? nullptr : o16.get();
-  a.o_stride = ldo;
-  cuda::gdn_prefill(a, 0);
+  int start = 0;
+  for (const int m : pieces) {
+    cuda::GdnPrefillArgs a;
+    a.q = dy.get() + size_t(start) * conv_dim;
+    a.k = a.q + key_dim;
+    a.v = a.q + 2 * key_dim;
+    a.q_stride = a.k_stride = a.v_stride = conv_dim;
+    a.beta = dbeta.get() + size_t(start) * n_v;
+    a.g = dg.get() + size_t(start) * n_v;
+    a.n = m;
+    a.n_k_heads = n_k;
+    a.n_v_heads = n_v;
+    a.state = dS.get();
+    a.o_f32 = f32_out ? o32.get() + size_t(start) * ldo : nullptr;
+    a.o_bf16 = f32_out ? nullptr : o16.get() + size_t(start) * ldo;
+    a.o_stride = ldo;
+    prefill(a, 0);
+    start += m;
+  }
   const auto got_o =
       take_rows(f32_out ? from_device(o32.get(), o32.size()) : from_device_bf16(o16.get(), o16.size()), ldo,
                 n_v * D, [&] {
@@ -270,12 +286,36 @@ void check_gdn(int n_k, int n_v, int n, bool f32_out) {
 }
 
 TEST(Gdn, Chunked) {
-  for (int n : {1, 63, 64, 65, 200}) check_gdn(16, 32, n, n % 2 == 1);  // real heads
-  check_gdn(16, 32, 129, false);
-  check_gdn(2, 4, 4096, true);  // long sequence (fewer heads keep the CPU loop short)
-  check_gdn(2, 4, 1000, false);
-  check_gdn(4, 4, 130, true);  // ratio 1
-  check_gdn(1, 3, 70, false);  // ratio 3
+  for (int n : {1, 2, 3, 63, 64, 65, 200}) check_gdn(16, 32, {n}, n % 2 == 1);  // real heads
+  check_gdn(16, 32, {129}, false);
+  check_gdn(2, 4, {4096}, true);  // long sequence (fewer heads keep the CPU loop short)
+  check_gdn(2, 4, {1000}, false);
+  check_gdn(4, 4, {130}, true);  // ratio 1
+  check_gdn(1, 3, {70}, false);  // ratio 3
+}
+
+// Continuing from the state a previous call left: chunk boundaries that do not line up with the
+// call boundaries, and calls of 1-3 tokens between longer ones.
+TEST(Gdn, ChunkedContinues) {
+  check_gdn(16, 32, {100, 77}, true);
+  check_gdn(16, 32, {64, 1, 2, 3, 64}, true);
+  check_gdn(2, 4, {1, 127, 300, 5}, false);
+}
+
+// The state's rounding compounds over the sequence: the real head configuration at 4,096 tokens and
+// longer sequences at fewer heads (the CPU loop costs ~0.7 ms per token at 16/32 heads), f32 out,
+// at the f32 tolerance.
+TEST(Gdn, ChunkedLong) {
+  check_gdn(16, 32, {4096}, true);
+  check_gdn(2, 4, {5000, 3193}, true);
+  check_gdn(2, 4, {32768}, true);
+}
+
+// The f32 CUDA-core kernel kept beside the tensor-core one (the call site can switch back to it).
+TEST(Gdn, ChunkedF32Kernel) {
+  for (int n : {1, 65, 200}) check_gdn(16, 32, {n}, n % 2 == 1, cuda::gdn_prefill_f32, "gdn_prefill_f32");
+  check_gdn(2, 4, {1000}, true, cuda::gdn_prefill_f32, "gdn_prefill_f32");
+  check_gdn(2, 4, {100, 77}, false, cuda::gdn_prefill_f32, "gdn_prefill_f32");
 }
 
 TEST(Gdn, RejectsBadShapes) {
@@ -302,6 +342,7 @@ TEST(Gdn, RejectsBadShapes) {
   a.q_stride = 256;
   a.n = 0;
   EXPECT_THROW(cuda::gdn_prefill(a, 0), Error);
+  EXPECT_THROW(cuda::gdn_prefill_f32(a, 0), Error);
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // Kernel timings at the real shapes: not pass/fail, they print. Timing.DecodeRealShapes (µs and
 // GB/s per launch, back to back on one stream as in the decode graph) runs only with
-// TANSY_DECODE_TIMING=1; Timing.Prefill (median ms and TFLOP/s at n=4096) is left out by
+// TANSY_DECODE_TIMING=1; Timing.Prefill (median ms and TFLOP/s at n=4096) and Timing.Gdn (the
+// chunked delta rule, µs per layer at 4,096 and 32,768 tokens) are left out by
 // tools/device/gpu_tests.sh's filters. Each keeps its own helpers in its own namespace.
 #include <algorithm>
 #include <cstdio>
@@ -373,6 +374,43 @@ TEST(Timing, Prefill) {
     a.o_stride = nv * D;
     const double ms = median_ms([&] { cuda::gdn_prefill(a, 0); });
     std::printf("  %-58s %8.3f ms  (x30 layers = %.1f ms)\n", "gdn_prefill 16/32 heads", ms, 30 * ms);
+  }
+  CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+// The chunked delta rule alone at the real heads (16 key, 32 value, d 128), f32 output as the
+// prefill path uses it: µs per layer for the tensor-core kernel and the f32 one it replaced.
+TEST(Timing, Gdn) {
+  constexpr int D = cuda::kGdnDim, nk = 16, nv = 32, conv = 2 * nk * D + nv * D;
+  std::printf("gdn chunked delta rule per layer (median of 15; heads %d/%d; random data)\n", nk, nv);
+  for (const int n : {4096, 32768}) {
+    DeviceBuffer<bf16> y(size_t(n) * conv);
+    const auto yr = to_bf16(randn(y.size(), 0.09f));
+    CUDA_CHECK(cudaMemcpy(y.get(), yr.data(), yr.size() * 2, cudaMemcpyHostToDevice));
+    std::vector<float> bg(size_t(n) * nv);
+    for (auto& v : bg) v = std::uniform_real_distribution<float>(0.05f, 0.95f)(rng());
+    auto dbeta = to_device(bg);
+    for (auto& v : bg) v = -v;
+    auto dg = to_device(bg);
+    DeviceBuffer<float> S(size_t(nv) * D * D), o(size_t(n) * nv * D);
+    CUDA_CHECK(cudaMemset(S.get(), 0, S.bytes()));
+    cuda::GdnPrefillArgs a;
+    a.q = y.get();
+    a.k = y.get() + nk * D;
+    a.v = y.get() + 2 * nk * D;
+    a.q_stride = a.k_stride = a.v_stride = conv;
+    a.beta = dbeta.get();
+    a.g = dg.get();
+    a.n = n;
+    a.n_k_heads = nk;
+    a.n_v_heads = nv;
+    a.state = S.get();
+    a.o_f32 = o.get();
+    a.o_stride = nv * D;
+    const double tc = median_ms([&] { cuda::gdn_prefill(a, 0); });
+    const double f32 = median_ms([&] { cuda::gdn_prefill_f32(a, 0); });
+    std::printf("  TIMING gdn n=%-6d gdn_prefill %9.1f us/layer   gdn_prefill_f32 %9.1f us/layer   (x%.2f)\n",
+                n, 1e3 * tc, 1e3 * f32, f32 / tc);
   }
   CUDA_CHECK(cudaDeviceSynchronize());
 }

@@ -1,5 +1,7 @@
-// Chunked Gated DeltaNet prefill (docs/MODEL.md §5.6). One block = one value head x 32 state columns;
-// the block walks the chunks of 64 tokens in order, carrying its 128x32 slice of S in shared memory.
+// Chunked Gated DeltaNet prefill with f32 state products (gdn_prefill_f32; gdn_prefill in
+// prefill_tc.cu is the tensor-core version of the same algebra). docs/MODEL.md §5.6. One block = one value
+// head x 32 state columns; the block walks the chunks of 64 tokens in order, carrying its 128x32 slice of S
+// in shared memory.
 //
 // Per chunk (C = 64 rows, zero-padded past n: k = q = v = β = g = 0 leaves S and outputs exact):
 //   G = cumsum(g);  A[i][j] = β_i (k_i·k_j) e^{G_i-G_j} (j < i);  Aqk[i][j] = (q_i·k_j) e^{G_i-G_j} (j <= i)
@@ -338,33 +340,37 @@ bool aligned(const void* ptr, size_t n) { return reinterpret_cast<uintptr_t>(ptr
 
 }  // namespace
 
-void gdn_prefill(const GdnPrefillArgs& a, cudaStream_t stream) {
-  TANSY_CHECK(a.n >= 1, "gdn_prefill: need at least one token, got {}", a.n);
+void check_gdn_prefill_args(const GdnPrefillArgs& a, const char* who) {
+  TANSY_CHECK(a.n >= 1, "{}: need at least one token, got {}", who, a.n);
   TANSY_CHECK(a.n_k_heads >= 1 && a.n_v_heads >= a.n_k_heads && a.n_v_heads % a.n_k_heads == 0 &&
                   a.n_v_heads <= 65535,
-              "gdn_prefill: {} value heads over {} key heads unsupported", a.n_v_heads, a.n_k_heads);
-  TANSY_CHECK(a.q && a.k && a.v && a.beta && a.g && a.state, "gdn_prefill: null input");
-  TANSY_CHECK(!a.o_bf16 != !a.o_f32, "gdn_prefill: exactly one of o_bf16 / o_f32 must be set (got {})",
+              "{}: {} value heads over {} key heads unsupported", who, a.n_v_heads, a.n_k_heads);
+  TANSY_CHECK(a.q && a.k && a.v && a.beta && a.g && a.state, "{}: null input", who);
+  TANSY_CHECK(!a.o_bf16 != !a.o_f32, "{}: exactly one of o_bf16 / o_f32 must be set (got {})", who,
               a.o_bf16 ? "both" : "neither");
   TANSY_CHECK(aligned(a.q, 16) && aligned(a.k, 16) && aligned(a.v, 16) && a.q_stride % 8 == 0 &&
                   a.k_stride % 8 == 0 && a.v_stride % 8 == 0,
-              "gdn_prefill: q/k/v rows must be 16-byte aligned (strides {}, {}, {})", a.q_stride, a.k_stride,
+              "{}: q/k/v rows must be 16-byte aligned (strides {}, {}, {})", who, a.q_stride, a.k_stride,
               a.v_stride);
   TANSY_CHECK(a.q_stride >= int64_t(a.n_k_heads) * kGdnDim && a.k_stride >= int64_t(a.n_k_heads) * kGdnDim &&
                   a.v_stride >= int64_t(a.n_v_heads) * kGdnDim &&
                   a.o_stride >= int64_t(a.n_v_heads) * kGdnDim,
-              "gdn_prefill: a row stride is shorter than its heads (q {}, k {}, v {}, o {})", a.q_stride,
+              "{}: a row stride is shorter than its heads (q {}, k {}, v {}, o {})", who, a.q_stride,
               a.k_stride, a.v_stride, a.o_stride);
   TANSY_CHECK(
       a.o_f32 ? (aligned(a.o_f32, 16) && a.o_stride % 4 == 0) : (aligned(a.o_bf16, 8) && a.o_stride % 4 == 0),
-      "gdn_prefill: output rows must be aligned for 4-wide stores (stride {})", a.o_stride);
+      "{}: output rows must be aligned for 4-wide stores (stride {})", who, a.o_stride);
+}
+
+void gdn_prefill_f32(const GdnPrefillArgs& a, cudaStream_t stream) {
+  check_gdn_prefill_args(a, "gdn_prefill_f32");
   constexpr int kSmem = sizeof(Smem);
   static const bool attr_set =
       cudaFuncSetAttribute(gdn_prefill_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) ==
       cudaSuccess;
-  TANSY_CHECK(attr_set, "gdn_prefill: cannot reserve {} bytes of shared memory per block", kSmem);
+  TANSY_CHECK(attr_set, "gdn_prefill_f32: cannot reserve {} bytes of shared memory per block", kSmem);
   gdn_prefill_kernel<<<dim3(a.n_v_heads, kGdnDim / BV), kThreads, kSmem, stream>>>(a);
-  launch_check("gdn_prefill");
+  launch_check("gdn_prefill_f32");
 }
 
 }  // namespace tansy::cuda
