@@ -14,7 +14,9 @@ one warm-up, then --rounds measured requests, medians reported. --settings adds 
 (each compared with the bench's greedy decode, issue 14's floor): "qwen" = temperature 0.6,
 top_p 0.95, top_k 20, seed 1234 (Qwen's recommended thinking settings); "qwen_logprobs" = the
 same with logprobs 5; "t1" = temperature 1.0 over the whole vocabulary; "presence" = qwen with
-presence_penalty 1.5.
+presence_penalty 1.5; "json_schema" = qwen under a JSON Schema response_format (structured
+output: the grammar's mask every step; the document may end before max_tokens, so ITL is per
+step between the first and last chunks).
 
 - TTFT = request sent (connection already open) -> first SSE chunk carrying generated text.
   tansy bench's counterpart is its prefill time (submit -> first id on the host) = context /
@@ -140,6 +142,10 @@ SETTINGS = {
     "qwen_logprobs": dict(QWEN, logprobs=5),
     "t1": {"temperature": 1.0, "seed": 1234},
     "presence": dict(QWEN, presence_penalty=1.5),
+    # Structured output (issue 17): a JSON document with one free string, the mask on every step.
+    "json_schema": dict(QWEN, response_format={"type": "json_schema", "json_schema": {
+        "name": "note", "schema": {"type": "object", "properties": {"text": {"type": "string"}},
+                                   "required": ["text"], "additionalProperties": False}}}),
 }
 
 
@@ -156,7 +162,6 @@ def one_request(server, model, prompt, max_tokens, settings=None):
         raise RuntimeError("the stream carried no usage (stream_options.include_usage)")
     n_tokens = usage["completion_tokens"]
     t_first, t_last = chunks[0][0], chunks[-1][0]
-    steps = max_tokens - 1
 
     def delta(name):
         return m1.get(name, 0.0) - m0.get(name, 0.0)
@@ -164,7 +169,9 @@ def one_request(server, model, prompt, max_tokens, settings=None):
     n_itl = delta("tansy_inter_token_latency_seconds_count")
     return {
         "ttft_s": t_first - t_sent,
-        "itl_s": (t_last - t_first) / steps if steps > 0 else None,
+        # Per step between the first and the last token chunk (a structured document may end
+        # before max_tokens).
+        "itl_s": (t_last - t_first) / (len(chunks) - 1) if len(chunks) > 1 else None,
         "total_s": t_last - t_sent,
         "token_chunks": len(chunks),
         "completion_tokens": n_tokens,

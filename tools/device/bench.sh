@@ -20,8 +20,8 @@
 # bench.json (issue 5: within 5%). The server is always stopped afterwards.
 # Knobs (environment): BENCH_CONTEXTS (default: all ten), BENCH_ROUNDS (2), PEER_CONTEXTS
 # (256,512,1024,2048,4096), SERVER_CONTEXTS (256,4096), SERVER_ROUNDS (5), SERVER_ARGS (extra
-# `tansy serve` flags, e.g. "--prefill-chunk 4096"), SERVER_SETTINGS (greedy,qwen,qwen_logprobs,t1,presence:
-# tools/http_latency.py --settings), SKIP_GPU_TESTS=1, SKIP_PEER=1, SKIP_BENCH=1,
+# `tansy serve` flags, e.g. "--prefill-chunk 4096"), SERVER_SETTINGS (greedy,qwen,qwen_logprobs,t1,presence,json_schema:
+# tools/http_latency.py --settings), GPU_TESTS_CAP (seconds), SKIP_GPU_TESTS=1, SKIP_PEER=1, SKIP_BENCH=1,
 # SKIP_SERVER=1, SYNTH_DIR (/dev/shm/tansy-synth).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
@@ -79,7 +79,7 @@ server_step() {
     [ -f "$OUT/bench.json" ] && bench_flag=(--bench "$OUT/bench.json")
     timeout $((end - $(date +%s))) python3 tools/http_latency.py --url "http://127.0.0.1:$port" \
       --contexts "${SERVER_CONTEXTS:-256,4096}" --rounds "${SERVER_ROUNDS:-5}" --model-dir "$synth_dir" \
-      --settings "${SERVER_SETTINGS:-greedy,qwen,qwen_logprobs,t1,presence}" \
+      --settings "${SERVER_SETTINGS:-greedy,qwen,qwen_logprobs,t1,presence,json_schema}" \
       "${bench_flag[@]}" --json "$OUT/server_latency.json"
     echo "http_latency exit $?"
   elif kill -0 "$pid" 2>/dev/null; then
@@ -130,6 +130,7 @@ run() {
 
   if [ -z "${SKIP_GPU_TESTS:-}" ] && [ -x "$DEV/tansy_gpu_tests" ]; then
     left=$(remaining); local cap=$(( left > 480 ? 90 : 45 ))
+    [ -n "${GPU_TESTS_CAP:-}" ] && cap=$GPU_TESTS_CAP
     echo "== GPU tests (cap $cap s, $left s left)"
     TANSY_SYNTH_DIR="$synth_dir" timeout "$cap" env LD_LIBRARY_PATH="$tld" "$DEV/tansy_gpu_tests" \
       --gtest_output="json:$OUT/gpu_tests.json" >"$OUT/gpu_tests.log" 2>&1
