@@ -153,6 +153,8 @@ def one_request(server, model, prompt, max_tokens, settings=None):
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     body.update(settings or SETTINGS["greedy"])
+    if "response_format" in body:
+        body.pop("ignore_eos")  # refused with a JSON format: the document decides where it ends
     m0 = server.metrics()
     t_sent, chunks, usage, finish = server.stream_completion(body)
     m1 = server.metrics()
