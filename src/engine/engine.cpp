@@ -187,7 +187,9 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
     }
   }
 
-  Sampler greedy_sampler(req.sampling, req.prompt);  // the fast path's argmax when greedy_step has not run
+  // The greedy fast path's argmax when greedy_step has not run (after forced tokens).
+  std::optional<Sampler> greedy_sampler;
+  if (!sampler) greedy_sampler.emplace(req.sampling, req.prompt);
   StreamDecoder decoder(tok_);
   StopMatcher stops(req.stop);
   std::vector<uint32_t> mask;  // constraint: the allowed-token bitmask, reused every step
@@ -230,8 +232,8 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
       tok = c.token;
       lp = std::move(c.logprobs);
     } else {
-      tok = forced >= 0 ? forced : next_greedy >= 0 ? next_greedy : greedy_sampler.sample(logits);
-      greedy_sampler.accept(tok);
+      tok = forced >= 0 ? forced : next_greedy >= 0 ? next_greedy : greedy_sampler->sample(logits);
+      greedy_sampler->accept(tok);
     }
     if (forced < 0 && !armed && req.force_trigger && tok == *req.force_trigger) arm_forcing();
     next_greedy = -1;

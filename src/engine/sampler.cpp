@@ -51,17 +51,20 @@ void Sampler::apply_penalties(std::span<float> logits) const {
   pen.presence = p_.presence_penalty;
   pen.frequency = p_.frequency_penalty;
   // Only ids that carry a penalty or a bias change; sm::penalized is the per-id rule the device
-  // applies to every id.
-  std::unordered_set<int32_t> touched(seen_.begin(), seen_.end());
-  for (auto [id, count] : out_counts_) touched.insert(id);
-  for (auto [id, bias] : p_.logit_bias) touched.insert(id);
-  for (int32_t id : touched) {
-    if (id < 0 || id >= n) continue;
+  // applies to every id. Each such id once: the seen set, then the other generated ids, then the
+  // other biased ones.
+  auto apply = [&](int32_t id) {
+    if (id < 0 || id >= n) return;
     auto c = out_counts_.find(id);
     auto b = p_.logit_bias.find(id);
     logits[id] = sm::penalized(logits[id], pen, seen_.count(id) > 0, c == out_counts_.end() ? 0 : c->second,
                                b != p_.logit_bias.end(), b == p_.logit_bias.end() ? 0.f : float(b->second));
-  }
+  };
+  for (int32_t id : seen_) apply(id);
+  for (auto [id, count] : out_counts_)
+    if (!seen_.count(id)) apply(id);
+  for (auto [id, bias] : p_.logit_bias)
+    if (!seen_.count(id) && !out_counts_.count(id)) apply(id);
 }
 
 int32_t Sampler::sample(std::span<float> logits, const uint32_t* allowed) {
