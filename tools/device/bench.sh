@@ -21,7 +21,7 @@
 # Knobs (environment): BENCH_CONTEXTS (default: all ten), BENCH_ROUNDS (2), PEER_CONTEXTS
 # (256,512,1024,2048,4096), SERVER_CONTEXTS (256,4096), SERVER_ROUNDS (5), SERVER_ARGS (extra
 # `tansy serve` flags, e.g. "--prefill-chunk 4096"), SERVER_SETTINGS (greedy,qwen,qwen_logprobs,t1,presence,json_schema:
-# tools/http_latency.py --settings), GPU_TESTS_CAP (seconds), SKIP_GPU_TESTS=1, SKIP_PEER=1, SKIP_BENCH=1,
+# tools/http_latency.py --settings), GPU_TESTS_CAP (seconds), GPU_TESTS_FILTER (a --gtest_filter), SKIP_GPU_TESTS=1, SKIP_PEER=1, SKIP_BENCH=1,
 # SKIP_SERVER=1, SYNTH_DIR (/dev/shm/tansy-synth).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
@@ -133,7 +133,8 @@ run() {
     [ -n "${GPU_TESTS_CAP:-}" ] && cap=$GPU_TESTS_CAP
     echo "== GPU tests (cap $cap s, $left s left)"
     TANSY_SYNTH_DIR="$synth_dir" timeout "$cap" env LD_LIBRARY_PATH="$tld" "$DEV/tansy_gpu_tests" \
-      --gtest_output="json:$OUT/gpu_tests.json" >"$OUT/gpu_tests.log" 2>&1
+      ${GPU_TESTS_FILTER:+--gtest_filter=$GPU_TESTS_FILTER} --gtest_output="json:$OUT/gpu_tests.json" \
+      >"$OUT/gpu_tests.log" 2>&1
     echo "gpu tests exit $?"; python3 tools/device/gtest_summary.py "$OUT/gpu_tests.json"
   fi
 

@@ -31,6 +31,172 @@ void CudaModel::decode_step(CudaState& st, int limit) {
 }
 
 void CudaModel::run_decode_fused(CudaState& st, const int* ids, bool head) {
+  if (step_ok_ && !marks_)
+    run_decode_persistent(st, ids);
+  else
+    run_decode_per_op(st, ids);
+  if (!head) return;
+  mark("final_norm + position", 0, 0, 2);
+  add_rmsnorm(h_.get(), nullptr, final_norm_.get(), 1, cfg_.hidden_size, cfg_.rms_eps, xn_.get(), stream_);
+  advance_pos(st.pos.get(), 1, stream_);
+}
+
+void CudaModel::attention_mixer_decode(CudaState& st, int i) {
+  const ModelConfig& c = cfg_;
+  DevLayer& L = layers_[i];
+  CudaState::Layer& S = st.layers[i];
+  auto ss = [&](int point) { return ss_parts_.get() + size_t(point) * kNormParts; };
+  NormIn in;
+  in.h = h_.get();
+  in.ss = ss(2 * i);
+  in.w = L.in_norm.get();
+  in.eps = c.rms_eps;
+  bf16* P = proj_.get();
+  const int QD = c.q_dim();
+  mark("attn.in_proj+norm", wbytes(L.attn_in.view));
+  matvec_norm(L.attn_in.view, in, MatvecOut{P, false, proj_ld_}, stream_);  // [q+gate | k | v]
+  QkvLayout lay{P, proj_ld_, c.num_heads, c.num_kv_heads};
+  mark("attn.q/k norm+rope+cache+split, merge", 2.0 * (st.n + 1) * c.kv_dim() * 2, 0, 2);
+  attention_decode_fused(lay, st.pos.get(), L.q_norm.get(), L.k_norm.get(), c.rms_eps, c.rotary_dim,
+                         c.rope_theta, S.K.get(), S.V.get(), kFusedDecodeSplits, attn_scratch_.get(),
+                         mix_.get(), QD, stream_);
+  mark("attn.o_proj+residual", wbytes(L.attn_o.view));
+  matvec_residual(L.attn_o.view, mix_.get(), ResidualOut{h_.get(), ss(2 * i + 1)}, stream_);
+}
+
+StepArgs CudaModel::step_args() {
+  const ModelConfig& c = cfg_;
+  StepArgs a;
+  a.H = c.hidden_size;
+  a.conv_dim = c.lin_conv_dim();
+  a.value_dim = c.lin_value_dim();
+  a.n_k_heads = c.lin_num_k_heads;
+  a.n_v_heads = c.lin_num_v_heads;
+  a.conv_kernel = c.conv_kernel;
+  a.E = c.num_experts;
+  a.K = c.experts_per_tok;
+  a.I = c.moe_intermediate;
+  a.eps = c.rms_eps;
+  a.h = h_.get();
+  a.ss = ss_parts_.get();
+  a.proj = proj_.get();
+  a.conv_out = conv_f32_.get();
+  a.beta = beta_.get();
+  a.g = g_.get();
+  a.o = o_.get();
+  a.gdn_counters = gdn_counters_.get();
+  a.mix = mix_.get();
+  a.logits = router_logits_.get();
+  a.topk_idx = topk_idx_.get();
+  a.topk_w = topk_w_.get();
+  a.xn = xn_.get();
+  a.act = act_.get();
+  a.route_log = route_log_.get();
+  return a;
+}
+
+namespace {
+
+// Layer i as the persistent step runs it: the GDN mixer and the MoE, or the MoE alone.
+StepLayer step_layer(DevLayer& L, CudaState::Layer* S, int index) {
+  StepLayer s;
+  s.gdn = L.kind == LayerKind::kLinear ? 1 : 0;
+  s.index = index;
+  if (s.gdn) {
+    s.gdn_in = L.gdn_in.view;
+    s.gdn_out = L.gdn_out.view;
+    s.in_norm = L.in_norm.get();
+    s.conv_w = L.conv_w.get();
+    s.A_log = L.A_log.get();
+    s.dt_bias = L.dt_bias.get();
+    s.gnorm = L.gnorm.get();
+    if (S) {
+      s.window = S->window.get();
+      s.state = S->S.get();
+    }
+  }
+  s.post_norm = L.post_norm.get();
+  s.router = L.router.view;
+  s.gu = L.experts_gu.view;
+  s.down = L.experts_down.view;
+  return s;
+}
+
+}  // namespace
+
+// Launches: a run of GDN layers (and the MoE of the attention layer before them) per launch, at
+// most kStepMaxLayers; `attn(i)` enqueues attention layer i's mixer, `launch(args)` a run.
+template <typename Attn, typename Launch>
+static void for_each_step_launch(std::vector<DevLayer>& layers, CudaState* st, StepArgs a, Attn&& attn,
+                                 Launch&& launch) {
+  a.n_layers = 0;
+  auto flush = [&] {
+    if (a.n_layers > 0) launch(a);
+    a.n_layers = 0;
+  };
+  for (int i = 0; i < int(layers.size()); ++i) {
+    if (layers[i].kind != LayerKind::kLinear) {
+      flush();
+      attn(i);
+    } else if (a.n_layers == kStepMaxLayers) {
+      flush();
+    }
+    a.layer[a.n_layers++] = step_layer(layers[i], st ? &st->layers[i] : nullptr, i);
+  }
+  flush();
+}
+
+void CudaModel::plan_decode_step(const CudaPlanOptions& opt) {
+  step_ok_ = false;
+  if (opt.decode == DecodeKernels::kPerOp) {
+    step_why_ = "per-op decode kernels requested";
+    return;
+  }
+  if (!head_fused_) {
+    step_why_ = "the lm_head is not 4-bit";
+    return;
+  }
+  StepArgs a = step_args();
+  for (int i = 0; i < cfg_.num_layers; ++i) {
+    if (!layers_[i].sh_folded) {
+      step_why_ = "the shared expert is not shaped like a routed one";
+      return;
+    }
+    if (!step_supported(step_layer(layers_[i], nullptr, i), a, &step_why_)) return;
+  }
+  int launches = 0;
+  for_each_step_launch(
+      layers_, nullptr, a, [](int) {}, [&](const StepArgs&) { ++launches; });
+  step_barriers_.resize(size_t(std::max(1, launches)));
+  route_log_.resize(size_t(cfg_.num_layers) * (cfg_.experts_per_tok + 1));
+  step_ok_ = true;
+  step_why_.clear();
+}
+
+void CudaModel::run_decode_persistent(CudaState& st, const int* ids) {
+  const ModelConfig& c = cfg_;
+  CUDA_CHECK(cudaMemsetAsync(step_barriers_.get(), 0, step_barriers_.bytes(), stream_));
+  embed(embed_.view, ids, 1, h_.get(), stream_, ss_parts_.get());
+  unsigned* barrier = step_barriers_.get();
+  for_each_step_launch(
+      layers_, &st, step_args(), [&](int i) { attention_mixer_decode(st, i); },
+      [&](StepArgs a) {
+        a.barrier = barrier++;
+        decode_step_layers(a, stream_);
+      });
+  if (route_trace_) {
+    const int K = c.experts_per_tok;
+    std::vector<int32_t> log(size_t(c.num_layers) * (K + 1));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    CUDA_CHECK(
+        cudaMemcpy(log.data(), route_log_.get(), log.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+    for (int i = 0; i < c.num_layers; ++i)
+      route_trace_(
+          i, std::vector<int32_t>(log.begin() + size_t(i) * (K + 1), log.begin() + size_t(i) * (K + 1) + K));
+  }
+}
+
+void CudaModel::run_decode_per_op(CudaState& st, const int* ids) {
   const ModelConfig& c = cfg_;
   const int H = c.hidden_size, E = c.num_experts, K = c.experts_per_tok;
   const int I = c.moe_intermediate;
@@ -87,16 +253,7 @@ void CudaModel::run_decode_fused(CudaState& st, const int* ids, bool head) {
       mark("gdn.out_proj+residual", wbytes(L.gdn_out.view));
       matvec_residual(L.gdn_out.view, mix_.get(), mixer_out, stream_);
     } else {
-      const int QD = c.q_dim();
-      mark("attn.in_proj+norm", wbytes(L.attn_in.view));
-      matvec_norm(L.attn_in.view, in, MatvecOut{P, false, proj_ld_}, stream_);  // [q+gate | k | v]
-      QkvLayout lay{P, proj_ld_, c.num_heads, c.num_kv_heads};
-      mark("attn.q/k norm+rope+cache+split, merge", 2.0 * (st.n + 1) * c.kv_dim() * 2, 0, 2);
-      attention_decode_fused(lay, st.pos.get(), L.q_norm.get(), L.k_norm.get(), c.rms_eps, c.rotary_dim,
-                             c.rope_theta, S.K.get(), S.V.get(), kFusedDecodeSplits, attn_scratch_.get(),
-                             mix_.get(), QD, stream_);
-      mark("attn.o_proj+residual", wbytes(L.attn_o.view));
-      matvec_residual(L.attn_o.view, mix_.get(), mixer_out, stream_);
+      attention_mixer_decode(st, i);
     }
     // MoE: router (+ norm, + routing) -> experts gate|up -> down + combine + residual.
     const NormIn pin = norm_in(2 * i + 1, L.post_norm.get(), xn_.get());
@@ -131,10 +288,6 @@ void CudaModel::run_decode_fused(CudaState& st, const int* ids, bool head) {
                         router_logits_.get() + E, moe_out, stream_);
     }
   }
-  if (!head) return;
-  mark("final_norm + position", 0, 0, 2);
-  add_rmsnorm(h, nullptr, final_norm_.get(), 1, H, c.rms_eps, xn_.get(), stream_);
-  advance_pos(st.pos.get(), 1, stream_);
 }
 
 }  // namespace tansy::cuda

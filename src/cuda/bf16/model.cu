@@ -20,6 +20,7 @@ CudaModel::CudaModel(const std::filesystem::path& dir, const CudaPlanOptions& op
   // position as separate kernels.
   head_fused_ = lm_head_argmax_supports(lm_head_.view);
   allocate_scratch();
+  plan_decode_step(opt);
   warm_up();
 }
 

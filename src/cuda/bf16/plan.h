@@ -40,6 +40,7 @@
 #include "cuda/moe/moe.cuh"
 #include "cuda/norm/norm.cuh"
 #include "cuda/sample/sample.cuh"
+#include "cuda/step/step.cuh"
 #include "model/stage_profiler.h"
 #include "model/weights.h"
 
@@ -106,6 +107,14 @@ class CudaModel final : public Model, public StageProfiler {
   const ModelConfig& config() const override { return cfg_; }
   std::string backend_name() const override { return "cuda"; }
   std::string backend_plan() const override { return "cuda-bf16"; }
+  // Whether one-token decode steps run the persistent step, and why not when they do not.
+  bool decode_persistent() const { return step_ok_; }
+  const std::string& decode_persistent_why() const { return step_why_; }
+  // Tests: switches the decode kernels for states made from now on (their graphs are captured
+  // with them); kPersistent takes effect only where the shapes allow it.
+  void use_decode_kernels(DecodeKernels k) {
+    plan_decode_step(CudaPlanOptions{tc_prefill_ ? PrefillKernels::kTensorCore : PrefillKernels::kGemv, k});
+  }
 
   std::unique_ptr<SequenceState> new_state(int max_tokens) override { return make_state(max_tokens, true); }
 
@@ -223,6 +232,16 @@ class CudaModel final : public Model, public StageProfiler {
   // sums of its squares (ss_parts_, one row of kNormParts per norm point) for the next norm.
   // head == false leaves the final norm and the position to the fused head (decode_step).
   void run_decode_fused(CudaState& st, const int* ids, bool head = true);
+  // The same step with the GDN layers and every MoE block in persistent launches (cuda/step/),
+  // when step_ok_: the attention mixers between them stay per-op kernels.
+  void run_decode_persistent(CudaState& st, const int* ids);
+  void run_decode_per_op(CudaState& st, const int* ids);
+  // Attention layer i's mixer for one token: in_proj (+ norm), the fused attention, o_proj (+ residual).
+  void attention_mixer_decode(CudaState& st, int i);
+  // Decides step_ok_ from the uploaded shapes (after upload).
+  void plan_decode_step(const CudaPlanOptions& opt);
+  // The model's dimensions and the plan's scratch for the persistent step (no layers).
+  StepArgs step_args();
 
   // Projection: GEMV for decode, tensor-core GEMM for prefill.
   void project(const DevLinear& W, const bf16* X, int64_t ldx, int m, void* Y, bool f32, int64_t ldy,
@@ -238,6 +257,8 @@ class CudaModel final : public Model, public StageProfiler {
   cudaStream_t stream_ = nullptr;
   bool tc_prefill_ = true;  // prefill on the tensor-core kernels (else the GEMV ones: tests)
   bool head_fused_ = true;  // decode ends with lm_head_argmax (4-bit lm_heads)
+  bool step_ok_ = false;    // decode runs the persistent step (plan_decode_step)
+  std::string step_why_;    // why not, when it does not
   DevMatrix embed_, lm_head_;
   DeviceBuffer<float> final_norm_;
   std::vector<DevLayer> layers_;
@@ -251,19 +272,21 @@ class CudaModel final : public Model, public StageProfiler {
   DeviceBuffer<bf16> xn_, r_;     // [m, H] normed input, mixer/MoE output
   DeviceBuffer<float> conv_f32_;  // decode: [conv_dim] GDN conv output
   DeviceBuffer<unsigned> gdn_counters_, route_counter_;  // last-block counters of fused decode kernels
-  DeviceBuffer<bf16> proj_;                              // [m, proj_ld] fused input projections
-  DeviceBuffer<bf16> conv_y_;                            // [m, conv_dim] conv output, q/k normalised
-  DeviceBuffer<float> beta_, g_;                         // [m, n_v_heads]
-  DeviceBuffer<float> o_;                                // [m, value_dim] GDN output before the gated norm
-  DeviceBuffer<bf16> mix_;             // [m, max(value_dim, q_dim)] input of out_proj / o_proj
-  DeviceBuffer<float> router_logits_;  // [m, router_ld]
-  DeviceBuffer<int> topk_idx_;         // [m, k]
-  DeviceBuffer<float> topk_w_;         // [m, k]
-  DeviceBuffer<bf16> act_;             // [m*k, I] routed experts' SwiGLU activations
-  DeviceBuffer<bf16> sh_act_;          // [m, S]
-  DeviceBuffer<bf16> sh_out_;          // [m, H] shared expert output (prefill)
-  DeviceBuffer<float> attn_scratch_;   // split-attention partials
-  DeviceBuffer<float> d_logits_;       // [kLogitRows, vocab]
+  DeviceBuffer<unsigned> step_barriers_;  // persistent step: one grid counter per launch of a step
+  DeviceBuffer<int> route_log_;           // persistent step: [layers, K + 1] routed experts
+  DeviceBuffer<bf16> proj_;               // [m, proj_ld] fused input projections
+  DeviceBuffer<bf16> conv_y_;             // [m, conv_dim] conv output, q/k normalised
+  DeviceBuffer<float> beta_, g_;          // [m, n_v_heads]
+  DeviceBuffer<float> o_;                 // [m, value_dim] GDN output before the gated norm
+  DeviceBuffer<bf16> mix_;                // [m, max(value_dim, q_dim)] input of out_proj / o_proj
+  DeviceBuffer<float> router_logits_;     // [m, router_ld]
+  DeviceBuffer<int> topk_idx_;            // [m, k]
+  DeviceBuffer<float> topk_w_;            // [m, k]
+  DeviceBuffer<bf16> act_;                // [m*k, I] routed experts' SwiGLU activations
+  DeviceBuffer<bf16> sh_act_;             // [m, S]
+  DeviceBuffer<bf16> sh_out_;             // [m, H] shared expert output (prefill)
+  DeviceBuffer<float> attn_scratch_;      // split-attention partials
+  DeviceBuffer<float> d_logits_;          // [kLogitRows, vocab]
   DeviceBuffer<unsigned long long> d_argmax_;
   DeviceBuffer<unsigned long long> d_head_scratch_;  // fused head: one argmax candidate per block
   DeviceBuffer<unsigned> head_counter_;

@@ -30,4 +30,16 @@ __device__ __forceinline__ float gdn_log_decay(float a, float dt_bias, float A_l
   return -expf(A_log) * softplus;
 }
 
+// Barriers for device functions shared by kernels of different shapes: the whole block, or the
+// first N threads of it (named barrier ID; N a multiple of 32, ID 1..15).
+struct BlockSync {
+  __device__ __forceinline__ void operator()() const { __syncthreads(); }
+};
+template <int ID, int N>
+struct NamedSync {
+  __device__ __forceinline__ void operator()() const {
+    asm volatile("bar.sync %0, %1;" ::"n"(ID), "n"(N) : "memory");
+  }
+};
+
 }  // namespace tansy::cuda

@@ -1,18 +1,14 @@
 #include "cuda/common/device_math.cuh"
 #include "cuda/common/launch.cuh"
+#include "cuda/gdn/decode_step.cuh"
 #include "cuda/gdn/gdn.cuh"
 
 namespace tansy::cuda {
 namespace {
 
-__device__ float sum128(float v, float* red) {  // blockDim == 128
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  __syncthreads();
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
-  __syncthreads();
-  return red[0] + red[1] + red[2] + red[3];
-}
+constexpr BlockSync kSync;
+
+__device__ float sum128(float v, float* red) { return gdn_unit::sum128(v, red, kSync); }  // blockDim == 128
 
 // Blocks x < conv_dim/128: one head's 128 channels (thread = channel) for a run of tokens,
 // the window held in registers. Block x == conv_dim/128: the gates of the same tokens.
@@ -99,31 +95,7 @@ __global__ void conv_window_kernel(GdnConvArgs A) {
     if (j < K - 1) A.window[int64_t(j) * C + c] = __float2bfloat16(nw[j]);
 }
 
-constexpr int kColsPerBlock = 32;
-
-// One token of the delta rule for this thread's 32 state rows (warp w holds rows 32w..32w+31 of
-// column c0 + lane), once qs/ks are published: decay, u = Sᵀk over the block's four warps,
-// S += k·beta·(v − u), and this warp's part of o = Sᵀq (the caller adds the four parts).
-__device__ __forceinline__ float delta_rule_step(float (&s)[32], const float* qs, const float* ks, float v,
-                                                 float beta, float decay, float (*red_u)[32], int warp,
-                                                 int lane) {
-  float u = 0.f;
-#pragma unroll
-  for (int i = 0; i < 32; ++i) {
-    s[i] *= decay;
-    u = fmaf(s[i], ks[warp * 32 + i], u);
-  }
-  red_u[warp][lane] = u;
-  __syncthreads();
-  const float d = beta * (v - (red_u[0][lane] + red_u[1][lane] + red_u[2][lane] + red_u[3][lane]));
-  float o = 0.f;
-#pragma unroll
-  for (int i = 0; i < 32; ++i) {
-    s[i] = fmaf(ks[warp * 32 + i], d, s[i]);
-    o = fmaf(s[i], qs[warp * 32 + i], o);
-  }
-  return o;
-}
+constexpr int kColsPerBlock = gdn_unit::kColsPerUnit;
 
 // Block per (value head, 32 state columns); warp w holds rows 32w..32w+31 of those columns in
 // registers for the whole token run, so the state is read and written once per call.
@@ -146,7 +118,7 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(GdnPrefillArgs A) {
     const float beta = A.beta[int64_t(t) * A.n_v_heads + h];
     const float decay = __expf(A.g[int64_t(t) * A.n_v_heads + h]);
     __syncthreads();
-    const float o = delta_rule_step(s, qs, ks, v, beta, decay, red_u, warp, lane);
+    const float o = gdn_unit::delta_rule_step(s, qs, ks, v, beta, decay, red_u, warp, lane, kSync);
     red_o[warp][lane] = o;
     __syncthreads();
     if (warp == 0) {
@@ -165,47 +137,14 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(GdnPrefillArgs A) {
 // Block (value head h, columns c0..c0+31), 128 threads: the recurrence of gdn_recurrent_kernel
 // for one token, with q/k normalised in the block and the gated norm done by the head's last block.
 __global__ void __launch_bounds__(128) gdn_decode_kernel(GdnDecodeArgs A) {
-  __shared__ float qs[kGdnDim], ks[kGdnDim];
-  __shared__ float red[4], red_u[4][32], red_o[4][32];
-  __shared__ int last;
+  __shared__ gdn_unit::Smem sm;
   pdl_wait();
   pdl_launch_dependents();
-  const int h = blockIdx.x, c0 = blockIdx.y * kColsPerBlock;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, d = threadIdx.x;
-  const int hk = h / (A.n_v_heads / A.n_k_heads);
-  const int KD = A.n_k_heads * kGdnDim;
-  float* S = A.state + (int64_t(h) * kGdnDim + warp * 32) * kGdnDim + c0 + lane;
+  const int h = blockIdx.x, cb = blockIdx.y;
+  float* S = gdn_unit::state_column(A, h, cb * kColsPerBlock);
   float s[32];
-#pragma unroll
-  for (int i = 0; i < 32; ++i) s[i] = S[int64_t(i) * kGdnDim];
-  const float qv = A.conv[hk * kGdnDim + d], kv = A.conv[KD + hk * kGdnDim + d];
-  const float v = A.conv[2 * KD + h * kGdnDim + c0 + lane];
-  const float beta = A.beta[h], decay = __expf(A.g[h]);
-  const float qn = rsqrtf(sum128(qv * qv, red) + 1e-6f) * rsqrtf(float(kGdnDim));
-  const float kn = rsqrtf(sum128(kv * kv, red) + 1e-6f);
-  qs[d] = qv * qn;
-  ks[d] = kv * kn;
-  __syncthreads();
-  const float o = delta_rule_step(s, qs, ks, v, beta, decay, red_u, warp, lane);
-#pragma unroll
-  for (int i = 0; i < 32; ++i) S[int64_t(i) * kGdnDim] = s[i];
-  red_o[warp][lane] = o;
-  __syncthreads();
-  if (warp == 0)
-    A.o[h * kGdnDim + c0 + lane] = red_o[0][lane] + red_o[1][lane] + red_o[2][lane] + red_o[3][lane];
-  // The head's last block applies the gated norm to all 128 outputs.
-  __threadfence();
-  __syncthreads();
-  if (d == 0) last = atomicAdd(A.counters + h, 1u) == gridDim.y - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  const float ov = __ldcg(A.o + h * kGdnDim + d);
-  const float ss = sum128(ov * ov, red);
-  const float zz = __bfloat162float(A.z[h * kGdnDim + d]);
-  const float gate = zz / (1.f + __expf(-zz));
-  A.y[h * kGdnDim + d] = __float2bfloat16(A.norm_w[d] * ov * rsqrtf(ss / float(kGdnDim) + A.eps) * gate);
-  if (d == 0) A.counters[h] = 0;
+  gdn_unit::load_state(S, s);
+  gdn_unit::decode_unit(A, h, cb, int(gridDim.y), s, S, sm, kSync);
 }
 
 }  // namespace

@@ -128,14 +128,15 @@ __device__ __forceinline__ void prefetch_row(const DevLinear& W, int64_t r, int 
 
 // Stages one chunk of x (kCols values) as f32 plus its Σx; zeros when `valid` is false. The
 // chunk's loads all precede its shared-memory stores (which the compiler cannot tell apart from
-// the source), so they are in flight together.
+// the source), so they are in flight together. They read L2 (ld.cg): in the persistent decode step
+// other blocks of the same kernel wrote x.
 template <int BITS>
 __device__ __forceinline__ void stage_chunk(const bf16* src, bool valid, float* dst) {
   constexpr int C = Chunk<BITS>::kCols;
   uint4 raw[C / 8];
 #pragma unroll
   for (int v = 0; v < C / 8; ++v)
-    raw[v] = valid ? *reinterpret_cast<const uint4*>(src + v * 8) : make_uint4(0, 0, 0, 0);
+    raw[v] = valid ? __ldcg(reinterpret_cast<const uint4*>(src + v * 8)) : make_uint4(0, 0, 0, 0);
   float sum = 0.f;
 #pragma unroll
   for (int v = 0; v < C / 8; ++v) {
@@ -150,28 +151,17 @@ __device__ __forceinline__ void stage_chunk(const bf16* src, bool valid, float* 
 }
 
 // Stages `rows` rows of X (`ldx` apart, `in` columns) into smem chunks, row j at xs + j*cpr*kStride;
-// rows from `valid_rows` on are zeros. The block's threads share all rows' chunks at once.
+// rows from `valid_rows` on are zeros. Threads [0, nthreads) (the block's by default) share all
+// rows' chunks at once.
 template <int BITS>
-__device__ void stage_rows(const bf16* x, int64_t ldx, int rows, int valid_rows, int in, float* xs) {
+__device__ void stage_rows(const bf16* x, int64_t ldx, int rows, int valid_rows, int in, float* xs,
+                           int nthreads = 0) {
   constexpr int C = Chunk<BITS>::kCols, S = Chunk<BITS>::kStride;
   const int cpr = in / C;
-  for (int it = threadIdx.x; it < rows * cpr; it += blockDim.x) {
+  const int stride = nthreads > 0 ? nthreads : int(blockDim.x);
+  for (int it = threadIdx.x; it < rows * cpr; it += stride) {
     const int j = it / cpr, c = it - j * cpr;
     stage_chunk<BITS>(x + j * ldx + int64_t(c) * C, j < valid_rows, xs + (j * cpr + c) * S);
-  }
-}
-
-// A block's share of ResidualOut: its threads' squares summed into ss[block].
-__device__ __forceinline__ void residual_partial(float sq, float* ss, float* red) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
-  __syncthreads();  // red may still be read from the staging
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = sq;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float t = 0.f;
-    for (int w = 0; w < int(blockDim.x / 32); ++w) t += red[w];
-    ss[blockIdx.x] = t;
   }
 }
 

@@ -11,6 +11,7 @@
 #include "cuda/common/launch.cuh"
 #include "cuda/gdn/gdn.cuh"
 #include "cuda/matvec/chunk.cuh"
+#include "cuda/matvec/fused.cuh"
 #include "cuda/matvec/matvec.cuh"
 #include "cuda/moe/moe.cuh"
 #include "cuda/moe/route_device.cuh"
@@ -62,84 +63,6 @@ struct Fusion {
   GdnInEpilogue gdn;
   ResidualOut resid;
 };
-
-// Stages the normed residual (NormIn) as chunks of one token row; red: kWarps floats of smem.
-template <int BITS>
-__device__ void stage_norm(const NormIn& nz, int in, float* xs, float* red) {
-  constexpr int C = Chunk<BITS>::kCols, S = Chunk<BITS>::kStride;
-  const int warps = blockDim.x / 32;
-  float part = 0.f;
-  for (int i = threadIdx.x; i < kNormParts; i += blockDim.x) part += nz.ss[i];
-  // h and w are loaded before the reduction completes: one memory round trip in all.
-  constexpr int kMaxPieces = kFusedNormMaxDim / 4 / kThreads;
-  float4 hv[kMaxPieces], wv[kMaxPieces];
-#pragma unroll
-  for (int j = 0; j < kMaxPieces; ++j) {
-    const int i = 4 * (threadIdx.x + j * int(blockDim.x));
-    if (i < in) {
-      hv[j] = *reinterpret_cast<const float4*>(nz.h + i);
-      wv[j] = *reinterpret_cast<const float4*>(nz.w + i);
-    }
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = part;
-  __syncthreads();
-  float tot = 0.f;
-  for (int w = 0; w < warps; ++w) tot += red[w];
-  const float scale = rsqrtf(tot / float(in) + nz.eps);
-  const bool writer = nz.xn_out && blockIdx.x == 0 && blockIdx.y == 0;
-  // Piece j of a thread is 4 columns; the C/4 consecutive lanes holding one chunk add up its Σx
-  // with shuffles (in is a multiple of 64, so those lanes are all valid or all not).
-#pragma unroll
-  for (int j = 0; j < kMaxPieces; ++j) {
-    const int i = 4 * (threadIdx.x + j * int(blockDim.x));
-    const bool valid = i < in;
-    const int c = i / C, e0 = i % C;
-    float x[4] = {0.f, 0.f, 0.f, 0.f};
-    if (valid) {
-      x[0] = round_bf(hv[j].x * scale * wv[j].x);
-      x[1] = round_bf(hv[j].y * scale * wv[j].y);
-      x[2] = round_bf(hv[j].z * scale * wv[j].z);
-      x[3] = round_bf(hv[j].w * scale * wv[j].w);
-      *reinterpret_cast<float4*>(xs + c * S + e0) = make_float4(x[0], x[1], x[2], x[3]);
-      if (writer)
-        for (int e = 0; e < 4; ++e) nz.xn_out[i + e] = __float2bfloat16(x[e]);
-    }
-    float sum = (x[0] + x[1]) + (x[2] + x[3]);
-#pragma unroll
-    for (int o = 1; o < C / 4; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    if (valid && e0 == 0) xs[c * S + C] = sum;
-  }
-}
-
-__device__ __forceinline__ float swiglu_bf16(float g, float u) {
-  g = __bfloat162float(__float2bfloat16(g));
-  u = __bfloat162float(__float2bfloat16(u));
-  return silu_fast(g) * u;
-}
-
-// Row `row` of the GDN in_proj is y (every lane holds it): conv channel, z (stored by the caller
-// only), or a gate input. Called by the whole warp.
-__device__ __forceinline__ void gdn_in_epilogue(const GdnInEpilogue& G, int row, float y, float w, float in,
-                                                int lane) {
-  const float x = round_bf(y);  // the projection as the bf16 prefill path stores it
-  if (row < G.conv_dim) {
-    if (lane == G.kernel - 1) in = x;
-    const float conv = group_sum<32>(lane < G.kernel ? w * in : 0.f);
-    const float next = __shfl_down_sync(0xffffffffu, in, 1);  // lane j: tap j+1's input
-    if (lane < G.kernel - 1) G.window[int64_t(lane) * G.conv_dim + row] = __float2bfloat16(next);
-    if (lane == 0) G.conv_out[row] = silu_fast(conv);
-    return;
-  }
-  const int j = row - G.conv_dim - G.value_dim;
-  if (lane != 0 || j < 0) return;
-  if (j < G.n_v_heads) {
-    G.g[j] = gdn_log_decay(x, G.dt_bias[j], G.A_log[j]);
-  } else if (j < 2 * G.n_v_heads) {
-    G.beta[j - G.n_v_heads] = sigmoid(x);
-  }
-}
 
 // The last block to finish routes the token from the logits every block stored.
 __device__ void route_epilogue(const RouteEpilogue& R, const float* logits, int warp) {
@@ -252,7 +175,7 @@ __global__ void __launch_bounds__(kThreads, 3)
   }
   if constexpr (kFusable) {
     if (fz.norm.w)
-      stage_norm<BITS>(fz.norm, W.in, xs, red);
+      stage_norm<BITS>(fz.norm, W.in, xs, red, blockIdx.x == 0 && blockIdx.y == 0, BlockSync{});
     else
       stage_rows<BITS>(X + int64_t(t0) * ldx, ldx, T, n - t0, W.in, xs);
   } else {
@@ -426,7 +349,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   const int t0 = MODE == 2 ? blockIdx.y / k : 0;
   if (fz.norm.w)
-    stage_norm<BITS>(fz.norm, W.in, xs, red);
+    stage_norm<BITS>(fz.norm, W.in, xs, red, blockIdx.x == 0 && blockIdx.y == 0, BlockSync{});
   else
     stage_rows<BITS>(X + int64_t(t0) * ldx, ldx, 1, 1, W.in, xs);
 

@@ -6,6 +6,7 @@
 #include "cuda/common/device_math.cuh"
 #include "cuda/common/launch.cuh"
 #include "cuda/matvec/chunk.cuh"
+#include "cuda/matvec/fused.cuh"
 #include "cuda/moe/moe.cuh"
 
 namespace tansy::cuda {

@@ -1,0 +1,623 @@
+// The persistent decode step (step.cuh): one block per multiprocessor, a producer warp streaming
+// weight tiles into a ring of shared-memory slots, eight consumer warps computing the products
+// from it with grid-wide counters between dependent products.
+#include <string>
+
+#include "cuda/common/bulk_copy.cuh"
+#include "cuda/common/device_math.cuh"
+#include "cuda/common/launch.cuh"
+#include "cuda/gdn/decode_step.cuh"
+#include "cuda/matvec/chunk.cuh"
+#include "cuda/matvec/fused.cuh"
+#include "cuda/moe/moe.cuh"
+#include "cuda/moe/route_device.cuh"
+#include "cuda/step/step.cuh"
+
+namespace tansy::cuda {
+namespace {
+
+using namespace gemv;
+
+constexpr int kConsumers = kThreads;           // 8 warps: the thread count the shared device functions use
+constexpr int kStepThreads = kConsumers + 32;  // + the producer warp (warp 8)
+constexpr int kProducerWarp = kWarps;
+
+// The ring: 10 slots of one tile each. A tile is at most 16 rows of a 2048-column 4-bit matrix
+// with its scales and biases (18 KiB) plus, for the GDN in_proj, the rows' conv taps and window
+// (352 B). 10 slots hold the in_proj's tiles of a block (<= 6 on 132 multiprocessors) together
+// with the next two products', so the weights of out_proj and the router land while the
+// recurrence runs; the experts' 5 + 3 tiles fit beside each other once the routing is known.
+constexpr int kSlots = 10;
+constexpr uint32_t kSlotBytes = 18944;
+constexpr uint32_t kXsBytes = 20736;  // staged x: the experts' 9 down inputs of 512 are the largest
+constexpr size_t kStepSmem = size_t(kSlots) * kSlotBytes + kXsBytes;
+
+using ConsumerSync = NamedSync<1, kConsumers>;
+using UnitSync = NamedSync<2, gdn_unit::kUnitThreads>;
+
+enum Kind : int { kGdnIn = 0, kGdnRec, kGdnOut, kRouter, kExpertsGu, kExpertsDown };
+
+// Tile geometry. The row-to-warp assignment is free for products without a residual (each row's
+// sum is the same wherever it is computed); out_proj and the experts' down keep the per-op
+// kernels' row blocks (8 and 16 rows) because each row block writes one partial sum of h².
+constexpr int kRowsIn = 16;      // in_proj: 2 rows per consumer warp
+constexpr int kRowsOut = 8;      // out_proj: 1 row per warp = one partial sum
+constexpr int kRowsRouter = 8;   // router: 1 row per warp
+constexpr int kPairsGu = 8;      // experts gate|up: one output pair (2 rows) per warp
+constexpr int kRowsDown = 16;    // experts down: 16 output rows x 16 lanes, all K+1 experts
+constexpr int kDownPerTile = 4;  // experts per down tile (4 x 16 rows of 512 columns)
+
+struct RouteSmem {
+  float l[kRouteMaxExperts + 1];
+  int idx[kRouteMaxTopK + 1];
+  float w[kRouteMaxTopK + 1];
+};
+
+__device__ __forceinline__ int n_tiles(const StepArgs& a, const StepLayer& L, int kind) {
+  switch (kind) {
+    case kGdnIn: return (L.gdn_in.out + kRowsIn - 1) / kRowsIn;
+    case kGdnOut: return a.H / kRowsOut;
+    case kRouter: return (L.router.out + kRowsRouter - 1) / kRowsRouter;
+    case kExpertsGu: return (a.K + 1) * (a.I / kPairsGu);
+    case kExpertsDown: return a.H / kRowsDown;  // row blocks of down_tiles() tiles each
+    default: return 0;
+  }
+}
+__device__ __forceinline__ int down_tiles(const StepArgs& a) { return (a.K + 1 + kDownPerTile - 1) / kDownPerTile; }
+__device__ __forceinline__ int n_kinds(const StepLayer& L) { return L.gdn ? 6 : 3; }
+__device__ __forceinline__ int kind_at(const StepLayer& L, int j) { return L.gdn ? j : kRouter + j; }
+
+// ---- the ring ----
+
+struct Ring {
+  uint64_t* full;   // [kSlots] the slot's copies landed (producer arrival + bytes)
+  uint64_t* empty;  // [kSlots] the eight consumer warps are done with it
+  uint8_t* slots;
+  unsigned n = 0;   // tiles taken so far (producer: issued; consumers: consumed)
+};
+
+// Producer (one lane): the next slot, once free, with `bytes` of copies announced on *bar.
+__device__ __forceinline__ uint8_t* ring_acquire(Ring& r, unsigned bytes, uint64_t*& bar) {
+  const unsigned slot = r.n % kSlots, round = r.n / kSlots;
+  ++r.n;
+  if (round > 0) bulk::mbar_wait(&r.empty[slot], (round - 1) & 1);
+  bar = &r.full[slot];
+  bulk::mbar_expect_tx(bar, bytes);
+  return r.slots + size_t(slot) * kSlotBytes;
+}
+
+// Consumer warp: the next tile, once landed.
+__device__ __forceinline__ const uint8_t* ring_wait(Ring& r, unsigned& slot) {
+  slot = r.n % kSlots;
+  const unsigned round = r.n / kSlots;
+  ++r.n;
+  bulk::mbar_wait(&r.full[slot], round & 1);
+  return r.slots + size_t(slot) * kSlotBytes;
+}
+__device__ __forceinline__ void ring_release(Ring& r, unsigned slot, int lane) {
+  __syncwarp();
+  if (lane == 0) bulk::mbar_arrive(&r.empty[slot]);
+}
+
+// ---- the grid barrier (consumer threads) ----
+
+__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void grid_arrive(unsigned* bar) {
+  ConsumerSync{}();  // the block's writes of the product are done
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(bar, 1u);
+  }
+}
+__device__ __forceinline__ void grid_wait(const unsigned* bar, unsigned target) {
+  if (threadIdx.x == 0) {
+    while (ld_acquire(bar) < target) {
+    }
+    __threadfence();
+  }
+  ConsumerSync{}();
+}
+
+// A row's dot product from its tile: lane l takes chunks l, l+32, ... (the per-op kernels' order).
+template <int BITS>
+__device__ __forceinline__ float dot_tile(const uint8_t* wrow, const bf16* srow, const bf16* brow, const float* xs,
+                                          int cpr, int lane) {
+  constexpr int S = Chunk<BITS>::kStride;
+  float acc = 0.f;
+  for (int c = lane; c < cpr; c += 32) {
+    const uint4 w = *reinterpret_cast<const uint4*>(wrow + c * 16);
+    const int g = (c * Chunk<BITS>::kCols) / kQuantGroup;
+    acc += chunk_dot<BITS>(w, xs + c * S, __bfloat162float(srow[g]), __bfloat162float(brow[g]));
+  }
+  return acc;
+}
+
+// Row-tile layout in a slot: codes [cap rows], scales [cap rows], biases [cap rows] (then, for the
+// in_proj, conv taps [cap rows, kernel] f32 and the window [kernel-1][cap rows] bf16).
+struct TileLayout {
+  uint32_t sc, bi, cw, win;
+};
+__device__ __forceinline__ TileLayout tile_layout(int cap, int row_bytes, int groups, int kernel) {
+  TileLayout t;
+  t.sc = uint32_t(cap * row_bytes);
+  t.bi = t.sc + uint32_t(cap * groups * 2);
+  t.cw = t.bi + uint32_t(cap * groups * 2);
+  t.win = t.cw + uint32_t(cap * kernel * 4);
+  return t;
+}
+
+// ---- the producer ----
+
+template <int BITS>
+__device__ __forceinline__ void copy_rows(uint8_t* dst, const TileLayout& t, const DevLinear& W, int64_t r0,
+                                          int rows, uint64_t* bar) {
+  const int64_t rb = int64_t(W.in) * BITS / 8, groups = W.in / kQuantGroup;
+  bulk::copy(dst, reinterpret_cast<const uint8_t*>(W.q) + r0 * rb, unsigned(rows * rb), bar);
+  bulk::copy(dst + t.sc, W.scales + r0 * groups, unsigned(rows * groups * 2), bar);
+  bulk::copy(dst + t.bi, W.biases + r0 * groups, unsigned(rows * groups * 2), bar);
+}
+template <int BITS>
+__device__ __forceinline__ unsigned rows_bytes(const DevLinear& W, int rows) {
+  return unsigned(rows * (W.in * BITS / 8 + (W.in / kQuantGroup) * 4));
+}
+
+// The producer warp's routing of layer L once the router's logits are complete (counter >= target):
+// the per-op route epilogue's arithmetic, into shared memory (and, from block 0, the global copies).
+__device__ void route(const StepArgs& a, const StepLayer& L, unsigned target, RouteSmem& rs, int lane) {
+  while (ld_acquire(a.barrier) < target) {
+  }
+  for (int e = lane; e <= a.E; e += 32) rs.l[e] = __ldcg(a.logits + e);
+  __syncwarp();
+  route_warp<8>(rs.l, a.E, a.K, rs.idx, rs.w);
+  __syncwarp();
+  if (lane == 0) {
+    rs.idx[a.K] = a.E;
+    rs.w[a.K] = sigmoid(rs.l[a.E]);
+  }
+  __syncwarp();
+  if (blockIdx.x == 0 && lane <= a.K) {
+    a.topk_idx[lane] = rs.idx[lane];
+    a.topk_w[lane] = rs.w[lane];
+    if (a.route_log) a.route_log[L.index * (a.K + 1) + lane] = rs.idx[lane];
+  }
+}
+
+__device__ void produce(const StepArgs& a, const StepLayer& L, int kind, unsigned phase_target, Ring& ring,
+                        RouteSmem& rs, int lane) {
+  const int G = gridDim.x, b = blockIdx.x;
+  const int nt = n_tiles(a, L, kind);
+  uint64_t* bar = nullptr;
+  switch (kind) {
+    case kGdnIn: {
+      const DevLinear& W = L.gdn_in;
+      const int K = a.conv_kernel;
+      const TileLayout t = tile_layout(kRowsIn, W.in / 2, W.in / kQuantGroup, K);
+      for (int i = b; i < nt && lane == 0; i += G) {
+        const int r0 = i * kRowsIn, rows = min(kRowsIn, W.out - r0);
+        const bool conv = r0 < a.conv_dim;  // conv_dim % 16 == 0: a tile is all conv rows or none
+        const unsigned bytes = rows_bytes<4>(W, rows) + (conv ? unsigned(rows * K * 4 + (K - 1) * rows * 2) : 0u);
+        uint8_t* dst = ring_acquire(ring, bytes, bar);
+        copy_rows<4>(dst, t, W, r0, rows, bar);
+        if (conv) {
+          bulk::copy(dst + t.cw, L.conv_w + int64_t(r0) * K, unsigned(rows * K * 4), bar);
+          for (int j = 0; j < K - 1; ++j)
+            bulk::copy(dst + t.win + j * kRowsIn * 2, L.window + int64_t(j) * a.conv_dim + r0, unsigned(rows * 2),
+                       bar);
+        }
+      }
+      break;
+    }
+    case kGdnOut:
+    case kRouter: {
+      const DevLinear& W = kind == kGdnOut ? L.gdn_out : L.router;
+      const int cap = kind == kGdnOut ? kRowsOut : kRowsRouter;
+      for (int i = b; i < nt && lane == 0; i += G) {
+        const int r0 = i * cap, rows = min(cap, W.out - r0);
+        if (kind == kGdnOut) {
+          const TileLayout t = tile_layout(cap, W.in / 2, W.in / kQuantGroup, 0);
+          uint8_t* dst = ring_acquire(ring, rows_bytes<4>(W, rows), bar);
+          copy_rows<4>(dst, t, W, r0, rows, bar);
+        } else {
+          const TileLayout t = tile_layout(cap, W.in, W.in / kQuantGroup, 0);
+          uint8_t* dst = ring_acquire(ring, rows_bytes<8>(W, rows), bar);
+          copy_rows<8>(dst, t, W, r0, rows, bar);
+        }
+      }
+      break;
+    }
+    case kExpertsGu: {
+      route(a, L, phase_target, rs, lane);
+      const DevLinear& W = L.gu;
+      const TileLayout t = tile_layout(2 * kPairsGu, W.in / 2, W.in / kQuantGroup, 0);
+      const int per_slot = a.I / kPairsGu;
+      for (int i = b; i < nt && lane == 0; i += G) {
+        const int j = i / per_slot, p0 = (i % per_slot) * kPairsGu;
+        const int64_t r0 = int64_t(rs.idx[j]) * 2 * a.I + 2 * p0;
+        uint8_t* dst = ring_acquire(ring, rows_bytes<4>(W, 2 * kPairsGu), bar);
+        copy_rows<4>(dst, t, W, r0, 2 * kPairsGu, bar);
+      }
+      break;
+    }
+    case kExpertsDown: {
+      const DevLinear& W = L.down;
+      const int rb = W.in / 2, groups = W.in / kQuantGroup;
+      const int dt = down_tiles(a);
+      for (int v = b; v < nt && lane == 0; v += G) {
+        for (int tt = 0; tt < dt; ++tt) {
+          const int j0 = tt * kDownPerTile, j1 = min(j0 + kDownPerTile, a.K + 1);
+          uint8_t* dst = ring_acquire(ring, unsigned(j1 - j0) * rows_bytes<4>(W, kRowsDown), bar);
+          const uint32_t sc = kDownPerTile * kRowsDown * rb, bi = sc + kDownPerTile * kRowsDown * groups * 2;
+          for (int j = j0; j < j1; ++j) {
+            const int jl = j - j0;
+            const int64_t r0 = int64_t(rs.idx[j]) * a.H + int64_t(v) * kRowsDown;
+            bulk::copy(dst + jl * kRowsDown * rb, reinterpret_cast<const uint8_t*>(W.q) + r0 * rb,
+                       unsigned(kRowsDown * rb), bar);
+            bulk::copy(dst + sc + jl * kRowsDown * groups * 2, W.scales + r0 * groups,
+                       unsigned(kRowsDown * groups * 2), bar);
+            bulk::copy(dst + bi + jl * kRowsDown * groups * 2, W.biases + r0 * groups,
+                       unsigned(kRowsDown * groups * 2), bar);
+          }
+        }
+      }
+      break;
+    }
+    default:
+      break;
+  }
+  __syncwarp();
+}
+
+// ---- the consumers, one function per product ----
+
+struct Consumer {
+  const StepArgs& a;
+  Ring& ring;
+  float* xs;
+  float* red;
+  RouteSmem& rs;
+  int warp, lane;
+
+  __device__ float* ss(int point) const { return a.ss + size_t(point) * kNormParts; }
+
+  // GDN in_proj with the input norm, then each row's conv / gate epilogue.
+  __device__ void gdn_in(const StepLayer& L) {
+    const DevLinear& W = L.gdn_in;
+    const int nt = n_tiles(a, L, kGdnIn);
+    if (int(blockIdx.x) >= nt) return;
+    NormIn nz;
+    nz.h = a.h;
+    nz.ss = ss(2 * L.index);
+    nz.w = L.in_norm;
+    nz.eps = a.eps;
+    stage_norm<4>(nz, W.in, xs, red, false, ConsumerSync{});
+    ConsumerSync{}();
+    GdnInEpilogue G;
+    G.conv_dim = a.conv_dim;
+    G.value_dim = a.value_dim;
+    G.n_v_heads = a.n_v_heads;
+    G.kernel = a.conv_kernel;
+    G.conv_w = L.conv_w;
+    G.window = L.window;
+    G.A_log = L.A_log;
+    G.dt_bias = L.dt_bias;
+    G.conv_out = a.conv_out;
+    G.beta = a.beta;
+    G.g = a.g;
+    const int rb = W.in / 2, groups = W.in / kQuantGroup, cpr = W.in / Chunk<4>::kCols, K = a.conv_kernel;
+    const TileLayout t = tile_layout(kRowsIn, rb, groups, K);
+    for (int i = blockIdx.x; i < nt; i += gridDim.x) {
+      unsigned slot;
+      const uint8_t* base = ring_wait(ring, slot);
+      const bf16* sc = reinterpret_cast<const bf16*>(base + t.sc);
+      const bf16* bi = reinterpret_cast<const bf16*>(base + t.bi);
+      const float* cw = reinterpret_cast<const float*>(base + t.cw);
+      const bf16* win = reinterpret_cast<const bf16*>(base + t.win);
+      const int r0 = i * kRowsIn, rows = min(kRowsIn, W.out - r0);
+#pragma unroll
+      for (int k = 0; k < kRowsIn / kWarps; ++k) {
+        const int lr = warp + k * kWarps, row = r0 + lr;
+        if (lr >= rows) break;  // uniform across the warp
+        float w = 0.f, in = 0.f;
+        if (row < a.conv_dim) {
+          if (lane < K) w = cw[lr * K + lane];
+          if (lane < K - 1) in = __bfloat162float(win[lane * kRowsIn + lr]);
+        }
+        const float y = group_sum<32>(dot_tile<4>(base + lr * rb, sc + lr * groups, bi + lr * groups, xs, cpr, lane));
+        if (lane == 0) a.proj[row] = __float2bfloat16(y);
+        gdn_in_epilogue(G, row, y, w, in, lane);
+      }
+      ring_release(ring, slot, lane);
+    }
+  }
+
+  // The recurrence: unit u = (head u/4, columns (u%4)*32) on threads 0..127; the state is read
+  // before waiting on the in_proj (only this unit touches it).
+  __device__ void gdn_rec(const StepLayer& L, unsigned target, gdn_unit::Smem& gsm) {
+    GdnDecodeArgs ga;
+    ga.conv = a.conv_out;
+    ga.beta = a.beta;
+    ga.g = a.g;
+    ga.n_k_heads = a.n_k_heads;
+    ga.n_v_heads = a.n_v_heads;
+    ga.state = L.state;
+    ga.z = a.proj + a.conv_dim;
+    ga.norm_w = L.gnorm;
+    ga.eps = a.eps;
+    ga.o = a.o;
+    ga.counters = a.gdn_counters;
+    ga.y = a.mix;
+    constexpr int kUnitsPerHead = kGdnDim / gdn_unit::kColsPerUnit;
+    const int units = a.n_v_heads * kUnitsPerHead;
+    const bool mine = threadIdx.x < gdn_unit::kUnitThreads;
+    float s[32];
+    float* S = nullptr;
+    int u = blockIdx.x;
+    if (mine && u < units) {
+      S = gdn_unit::state_column(ga, u / kUnitsPerHead, (u % kUnitsPerHead) * gdn_unit::kColsPerUnit);
+      gdn_unit::load_state(S, s);
+    }
+    grid_wait(a.barrier, target);
+    for (; u < units; u += gridDim.x) {
+      if (!mine) continue;
+      if (u != int(blockIdx.x)) {
+        S = gdn_unit::state_column(ga, u / kUnitsPerHead, (u % kUnitsPerHead) * gdn_unit::kColsPerUnit);
+        gdn_unit::load_state(S, s);
+      }
+      gdn_unit::decode_unit(ga, u / kUnitsPerHead, u % kUnitsPerHead, kUnitsPerHead, s, S, gsm, UnitSync{});
+    }
+  }
+
+  // out_proj + residual: tile i = rows 8i..8i+7 = partial sum i of the next norm point.
+  __device__ void gdn_out(const StepLayer& L) {
+    const DevLinear& W = L.gdn_out;
+    const int nt = n_tiles(a, L, kGdnOut);
+    if (int(blockIdx.x) >= nt) return;
+    // h of this warp's row in the block's tile j, held by lane j (loaded before staging x)
+    float hv = 0.f;
+    {
+      const int i = blockIdx.x + lane * gridDim.x;
+      if (i < nt) hv = __ldcg(a.h + i * kRowsOut + warp);
+    }
+    stage_rows<4>(a.mix, W.in, 1, 1, W.in, xs, kConsumers);
+    ConsumerSync{}();
+    const int rb = W.in / 2, groups = W.in / kQuantGroup, cpr = W.in / Chunk<4>::kCols;
+    const TileLayout t = tile_layout(kRowsOut, rb, groups, 0);
+    float* part = ss(2 * L.index + 1);
+    int j = 0;
+    for (int i = blockIdx.x; i < nt; i += gridDim.x, ++j) {
+      unsigned slot;
+      const uint8_t* base = ring_wait(ring, slot);
+      const int row = i * kRowsOut + warp;
+      const float y = group_sum<32>(dot_tile<4>(base + warp * rb, reinterpret_cast<const bf16*>(base + t.sc) + warp * groups,
+                                                reinterpret_cast<const bf16*>(base + t.bi) + warp * groups, xs, cpr, lane));
+      ring_release(ring, slot, lane);
+      const float hr = j < 32 ? __shfl_sync(0xffffffffu, hv, j) : __ldcg(a.h + row);
+      float sq = 0.f;
+      if (lane == 0) {
+        const float v = hr + y;
+        a.h[row] = v;
+        sq = fmaf(v, v, sq);
+      }
+      residual_part(sq, part + i, red, ConsumerSync{});
+    }
+  }
+
+  // Router logits (8-bit) of the MoE input norm; tile 0's block writes the normed input for the experts.
+  __device__ void router(const StepLayer& L) {
+    const DevLinear& W = L.router;
+    const int nt = n_tiles(a, L, kRouter);
+    if (int(blockIdx.x) >= nt) return;
+    NormIn nz;
+    nz.h = a.h;
+    nz.ss = ss(2 * L.index + 1);
+    nz.w = L.post_norm;
+    nz.eps = a.eps;
+    nz.xn_out = a.xn;
+    stage_norm<8>(nz, W.in, xs, red, blockIdx.x == 0, ConsumerSync{});
+    ConsumerSync{}();
+    const int rb = W.in, groups = W.in / kQuantGroup, cpr = W.in / Chunk<8>::kCols;
+    const TileLayout t = tile_layout(kRowsRouter, rb, groups, 0);
+    for (int i = blockIdx.x; i < nt; i += gridDim.x) {
+      unsigned slot;
+      const uint8_t* base = ring_wait(ring, slot);
+      const int row = i * kRowsRouter + warp;
+      if (row < W.out) {
+        const float y = group_sum<32>(dot_tile<8>(base + warp * rb, reinterpret_cast<const bf16*>(base + t.sc) + warp * groups,
+                                                  reinterpret_cast<const bf16*>(base + t.bi) + warp * groups, xs, cpr, lane));
+        if (lane == 0) a.logits[row] = y;
+      }
+      ring_release(ring, slot, lane);
+    }
+  }
+
+  // Experts gate|up with SwiGLU: tile i = slot i / (I/8), output pairs 8·(i % (I/8)) + warp.
+  __device__ void experts_gu(const StepLayer& L) {
+    const DevLinear& W = L.gu;
+    const int nt = n_tiles(a, L, kExpertsGu);
+    if (int(blockIdx.x) >= nt) return;
+    stage_rows<4>(a.xn, W.in, 1, 1, W.in, xs, kConsumers);
+    ConsumerSync{}();
+    const int rb = W.in / 2, groups = W.in / kQuantGroup, cpr = W.in / Chunk<4>::kCols;
+    const TileLayout t = tile_layout(2 * kPairsGu, rb, groups, 0);
+    const int per_slot = a.I / kPairsGu;
+    for (int i = blockIdx.x; i < nt; i += gridDim.x) {
+      unsigned slot;
+      const uint8_t* base = ring_wait(ring, slot);
+      const bf16* sc = reinterpret_cast<const bf16*>(base + t.sc);
+      const bf16* bi = reinterpret_cast<const bf16*>(base + t.bi);
+      const int lr = 2 * warp;
+      const float gt = group_sum<32>(dot_tile<4>(base + lr * rb, sc + lr * groups, bi + lr * groups, xs, cpr, lane));
+      const float up = group_sum<32>(
+          dot_tile<4>(base + (lr + 1) * rb, sc + (lr + 1) * groups, bi + (lr + 1) * groups, xs, cpr, lane));
+      ring_release(ring, slot, lane);
+      if (lane == 0) {
+        const int j = i / per_slot, p = (i % per_slot) * kPairsGu + warp;
+        a.act[int64_t(j) * a.I + p] = __float2bfloat16(swiglu_bf16(gt, up));
+      }
+    }
+  }
+
+  // Experts down + weighted combine + residual: row block v = rows 16v..16v+15, thread = (row, lane
+  // of 16), lane c takes chunk c of every expert in slot order (the per-op kernel's order).
+  __device__ void experts_down(const StepLayer& L) {
+    const DevLinear& W = L.down;
+    const int nt = n_tiles(a, L, kExpertsDown);
+    if (int(blockIdx.x) >= nt) return;
+    constexpr int Gl = 16;  // lanes per row: I = 512 is 16 chunks
+    const int rl = threadIdx.x / Gl, sub = threadIdx.x % Gl;
+    const int k1 = a.K + 1;
+    float hv = 0.f;
+    {
+      const int v = blockIdx.x + sub * gridDim.x;
+      if (v < nt) hv = __ldcg(a.h + v * kRowsDown + rl);
+    }
+    stage_rows<4>(a.act, W.in, k1, k1, W.in, xs, kConsumers);
+    ConsumerSync{}();
+    const int rb = W.in / 2, groups = W.in / kQuantGroup, cpr = W.in / Chunk<4>::kCols;
+    constexpr int S = Chunk<4>::kStride;
+    const uint32_t sc_off = kDownPerTile * kRowsDown * rb, bi_off = sc_off + kDownPerTile * kRowsDown * groups * 2;
+    const int dt = down_tiles(a);
+    float* part = ss(2 * L.index + 2);
+    int jv = 0;
+    for (int v = blockIdx.x; v < nt; v += gridDim.x, ++jv) {
+      float acc = 0.f;
+      for (int tt = 0; tt < dt; ++tt) {
+        unsigned slot;
+        const uint8_t* base = ring_wait(ring, slot);
+        const int j0 = tt * kDownPerTile, j1 = min(j0 + kDownPerTile, k1);
+        for (int j = j0; j < j1; ++j) {
+          const int lr = (j - j0) * kRowsDown + rl;
+          const uint4 wv = *reinterpret_cast<const uint4*>(base + lr * rb + sub * 16);
+          const int g = (sub * Chunk<4>::kCols) / kQuantGroup;
+          const float s = __bfloat162float(reinterpret_cast<const bf16*>(base + sc_off)[lr * groups + g]);
+          const float bb = __bfloat162float(reinterpret_cast<const bf16*>(base + bi_off)[lr * groups + g]);
+          acc = fmaf(rs.w[j], chunk_dot<4>(wv, xs + (j * cpr + sub) * S, s, bb), acc);
+        }
+        ring_release(ring, slot, lane);
+      }
+      acc = group_sum<Gl>(acc);
+      const int r = v * kRowsDown + rl;
+      const float hr = jv < Gl ? __shfl_sync(0xffffffffu, hv, (lane & ~(Gl - 1)) + jv) : __ldcg(a.h + r);
+      float sq = 0.f;
+      if (sub == 0) {
+        const float nv = hr + acc;
+        a.h[r] = nv;
+        sq = nv * nv;
+      }
+      residual_part(sq, part + v, red, ConsumerSync{});
+    }
+  }
+};
+
+__global__ void __launch_bounds__(kStepThreads, 1) step_kernel(const __grid_constant__ StepArgs a) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ alignas(8) uint64_t full[kSlots], empty[kSlots];
+  __shared__ float red[kWarps];
+  __shared__ RouteSmem rs;
+  __shared__ gdn_unit::Smem gsm;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kSlots; ++s) {
+      bulk::mbar_init(&full[s]);
+      bulk::mbar_init_count(&empty[s], kWarps);
+    }
+    bulk::fence_init();
+  }
+  __syncthreads();
+  Ring ring{full, empty, smem, 0};
+  const unsigned G = gridDim.x;
+  if (warp == kProducerWarp) {
+    // Weights only (and the sequence's conv window, which nothing in this step wrote yet): no
+    // wait on the previous kernel.
+    unsigned p = 0;
+    for (int li = 0; li < a.n_layers; ++li)
+      for (int j = 0; j < n_kinds(a.layer[li]); ++j, ++p)
+        produce(a, a.layer[li], kind_at(a.layer[li], j), p * G, ring, rs, lane);
+    return;
+  }
+  pdl_wait();
+  Consumer c{a, ring, reinterpret_cast<float*>(smem + size_t(kSlots) * kSlotBytes), red, rs, warp, lane};
+  unsigned p = 0;
+  unsigned total = 0;
+  for (int li = 0; li < a.n_layers; ++li) total += n_kinds(a.layer[li]);
+  for (int li = 0; li < a.n_layers; ++li) {
+    const StepLayer& L = a.layer[li];
+    for (int j = 0; j < n_kinds(L); ++j, ++p) {
+      const int kind = kind_at(L, j);
+      if (p > 0) {
+        grid_arrive(a.barrier);
+        if (kind != kGdnRec) grid_wait(a.barrier, p * G);
+      }
+      if (p + 1 == total) pdl_launch_dependents();
+      switch (kind) {
+        case kGdnIn: c.gdn_in(L); break;
+        case kGdnRec: c.gdn_rec(L, p * G, gsm); break;
+        case kGdnOut: c.gdn_out(L); break;
+        case kRouter: c.router(L); break;
+        case kExpertsGu: c.experts_gu(L); break;
+        default: c.experts_down(L); break;
+      }
+    }
+  }
+}
+
+bool fail_why(std::string* why, std::string msg) {
+  if (why) *why = std::move(msg);
+  return false;
+}
+
+}  // namespace
+
+bool step_supported(const StepLayer& L, const StepArgs& a, std::string* why) {
+  auto q4 = [](const DevLinear& W) { return W.fmt == WFormat::kAffine4; };
+  if (L.gdn) {
+    if (!q4(L.gdn_in) || !q4(L.gdn_out)) return fail_why(why, "GDN projections are not 4-bit");
+    if (L.gdn_in.in != a.H || a.H > kFusedNormMaxDim || a.H % 64 != 0)
+      return fail_why(why, "hidden size outside the step's 64..2048");
+    if (a.conv_dim % kRowsIn != 0 || a.conv_kernel < 2 || a.conv_kernel > 32)
+      return fail_why(why, "conv channels or taps outside the step's tiles");
+    if (L.gdn_in.out < a.conv_dim + a.value_dim + 2 * a.n_v_heads) return fail_why(why, "GDN in_proj too small");
+    if (L.gdn_out.in != a.value_dim || L.gdn_out.out != a.H) return fail_why(why, "GDN out_proj shape");
+    if (uint32_t(kRowsOut * (a.value_dim / 2 + a.value_dim / 16)) > kSlotBytes ||
+        size_t(a.value_dim / 32) * 36 * 4 > kXsBytes)
+      return fail_why(why, "GDN value dim too large for the step's tiles");
+    const uint32_t in_tile = uint32_t(kRowsIn * (a.H / 2 + a.H / 16) + kRowsIn * a.conv_kernel * 4 +
+                                      (a.conv_kernel - 1) * kRowsIn * 2);
+    if (in_tile > kSlotBytes) return fail_why(why, "GDN in_proj tile too large");
+    if (a.n_v_heads % a.n_k_heads != 0) return fail_why(why, "GDN heads");
+  }
+  if (L.router.fmt != WFormat::kAffine8 || L.router.in != a.H || L.router.out < a.E + 1)
+    return fail_why(why, "the router is not an 8-bit [E+1, H] matrix");
+  if (!q4(L.gu) || !q4(L.down)) return fail_why(why, "expert matrices are not 4-bit");
+  if (a.E > 8 * 32 || a.K + 1 > kRouteMaxTopK + 1 || a.K > kRouteMaxTopK)
+    return fail_why(why, "routing outside top-k <= 8 of <= 256 experts");
+  if (a.I != 512) return fail_why(why, "moe_intermediate is not 512");
+  if (L.gu.out != (a.E + 1) * 2 * a.I || L.down.out != (a.E + 1) * a.H)
+    return fail_why(why, "the shared expert is not folded into the expert matrices");
+  if (a.H % kRowsDown != 0) return fail_why(why, "hidden size not a multiple of 16");
+  if (uint32_t(2 * kPairsGu * (a.H / 2 + a.H / 16)) > kSlotBytes) return fail_why(why, "expert tile too large");
+  if (size_t(a.K + 1) * (a.I / 32) * 36 * 4 > kXsBytes) return fail_why(why, "experts' inputs exceed the staging");
+  return true;
+}
+
+void decode_step_layers(const StepArgs& a, cudaStream_t stream) {
+  TANSY_CHECK(a.n_layers >= 1 && a.n_layers <= kStepMaxLayers, "decode step: {} layers per launch outside 1..{}",
+              a.n_layers, kStepMaxLayers);
+  for (int i = 0; i < a.n_layers; ++i) {
+    std::string why;
+    TANSY_CHECK(step_supported(a.layer[i], a, &why), "decode step: layer {}: {}", a.layer[i].index, why);
+  }
+  TANSY_CHECK(a.h && a.ss && a.proj && a.conv_out && a.beta && a.g && a.o && a.gdn_counters && a.mix &&
+                  a.logits && a.topk_idx && a.topk_w && a.xn && a.act && a.barrier,
+              "decode step: missing buffers");
+  const int sms = sm_count();
+  TANSY_CHECK(sms >= 1, "decode step: no multiprocessors");
+  allow_smem<step_kernel>(kStepSmem, "decode step");
+  pdl_launch(step_kernel, dim3(sms), dim3(kStepThreads), kStepSmem, stream, a);
+}
+
+}  // namespace tansy::cuda
