@@ -22,7 +22,8 @@
 # (256,512,1024,2048,4096), SERVER_CONTEXTS (256,4096), SERVER_ROUNDS (5), SERVER_ARGS (extra
 # `tansy serve` flags, e.g. "--prefill-chunk 4096"), SERVER_SETTINGS (greedy,qwen,qwen_logprobs,t1,presence,json_schema:
 # tools/http_latency.py --settings), GPU_TESTS_CAP (seconds), GPU_TESTS_FILTER (a --gtest_filter), SKIP_GPU_TESTS=1, SKIP_PEER=1, SKIP_BENCH=1,
-# SKIP_SERVER=1, SYNTH_DIR (/dev/shm/tansy-synth).
+# SKIP_SERVER=1, SYNTH_DIR (/dev/shm/tansy-synth), KEEP_SYNTH=1 (leave it for a later run in the same
+# call), REUSE_SYNTH=1 (use the one there).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 DEV=out/device
@@ -122,11 +123,15 @@ run() {
     echo "device/bench.sh: missing libraries for $T:"; tenv ldd "$T" | grep "not found"; return 1
   fi
 
-  echo "== synth ($(remaining) s left)"
-  rm -rf "$synth_dir"
-  timeout 120 env LD_LIBRARY_PATH="$tld" "$T" synth --out "$synth_dir" --seed 1 >"$OUT/synth.log" 2>&1
-  local rc=$?; cat "$OUT/synth.log"
-  [ $rc -eq 0 ] || { echo "device/bench.sh: synth failed ($rc)"; return 1; }
+  if [ -n "${REUSE_SYNTH:-}" ] && [ -f "$synth_dir/config.json" ]; then
+    echo "== synth: reusing $synth_dir"
+  else
+    echo "== synth ($(remaining) s left)"
+    rm -rf "$synth_dir"
+    timeout 120 env LD_LIBRARY_PATH="$tld" "$T" synth --out "$synth_dir" --seed 1 >"$OUT/synth.log" 2>&1
+    local rc=$?; cat "$OUT/synth.log"
+    [ $rc -eq 0 ] || { echo "device/bench.sh: synth failed ($rc)"; return 1; }
+  fi
 
   if [ -z "${SKIP_GPU_TESTS:-}" ] && [ -x "$DEV/tansy_gpu_tests" ]; then
     left=$(remaining); local cap=$(( left > 480 ? 90 : 45 ))
@@ -177,7 +182,7 @@ run() {
       echo "device/bench.sh: no time left for the peer arm" | tee "$OUT/peer.log"
     fi
   fi
-  rm -rf "$synth_dir"
+  [ -n "${KEEP_SYNTH:-}" ] || rm -rf "$synth_dir"
   echo "== tansy bench table"
   [ -f "$OUT/bench.log" ] && grep -v "^tansy bench: round" "$OUT/bench.log" | tail -60
   echo "device/bench.sh: done in $(( $(date +%s) - start )) s"
