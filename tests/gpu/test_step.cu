@@ -25,13 +25,12 @@ const char* step_synth_dir() {
 
 std::vector<int32_t> prompt_ids(int n, int vocab) {
   std::vector<int32_t> ids(n);
-  for (int i = 0; i < n; ++i) ids[i] = int32_t(uint64_t(uint32_t(uint64_t(i) * 2654435761u)) % uint64_t(vocab));
+  for (int i = 0; i < n; ++i)
+    ids[i] = int32_t(uint64_t(uint32_t(uint64_t(i) * 2654435761u)) % uint64_t(vocab));
   return ids;
 }
 
-int argmax_of(const std::vector<float>& v) {
-  return int(std::max_element(v.begin(), v.end()) - v.begin());
-}
+int argmax_of(const std::vector<float>& v) { return int(std::max_element(v.begin(), v.end()) - v.begin()); }
 
 struct DecodeRun {
   std::vector<std::vector<float>> logits;  // after the prompt, then after each fed token
@@ -53,7 +52,8 @@ DecodeRun decode_run(cuda::CudaModel& m, const std::vector<int32_t>& prompt, int
     r.logits.push_back(lg);
   }
   // one more step eagerly with the routes traced
-  m.set_route_trace([&](int, std::span<const int32_t> idx) { r.routes.emplace_back(idx.begin(), idx.end()); });
+  m.set_route_trace(
+      [&](int, std::span<const int32_t> idx) { r.routes.emplace_back(idx.begin(), idx.end()); });
   const int32_t t = argmax_of(lg);
   m.forward(*st, std::span<const int32_t>(&t, 1), lg, false);
   m.set_route_trace(nullptr);
@@ -66,7 +66,8 @@ TEST(Step, SyntheticMatchesPerOpKernels) {
   auto model = make_cuda_model(step_synth_dir());
   auto* m = dynamic_cast<cuda::CudaModel*>(model.get());
   ASSERT_NE(m, nullptr);
-  ASSERT_TRUE(m->decode_persistent()) << "the synthetic checkpoint has the real shapes: " << m->decode_persistent_why();
+  ASSERT_TRUE(m->decode_persistent())
+      << "the synthetic checkpoint has the real shapes: " << m->decode_persistent_why();
   const int V = m->config().vocab_size;
   const auto prompt = prompt_ids(300, V);
   constexpr int kSteps = 24;
@@ -94,10 +95,12 @@ TEST(Step, SyntheticMatchesPerOpKernels) {
     worst = std::max(worst, double(d) / mx);
     identical += std::memcmp(a.data(), b.data(), sizeof(float) * V) == 0;
   }
-  std::printf("  persistent vs per-op decode: %d of %zu logit rows bit-identical, max |dlogit|/max|logit| %.2e\n",
-              identical, step.logits.size(), worst);
+  std::printf(
+      "  persistent vs per-op decode: %d of %zu logit rows bit-identical, max |dlogit|/max|logit| %.2e\n",
+      identical, step.logits.size(), worst);
   if (same_blocks)
-    EXPECT_EQ(identical, int(step.logits.size())) << "132 multiprocessors: the step must equal the per-op kernels";
+    EXPECT_EQ(identical, int(step.logits.size()))
+        << "132 multiprocessors: the step must equal the per-op kernels";
   else
     EXPECT_LT(worst, 2e-2);
 
@@ -136,7 +139,8 @@ TEST(Step, Timing) {
   ASSERT_NE(m, nullptr);
   for (int ctx : {256, 4096, 32768}) {
     const auto prompt = prompt_ids(ctx, m->config().vocab_size);
-    for (auto k : {cuda::DecodeKernels::kPersistent, cuda::DecodeKernels::kPerOp, cuda::DecodeKernels::kPersistent}) {
+    for (auto k :
+         {cuda::DecodeKernels::kPersistent, cuda::DecodeKernels::kPerOp, cuda::DecodeKernels::kPersistent}) {
       m->use_decode_kernels(k);
       auto st = m->new_state(ctx + 80);
       std::chrono::steady_clock::time_point t1;

@@ -31,7 +31,7 @@ void CudaModel::decode_step(CudaState& st, int limit) {
 }
 
 void CudaModel::run_decode_fused(CudaState& st, const int* ids, bool head) {
-  if (step_ok_ && !marks_)
+  if (step_ok_ && (!marks_ || profile_step_))
     run_decode_persistent(st, ids);
   else
     run_decode_per_op(st, ids);
@@ -176,12 +176,21 @@ void CudaModel::plan_decode_step(const CudaPlanOptions& opt) {
 void CudaModel::run_decode_persistent(CudaState& st, const int* ids) {
   const ModelConfig& c = cfg_;
   CUDA_CHECK(cudaMemsetAsync(step_barriers_.get(), 0, step_barriers_.bytes(), stream_));
+  mark("embed", double(c.hidden_size) * 4);
   embed(embed_.view, ids, 1, h_.get(), stream_, ss_parts_.get());
   unsigned* barrier = step_barriers_.get();
   for_each_step_launch(
       layers_, &st, step_args(), [&](int i) { attention_mixer_decode(st, i); },
       [&](StepArgs a) {
         a.barrier = barrier++;
+        if (profile_step_) {
+          mark("step.launch");
+          const size_t per = size_t(kStepMaxProducts) * 2 * sm_count();
+          TANSY_CHECK(step_prof_.size() >= (prof_launches_.size() + 1) * per,
+                      "decode step profile: buffer too small");
+          a.prof = step_prof_.get() + prof_launches_.size() * per;
+          prof_launches_.push_back(a);
+        }
         decode_step_layers(a, stream_);
       });
   if (route_trace_) {

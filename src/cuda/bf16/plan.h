@@ -214,6 +214,9 @@ class CudaModel final : public Model, public StageProfiler {
   // Starts stage `name` (ending the previous one) when profiling; otherwise nothing.
   void mark(std::string name, double bytes = 0, double flops = 0, int launches = 1);
   std::vector<StageTime> collect(std::vector<Mark>& marks);
+  // Replaces the "step.launch" stages of a profiled step by its products' times (summed by kind),
+  // the grid barriers between them, and the launches' remainder.
+  std::vector<StageTime> fold_step_profile(std::vector<StageTime> stages);
   // Bytes a product must read: codes (or bf16 values) plus scales and biases.
   static double wbytes(const DevLinear& W);
   static double wflops(const DevLinear& W, int m) { return 2.0 * W.out * W.in * m; }
@@ -274,19 +277,24 @@ class CudaModel final : public Model, public StageProfiler {
   DeviceBuffer<unsigned> gdn_counters_, route_counter_;  // last-block counters of fused decode kernels
   DeviceBuffer<unsigned> step_barriers_;  // persistent step: one grid counter per launch of a step
   DeviceBuffer<int> route_log_;           // persistent step: [layers, K + 1] routed experts
-  DeviceBuffer<bf16> proj_;               // [m, proj_ld] fused input projections
-  DeviceBuffer<bf16> conv_y_;             // [m, conv_dim] conv output, q/k normalised
-  DeviceBuffer<float> beta_, g_;          // [m, n_v_heads]
-  DeviceBuffer<float> o_;                 // [m, value_dim] GDN output before the gated norm
-  DeviceBuffer<bf16> mix_;                // [m, max(value_dim, q_dim)] input of out_proj / o_proj
-  DeviceBuffer<float> router_logits_;     // [m, router_ld]
-  DeviceBuffer<int> topk_idx_;            // [m, k]
-  DeviceBuffer<float> topk_w_;            // [m, k]
-  DeviceBuffer<bf16> act_;                // [m*k, I] routed experts' SwiGLU activations
-  DeviceBuffer<bf16> sh_act_;             // [m, S]
-  DeviceBuffer<bf16> sh_out_;             // [m, H] shared expert output (prefill)
-  DeviceBuffer<float> attn_scratch_;      // split-attention partials
-  DeviceBuffer<float> d_logits_;          // [kLogitRows, vocab]
+  // `tansy bench --stages` of the persistent step: its in-kernel time stamps (StepArgs::prof) per
+  // launch, and the launches they belong to.
+  DeviceBuffer<unsigned long long> step_prof_;
+  std::vector<StepArgs> prof_launches_;
+  bool profile_step_ = false;
+  DeviceBuffer<bf16> proj_;            // [m, proj_ld] fused input projections
+  DeviceBuffer<bf16> conv_y_;          // [m, conv_dim] conv output, q/k normalised
+  DeviceBuffer<float> beta_, g_;       // [m, n_v_heads]
+  DeviceBuffer<float> o_;              // [m, value_dim] GDN output before the gated norm
+  DeviceBuffer<bf16> mix_;             // [m, max(value_dim, q_dim)] input of out_proj / o_proj
+  DeviceBuffer<float> router_logits_;  // [m, router_ld]
+  DeviceBuffer<int> topk_idx_;         // [m, k]
+  DeviceBuffer<float> topk_w_;         // [m, k]
+  DeviceBuffer<bf16> act_;             // [m*k, I] routed experts' SwiGLU activations
+  DeviceBuffer<bf16> sh_act_;          // [m, S]
+  DeviceBuffer<bf16> sh_out_;          // [m, H] shared expert output (prefill)
+  DeviceBuffer<float> attn_scratch_;   // split-attention partials
+  DeviceBuffer<float> d_logits_;       // [kLogitRows, vocab]
   DeviceBuffer<unsigned long long> d_argmax_;
   DeviceBuffer<unsigned long long> d_head_scratch_;  // fused head: one argmax candidate per block
   DeviceBuffer<unsigned> head_counter_;

@@ -1,5 +1,6 @@
 // Stage marks for `tansy bench --stages` (model/stage_profiler.h) and the trace hooks of the tests.
 #include <algorithm>
+#include <utility>
 
 #include "cuda/bf16/plan.h"
 
@@ -12,6 +13,12 @@ std::vector<StageTime> CudaModel::profile_decode_step(SequenceState& state, int3
   CUDA_CHECK(cudaStreamSynchronize(stream_));
   *h_tok_ = token;
   CUDA_CHECK(cudaMemcpyAsync(d_tok_.get(), h_tok_, sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+  profile_step_ = step_ok_;
+  if (profile_step_) {
+    const size_t need = size_t(cfg_.num_layers) * kStepMaxProducts * 2 * sm_count();  // >= launches' share
+    if (step_prof_.size() < need) step_prof_.resize(need);
+    prof_launches_.clear();
+  }
   marks_ = &marks;
   try {
     decode_step(st, cfg_.vocab_size);
@@ -19,10 +26,77 @@ std::vector<StageTime> CudaModel::profile_decode_step(SequenceState& state, int3
     mark("");
   } catch (...) {
     marks_ = nullptr;
+    profile_step_ = false;
     throw;
   }
   marks_ = nullptr;
-  return collect(marks);
+  const bool folded = std::exchange(profile_step_, false);
+  std::vector<StageTime> out = collect(marks);
+  return folded ? fold_step_profile(std::move(out)) : out;
+}
+
+std::vector<StageTime> CudaModel::fold_step_profile(std::vector<StageTime> stages) {
+  static const char* kNames[kStepKinds] = {
+      "step: gdn.in_proj+norm+conv+gates",    "step: gdn.recurrence+norms",
+      "step: gdn.out_proj+residual",          "step: moe.router+norm (+ routing)",
+      "step: moe.experts gate|up (k+shared)", "step: moe.experts down+combine+residual"};
+  const int G = sm_count();
+  const size_t per = size_t(kStepMaxProducts) * 2 * G;
+  std::vector<unsigned long long> t(per * prof_launches_.size());
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (!t.empty()) step_prof_.download(t.data(), t.size());
+  StageTime kind[kStepKinds], barriers{"step: grid barriers between products", 0, 0, 0, 0};
+  for (int k = 0; k < kStepKinds; ++k) kind[k] = StageTime{kNames[k], 0, 0, 0, 0};
+  const int H = cfg_.hidden_size, I = cfg_.moe_intermediate, k1 = cfg_.experts_per_tok + 1;
+  double in_kernel = 0;
+  for (size_t l = 0; l < prof_launches_.size(); ++l) {
+    const StepArgs& a = prof_launches_[l];
+    const unsigned long long* T = t.data() + l * per;
+    std::vector<std::pair<int, const StepLayer*>> products;  // (kind, layer)
+    for (int i = 0; i < a.n_layers; ++i)
+      for (int k = a.layer[i].gdn ? 0 : 3; k < kStepKinds; ++k) products.emplace_back(k, &a.layer[i]);
+    auto lo = [&](size_t p, int w) {
+      unsigned long long v = ~0ull;
+      for (int b = 0; b < G; ++b) v = std::min(v, T[(p * 2 + w) * G + b]);
+      return v;
+    };
+    auto hi = [&](size_t p, int w) {
+      unsigned long long v = 0;
+      for (int b = 0; b < G; ++b) v = std::max(v, T[(p * 2 + w) * G + b]);
+      return v;
+    };
+    for (size_t p = 0; p < products.size(); ++p) {
+      const auto [k, L] = products[p];
+      const double ms = double(hi(p, 1) - lo(p, 0)) / 1e6;
+      kind[k].ms += ms;
+      in_kernel += ms;
+      const double bytes = k == 0   ? wbytes(L->gdn_in)
+                           : k == 1 ? 2.0 * cfg_.lin_num_v_heads * kGdnDim * kGdnDim * 4
+                           : k == 2 ? wbytes(L->gdn_out)
+                           : k == 3 ? wbytes(L->router)
+                           : k == 4 ? k1 * wbytes(L->gu.rows(0, 2 * I))
+                                    : k1 * wbytes(L->down.rows(0, H));
+      kind[k].bytes += bytes;
+      if (p + 1 < products.size()) {
+        const double b = (double(lo(p + 1, 0)) - double(hi(p, 1))) / 1e6;
+        barriers.ms += b;
+        in_kernel += b;
+      }
+    }
+  }
+  std::vector<StageTime> out;
+  for (auto& st : stages) {
+    if (st.name != "step.launch") {
+      out.push_back(st);
+      continue;
+    }
+    for (auto& k : kind)
+      if (k.ms > 0) out.push_back(k);
+    out.push_back(barriers);
+    out.push_back(StageTime{"step: launches, ramp and tail (rest of the launches' time)", st.ms - in_kernel,
+                            0, 0, st.launches});
+  }
+  return out;
 }
 
 std::vector<StageTime> CudaModel::profile_prefill(SequenceState& state, std::span<const int32_t> ids) {

@@ -68,8 +68,8 @@ __device__ __forceinline__ void load_state(const float* S, float (&s)[32]) {
 // recurrence with q/k normalised in the unit, the state written back, and the gated norm of the
 // head's 128 outputs done by whichever of the head's units finishes last.
 template <typename Sync>
-__device__ void decode_unit(const GdnDecodeArgs& A, int h, int cb, int units_per_head, float (&s)[32], float* S,
-                            Smem& sm, Sync sync) {
+__device__ void decode_unit(const GdnDecodeArgs& A, int h, int cb, int units_per_head, float (&s)[32],
+                            float* S, Smem& sm, Sync sync) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, d = threadIdx.x;
   const int c0 = cb * kColsPerUnit;
   const int hk = h / (A.n_v_heads / A.n_k_heads);
@@ -89,7 +89,8 @@ __device__ void decode_unit(const GdnDecodeArgs& A, int h, int cb, int units_per
   sm.red_o[warp][lane] = o;
   sync();
   if (warp == 0)
-    A.o[h * kGdnDim + c0 + lane] = sm.red_o[0][lane] + sm.red_o[1][lane] + sm.red_o[2][lane] + sm.red_o[3][lane];
+    A.o[h * kGdnDim + c0 + lane] =
+        sm.red_o[0][lane] + sm.red_o[1][lane] + sm.red_o[2][lane] + sm.red_o[3][lane];
   __threadfence();
   sync();
   if (d == 0) sm.last = atomicAdd(A.counters + h, 1u) == unsigned(units_per_head - 1);

@@ -55,15 +55,23 @@ struct RouteSmem {
 
 __device__ __forceinline__ int n_tiles(const StepArgs& a, const StepLayer& L, int kind) {
   switch (kind) {
-    case kGdnIn: return (L.gdn_in.out + kRowsIn - 1) / kRowsIn;
-    case kGdnOut: return a.H / kRowsOut;
-    case kRouter: return (L.router.out + kRowsRouter - 1) / kRowsRouter;
-    case kExpertsGu: return (a.K + 1) * (a.I / kPairsGu);
-    case kExpertsDown: return a.H / kRowsDown;  // row blocks of down_tiles() tiles each
-    default: return 0;
+    case kGdnIn:
+      return (L.gdn_in.out + kRowsIn - 1) / kRowsIn;
+    case kGdnOut:
+      return a.H / kRowsOut;
+    case kRouter:
+      return (L.router.out + kRowsRouter - 1) / kRowsRouter;
+    case kExpertsGu:
+      return (a.K + 1) * (a.I / kPairsGu);
+    case kExpertsDown:
+      return a.H / kRowsDown;  // row blocks of down_tiles() tiles each
+    default:
+      return 0;
   }
 }
-__device__ __forceinline__ int down_tiles(const StepArgs& a) { return (a.K + 1 + kDownPerTile - 1) / kDownPerTile; }
+__device__ __forceinline__ int down_tiles(const StepArgs& a) {
+  return (a.K + 1 + kDownPerTile - 1) / kDownPerTile;
+}
 __device__ __forceinline__ int n_kinds(const StepLayer& L) { return L.gdn ? 6 : 3; }
 __device__ __forceinline__ int kind_at(const StepLayer& L, int j) { return L.gdn ? j : kRouter + j; }
 
@@ -73,7 +81,7 @@ struct Ring {
   uint64_t* full;   // [kSlots] the slot's copies landed (producer arrival + bytes)
   uint64_t* empty;  // [kSlots] the eight consumer warps are done with it
   uint8_t* slots;
-  unsigned n = 0;   // tiles taken so far (producer: issued; consumers: consumed)
+  unsigned n = 0;  // tiles taken so far (producer: issued; consumers: consumed)
 };
 
 // Producer (one lane): the next slot, once free, with `bytes` of copies announced on *bar.
@@ -106,6 +114,15 @@ __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+// Profiling: block b's time stamp `which` (0 start, 1 end) of product p.
+__device__ __forceinline__ void stamp(const StepArgs& a, unsigned p, int which) {
+  if (a.prof && threadIdx.x == 0) a.prof[(size_t(p) * 2 + which) * gridDim.x + blockIdx.x] = global_ns();
+}
 __device__ __forceinline__ void grid_arrive(unsigned* bar) {
   ConsumerSync{}();  // the block's writes of the product are done
   if (threadIdx.x == 0) {
@@ -124,8 +141,8 @@ __device__ __forceinline__ void grid_wait(const unsigned* bar, unsigned target) 
 
 // A row's dot product from its tile: lane l takes chunks l, l+32, ... (the per-op kernels' order).
 template <int BITS>
-__device__ __forceinline__ float dot_tile(const uint8_t* wrow, const bf16* srow, const bf16* brow, const float* xs,
-                                          int cpr, int lane) {
+__device__ __forceinline__ float dot_tile(const uint8_t* wrow, const bf16* srow, const bf16* brow,
+                                          const float* xs, int cpr, int lane) {
   constexpr int S = Chunk<BITS>::kStride;
   float acc = 0.f;
   for (int c = lane; c < cpr; c += 32) {
@@ -199,14 +216,15 @@ __device__ void produce(const StepArgs& a, const StepLayer& L, int kind, unsigne
       for (int i = b; i < nt && lane == 0; i += G) {
         const int r0 = i * kRowsIn, rows = min(kRowsIn, W.out - r0);
         const bool conv = r0 < a.conv_dim;  // conv_dim % 16 == 0: a tile is all conv rows or none
-        const unsigned bytes = rows_bytes<4>(W, rows) + (conv ? unsigned(rows * K * 4 + (K - 1) * rows * 2) : 0u);
+        const unsigned bytes =
+            rows_bytes<4>(W, rows) + (conv ? unsigned(rows * K * 4 + (K - 1) * rows * 2) : 0u);
         uint8_t* dst = ring_acquire(ring, bytes, bar);
         copy_rows<4>(dst, t, W, r0, rows, bar);
         if (conv) {
           bulk::copy(dst + t.cw, L.conv_w + int64_t(r0) * K, unsigned(rows * K * 4), bar);
           for (int j = 0; j < K - 1; ++j)
-            bulk::copy(dst + t.win + j * kRowsIn * 2, L.window + int64_t(j) * a.conv_dim + r0, unsigned(rows * 2),
-                       bar);
+            bulk::copy(dst + t.win + j * kRowsIn * 2, L.window + int64_t(j) * a.conv_dim + r0,
+                       unsigned(rows * 2), bar);
         }
       }
       break;
@@ -326,7 +344,8 @@ struct Consumer {
           if (lane < K) w = cw[lr * K + lane];
           if (lane < K - 1) in = __bfloat162float(win[lane * kRowsIn + lr]);
         }
-        const float y = group_sum<32>(dot_tile<4>(base + lr * rb, sc + lr * groups, bi + lr * groups, xs, cpr, lane));
+        const float y =
+            group_sum<32>(dot_tile<4>(base + lr * rb, sc + lr * groups, bi + lr * groups, xs, cpr, lane));
         if (lane == 0) a.proj[row] = __float2bfloat16(y);
         gdn_in_epilogue(G, row, y, w, in, lane);
       }
@@ -336,7 +355,7 @@ struct Consumer {
 
   // The recurrence: unit u = (head u/4, columns (u%4)*32) on threads 0..127; the state is read
   // before waiting on the in_proj (only this unit touches it).
-  __device__ void gdn_rec(const StepLayer& L, unsigned target, gdn_unit::Smem& gsm) {
+  __device__ void gdn_rec(const StepLayer& L, unsigned p, gdn_unit::Smem& gsm) {
     GdnDecodeArgs ga;
     ga.conv = a.conv_out;
     ga.beta = a.beta;
@@ -360,7 +379,8 @@ struct Consumer {
       S = gdn_unit::state_column(ga, u / kUnitsPerHead, (u % kUnitsPerHead) * gdn_unit::kColsPerUnit);
       gdn_unit::load_state(S, s);
     }
-    grid_wait(a.barrier, target);
+    grid_wait(a.barrier, p * gridDim.x);
+    stamp(a, p, 0);
     for (; u < units; u += gridDim.x) {
       if (!mine) continue;
       if (u != int(blockIdx.x)) {
@@ -392,8 +412,9 @@ struct Consumer {
       unsigned slot;
       const uint8_t* base = ring_wait(ring, slot);
       const int row = i * kRowsOut + warp;
-      const float y = group_sum<32>(dot_tile<4>(base + warp * rb, reinterpret_cast<const bf16*>(base + t.sc) + warp * groups,
-                                                reinterpret_cast<const bf16*>(base + t.bi) + warp * groups, xs, cpr, lane));
+      const float y = group_sum<32>(
+          dot_tile<4>(base + warp * rb, reinterpret_cast<const bf16*>(base + t.sc) + warp * groups,
+                      reinterpret_cast<const bf16*>(base + t.bi) + warp * groups, xs, cpr, lane));
       ring_release(ring, slot, lane);
       const float hr = j < 32 ? __shfl_sync(0xffffffffu, hv, j) : __ldcg(a.h + row);
       float sq = 0.f;
@@ -426,8 +447,9 @@ struct Consumer {
       const uint8_t* base = ring_wait(ring, slot);
       const int row = i * kRowsRouter + warp;
       if (row < W.out) {
-        const float y = group_sum<32>(dot_tile<8>(base + warp * rb, reinterpret_cast<const bf16*>(base + t.sc) + warp * groups,
-                                                  reinterpret_cast<const bf16*>(base + t.bi) + warp * groups, xs, cpr, lane));
+        const float y = group_sum<32>(
+            dot_tile<8>(base + warp * rb, reinterpret_cast<const bf16*>(base + t.sc) + warp * groups,
+                        reinterpret_cast<const bf16*>(base + t.bi) + warp * groups, xs, cpr, lane));
         if (lane == 0) a.logits[row] = y;
       }
       ring_release(ring, slot, lane);
@@ -450,7 +472,8 @@ struct Consumer {
       const bf16* sc = reinterpret_cast<const bf16*>(base + t.sc);
       const bf16* bi = reinterpret_cast<const bf16*>(base + t.bi);
       const int lr = 2 * warp;
-      const float gt = group_sum<32>(dot_tile<4>(base + lr * rb, sc + lr * groups, bi + lr * groups, xs, cpr, lane));
+      const float gt =
+          group_sum<32>(dot_tile<4>(base + lr * rb, sc + lr * groups, bi + lr * groups, xs, cpr, lane));
       const float up = group_sum<32>(
           dot_tile<4>(base + (lr + 1) * rb, sc + (lr + 1) * groups, bi + (lr + 1) * groups, xs, cpr, lane));
       ring_release(ring, slot, lane);
@@ -479,7 +502,8 @@ struct Consumer {
     ConsumerSync{}();
     const int rb = W.in / 2, groups = W.in / kQuantGroup, cpr = W.in / Chunk<4>::kCols;
     constexpr int S = Chunk<4>::kStride;
-    const uint32_t sc_off = kDownPerTile * kRowsDown * rb, bi_off = sc_off + kDownPerTile * kRowsDown * groups * 2;
+    const uint32_t sc_off = kDownPerTile * kRowsDown * rb,
+                   bi_off = sc_off + kDownPerTile * kRowsDown * groups * 2;
     const int dt = down_tiles(a);
     float* part = ss(2 * L.index + 2);
     int jv = 0;
@@ -550,18 +574,36 @@ __global__ void __launch_bounds__(kStepThreads, 1) step_kernel(const __grid_cons
       const int kind = kind_at(L, j);
       if (p > 0) {
         grid_arrive(a.barrier);
+        stamp(a, p - 1, 1);
         if (kind != kGdnRec) grid_wait(a.barrier, p * G);
       }
+      if (kind != kGdnRec) stamp(a, p, 0);
       if (p + 1 == total) pdl_launch_dependents();
       switch (kind) {
-        case kGdnIn: c.gdn_in(L); break;
-        case kGdnRec: c.gdn_rec(L, p * G, gsm); break;
-        case kGdnOut: c.gdn_out(L); break;
-        case kRouter: c.router(L); break;
-        case kExpertsGu: c.experts_gu(L); break;
-        default: c.experts_down(L); break;
+        case kGdnIn:
+          c.gdn_in(L);
+          break;
+        case kGdnRec:
+          c.gdn_rec(L, p, gsm);
+          break;
+        case kGdnOut:
+          c.gdn_out(L);
+          break;
+        case kRouter:
+          c.router(L);
+          break;
+        case kExpertsGu:
+          c.experts_gu(L);
+          break;
+        default:
+          c.experts_down(L);
+          break;
       }
     }
+  }
+  if (a.prof) {
+    ConsumerSync{}();
+    stamp(a, total - 1, 1);
   }
 }
 
@@ -580,7 +622,8 @@ bool step_supported(const StepLayer& L, const StepArgs& a, std::string* why) {
       return fail_why(why, "hidden size outside the step's 64..2048");
     if (a.conv_dim % kRowsIn != 0 || a.conv_kernel < 2 || a.conv_kernel > 32)
       return fail_why(why, "conv channels or taps outside the step's tiles");
-    if (L.gdn_in.out < a.conv_dim + a.value_dim + 2 * a.n_v_heads) return fail_why(why, "GDN in_proj too small");
+    if (L.gdn_in.out < a.conv_dim + a.value_dim + 2 * a.n_v_heads)
+      return fail_why(why, "GDN in_proj too small");
     if (L.gdn_out.in != a.value_dim || L.gdn_out.out != a.H) return fail_why(why, "GDN out_proj shape");
     if (uint32_t(kRowsOut * (a.value_dim / 2 + a.value_dim / 16)) > kSlotBytes ||
         size_t(a.value_dim / 32) * 36 * 4 > kXsBytes)
@@ -599,14 +642,16 @@ bool step_supported(const StepLayer& L, const StepArgs& a, std::string* why) {
   if (L.gu.out != (a.E + 1) * 2 * a.I || L.down.out != (a.E + 1) * a.H)
     return fail_why(why, "the shared expert is not folded into the expert matrices");
   if (a.H % kRowsDown != 0) return fail_why(why, "hidden size not a multiple of 16");
-  if (uint32_t(2 * kPairsGu * (a.H / 2 + a.H / 16)) > kSlotBytes) return fail_why(why, "expert tile too large");
-  if (size_t(a.K + 1) * (a.I / 32) * 36 * 4 > kXsBytes) return fail_why(why, "experts' inputs exceed the staging");
+  if (uint32_t(2 * kPairsGu * (a.H / 2 + a.H / 16)) > kSlotBytes)
+    return fail_why(why, "expert tile too large");
+  if (size_t(a.K + 1) * (a.I / 32) * 36 * 4 > kXsBytes)
+    return fail_why(why, "experts' inputs exceed the staging");
   return true;
 }
 
 void decode_step_layers(const StepArgs& a, cudaStream_t stream) {
-  TANSY_CHECK(a.n_layers >= 1 && a.n_layers <= kStepMaxLayers, "decode step: {} layers per launch outside 1..{}",
-              a.n_layers, kStepMaxLayers);
+  TANSY_CHECK(a.n_layers >= 1 && a.n_layers <= kStepMaxLayers,
+              "decode step: {} layers per launch outside 1..{}", a.n_layers, kStepMaxLayers);
   for (int i = 0; i < a.n_layers; ++i) {
     std::string why;
     TANSY_CHECK(step_supported(a.layer[i], a, &why), "decode step: layer {}: {}", a.layer[i].index, why);

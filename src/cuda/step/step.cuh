@@ -29,7 +29,7 @@ namespace tansy::cuda {
 constexpr int kStepMaxLayers = 4;  // layers per launch (kernel parameter space)
 
 struct StepLayer {
-  int gdn = 0;  // 1: the GDN mixer and the MoE; 0: the MoE only (an attention layer's mixer ran before)
+  int gdn = 0;    // 1: the GDN mixer and the MoE; 0: the MoE only (an attention layer's mixer ran before)
   int index = 0;  // layer index in the model: norm points 2*index (mixer input), 2*index+1, 2*index+2
   // GDN mixer
   DevLinear gdn_in;   // [conv_dim + value_dim + 2 n_v_heads, H] 4-bit: [qkv | z | a | b]
@@ -55,23 +55,30 @@ struct StepArgs {
   int E = 0, K = 0, I = 0;
   float eps = 0.f;
   // scratch of the plan (CudaModel)
-  float* h = nullptr;   // [H] residual stream
-  float* ss = nullptr;  // [2 * layers + 1, kNormParts] partial sums of h² per norm point
-  bf16* proj = nullptr;         // [gdn_in.out] in_proj outputs (z read by the gated norm)
-  float* conv_out = nullptr;    // [conv_dim]
-  float* beta = nullptr;        // [n_v_heads]
-  float* g = nullptr;           // [n_v_heads]
-  float* o = nullptr;           // [value_dim]
+  float* h = nullptr;                // [H] residual stream
+  float* ss = nullptr;               // [2 * layers + 1, kNormParts] partial sums of h² per norm point
+  bf16* proj = nullptr;              // [gdn_in.out] in_proj outputs (z read by the gated norm)
+  float* conv_out = nullptr;         // [conv_dim]
+  float* beta = nullptr;             // [n_v_heads]
+  float* g = nullptr;                // [n_v_heads]
+  float* o = nullptr;                // [value_dim]
   unsigned* gdn_counters = nullptr;  // [n_v_heads], zero (left zero)
-  bf16* mix = nullptr;          // [value_dim] gated-norm output, out_proj's input
-  float* logits = nullptr;      // [router.out]
-  int* topk_idx = nullptr;      // [K + 1]
-  float* topk_w = nullptr;      // [K + 1]
-  bf16* xn = nullptr;           // [H] the MoE input
-  bf16* act = nullptr;          // [(K + 1) * I]
-  int* route_log = nullptr;     // [layers, K + 1] each layer's choices (may be null)
-  unsigned* barrier = nullptr;  // grid barrier counter of this launch, zero before it
+  bf16* mix = nullptr;               // [value_dim] gated-norm output, out_proj's input
+  float* logits = nullptr;           // [router.out]
+  int* topk_idx = nullptr;           // [K + 1]
+  float* topk_w = nullptr;           // [K + 1]
+  bf16* xn = nullptr;                // [H] the MoE input
+  bf16* act = nullptr;               // [(K + 1) * I]
+  int* route_log = nullptr;          // [layers, K + 1] each layer's choices (may be null)
+  unsigned* barrier = nullptr;       // grid barrier counter of this launch, zero before it
+  // Profiling (null otherwise): %globaltimer (ns) when each block starts and ends each product,
+  // [product p of this launch][0: start, 1: end][block]; products in order, 6 per GDN layer
+  // (in_proj, recurrence, out_proj, router, experts gate|up, experts down), 3 per MoE-only layer.
+  unsigned long long* prof = nullptr;
 };
+
+constexpr int kStepKinds = 6;  // the products above, in that order
+constexpr int kStepMaxProducts = kStepMaxLayers * kStepKinds;
 
 // Whether the persistent step runs these shapes (else the reason, for the plan's log line).
 bool step_supported(const StepLayer& L, const StepArgs& a, std::string* why);
