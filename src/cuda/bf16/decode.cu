@@ -185,7 +185,7 @@ void CudaModel::run_decode_persistent(CudaState& st, const int* ids) {
         a.barrier = barrier++;
         if (profile_step_) {
           mark("step.launch");
-          const size_t per = size_t(kStepMaxProducts) * 2 * sm_count();
+          const size_t per = size_t(kStepMaxProducts) * kStepStamps * sm_count();
           TANSY_CHECK(step_prof_.size() >= (prof_launches_.size() + 1) * per,
                       "decode step profile: buffer too small");
           a.prof = step_prof_.get() + prof_launches_.size() * per;

@@ -1,5 +1,7 @@
 // Stage marks for `tansy bench --stages` (model/stage_profiler.h) and the trace hooks of the tests.
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <utility>
 
 #include "cuda/bf16/plan.h"
@@ -15,9 +17,11 @@ std::vector<StageTime> CudaModel::profile_decode_step(SequenceState& state, int3
   CUDA_CHECK(cudaMemcpyAsync(d_tok_.get(), h_tok_, sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
   profile_step_ = step_ok_;
   if (profile_step_) {
-    const size_t need = size_t(cfg_.num_layers) * kStepMaxProducts * 2 * sm_count();  // >= launches' share
+    const size_t need =
+        size_t(cfg_.num_layers) * kStepMaxProducts * kStepStamps * sm_count();  // >= launches' share
     if (step_prof_.size() < need) step_prof_.resize(need);
     prof_launches_.clear();
+    CUDA_CHECK(cudaMemsetAsync(step_prof_.get(), 0, step_prof_.bytes(), stream_));
   }
   marks_ = &marks;
   try {
@@ -41,7 +45,7 @@ std::vector<StageTime> CudaModel::fold_step_profile(std::vector<StageTime> stage
       "step: gdn.out_proj+residual",          "step: moe.router+norm (+ routing)",
       "step: moe.experts gate|up (k+shared)", "step: moe.experts down+combine+residual"};
   const int G = sm_count();
-  const size_t per = size_t(kStepMaxProducts) * 2 * G;
+  const size_t per = size_t(kStepMaxProducts) * kStepStamps * G;
   std::vector<unsigned long long> t(per * prof_launches_.size());
   CUDA_CHECK(cudaStreamSynchronize(stream_));
   if (!t.empty()) step_prof_.download(t.data(), t.size());
@@ -49,6 +53,9 @@ std::vector<StageTime> CudaModel::fold_step_profile(std::vector<StageTime> stage
   for (int k = 0; k < kStepKinds; ++k) kind[k] = StageTime{kNames[k], 0, 0, 0, 0};
   const int H = cfg_.hidden_size, I = cfg_.moe_intermediate, k1 = cfg_.experts_per_tok + 1;
   double in_kernel = 0;
+  const bool detail = std::getenv("TANSY_STEP_PROFILE_DETAIL") != nullptr;
+  double detail_ms[kStepKinds][4] = {};
+  int detail_n[kStepKinds] = {};
   for (size_t l = 0; l < prof_launches_.size(); ++l) {
     const StepArgs& a = prof_launches_[l];
     const unsigned long long* T = t.data() + l * per;
@@ -57,12 +64,12 @@ std::vector<StageTime> CudaModel::fold_step_profile(std::vector<StageTime> stage
       for (int k = a.layer[i].gdn ? 0 : 3; k < kStepKinds; ++k) products.emplace_back(k, &a.layer[i]);
     auto lo = [&](size_t p, int w) {
       unsigned long long v = ~0ull;
-      for (int b = 0; b < G; ++b) v = std::min(v, T[(p * 2 + w) * G + b]);
+      for (int b = 0; b < G; ++b) v = std::min(v, T[(p * kStepStamps + w) * G + b]);
       return v;
     };
     auto hi = [&](size_t p, int w) {
       unsigned long long v = 0;
-      for (int b = 0; b < G; ++b) v = std::max(v, T[(p * 2 + w) * G + b]);
+      for (int b = 0; b < G; ++b) v = std::max(v, T[(p * kStepStamps + w) * G + b]);
       return v;
     };
     for (size_t p = 0; p < products.size(); ++p) {
@@ -77,6 +84,19 @@ std::vector<StageTime> CudaModel::fold_step_profile(std::vector<StageTime> stage
                            : k == 4 ? k1 * wbytes(L->gu.rows(0, 2 * I))
                                     : k1 * wbytes(L->down.rows(0, H));
       kind[k].bytes += bytes;
+      // mean over the blocks that had tiles: staging, wait for the first tile, the tiles, the rest
+      if (detail && k != 1) {
+        double n = 0, d[4] = {0, 0, 0, 0};
+        for (int b = 0; b < G; ++b) {
+          const unsigned long long* s0 = T + (p * kStepStamps) * G + b;
+          const unsigned long long t0 = s0[0], t1 = s0[G], t2 = s0[2 * G], t3 = s0[3 * G], t4 = s0[4 * G];
+          if (t2 == 0 || t3 == 0 || t4 == 0) continue;
+          n += 1;
+          d[0] += double(t2 - t0), d[1] += double(t3 - t2), d[2] += double(t4 - t3), d[3] += double(t1 - t4);
+        }
+        for (int q = 0; q < 4; ++q) detail_ms[k][q] += n > 0 ? d[q] / n / 1e6 : 0;
+        detail_n[k] += 1;
+      }
       if (p + 1 < products.size()) {
         const double b = (double(lo(p + 1, 0)) - double(hi(p, 1))) / 1e6;
         barriers.ms += b;
@@ -84,6 +104,12 @@ std::vector<StageTime> CudaModel::fold_step_profile(std::vector<StageTime> stage
       }
     }
   }
+  if (detail)
+    for (int k = 0; k < kStepKinds; ++k)
+      if (detail_n[k])
+        std::fprintf(
+            stderr, "step detail %-44s x %.4f  first tile %.4f  tiles %.4f  rest %.4f ms (%d products)\n",
+            kNames[k], detail_ms[k][0], detail_ms[k][1], detail_ms[k][2], detail_ms[k][3], detail_n[k]);
   std::vector<StageTime> out;
   for (auto& st : stages) {
     if (st.name != "step.launch") {

@@ -119,9 +119,10 @@ __device__ __forceinline__ unsigned long long global_ns() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
-// Profiling: block b's time stamp `which` (0 start, 1 end) of product p.
+// Profiling: block b's time stamp `which` of product p (StepArgs::prof).
 __device__ __forceinline__ void stamp(const StepArgs& a, unsigned p, int which) {
-  if (a.prof && threadIdx.x == 0) a.prof[(size_t(p) * 2 + which) * gridDim.x + blockIdx.x] = global_ns();
+  if (a.prof && threadIdx.x == 0)
+    a.prof[(size_t(p) * kStepStamps + which) * gridDim.x + blockIdx.x] = global_ns();
 }
 __device__ __forceinline__ void grid_arrive(unsigned* bar) {
   ConsumerSync{}();  // the block's writes of the product are done
@@ -298,6 +299,13 @@ struct Consumer {
   float* red;
   RouteSmem& rs;
   int warp, lane;
+  unsigned p = 0;  // the product's index in the launch (profiling stamps)
+
+  __device__ void staged() const { stamp(a, p, 2); }
+  __device__ void landed(bool first, bool last) const {
+    if (first) stamp(a, p, 3);
+    if (last) stamp(a, p, 4);
+  }
 
   __device__ float* ss(int point) const { return a.ss + size_t(point) * kNormParts; }
 
@@ -313,6 +321,7 @@ struct Consumer {
     nz.eps = a.eps;
     stage_norm<4>(nz, W.in, xs, red, false, ConsumerSync{});
     ConsumerSync{}();
+    staged();
     GdnInEpilogue G;
     G.conv_dim = a.conv_dim;
     G.value_dim = a.value_dim;
@@ -330,6 +339,7 @@ struct Consumer {
     for (int i = blockIdx.x; i < nt; i += gridDim.x) {
       unsigned slot;
       const uint8_t* base = ring_wait(ring, slot);
+      landed(i == int(blockIdx.x), i + int(gridDim.x) >= nt);
       const bf16* sc = reinterpret_cast<const bf16*>(base + t.sc);
       const bf16* bi = reinterpret_cast<const bf16*>(base + t.bi);
       const float* cw = reinterpret_cast<const float*>(base + t.cw);
@@ -404,6 +414,7 @@ struct Consumer {
     }
     stage_rows<4>(a.mix, W.in, 1, 1, W.in, xs, kConsumers);
     ConsumerSync{}();
+    staged();
     const int rb = W.in / 2, groups = W.in / kQuantGroup, cpr = W.in / Chunk<4>::kCols;
     const TileLayout t = tile_layout(kRowsOut, rb, groups, 0);
     float* part = ss(2 * L.index + 1);
@@ -411,6 +422,7 @@ struct Consumer {
     for (int i = blockIdx.x; i < nt; i += gridDim.x, ++j) {
       unsigned slot;
       const uint8_t* base = ring_wait(ring, slot);
+      landed(i == int(blockIdx.x), i + int(gridDim.x) >= nt);
       const int row = i * kRowsOut + warp;
       const float y = group_sum<32>(
           dot_tile<4>(base + warp * rb, reinterpret_cast<const bf16*>(base + t.sc) + warp * groups,
@@ -440,11 +452,13 @@ struct Consumer {
     nz.xn_out = a.xn;
     stage_norm<8>(nz, W.in, xs, red, blockIdx.x == 0, ConsumerSync{});
     ConsumerSync{}();
+    staged();
     const int rb = W.in, groups = W.in / kQuantGroup, cpr = W.in / Chunk<8>::kCols;
     const TileLayout t = tile_layout(kRowsRouter, rb, groups, 0);
     for (int i = blockIdx.x; i < nt; i += gridDim.x) {
       unsigned slot;
       const uint8_t* base = ring_wait(ring, slot);
+      landed(i == int(blockIdx.x), i + int(gridDim.x) >= nt);
       const int row = i * kRowsRouter + warp;
       if (row < W.out) {
         const float y = group_sum<32>(
@@ -463,12 +477,14 @@ struct Consumer {
     if (int(blockIdx.x) >= nt) return;
     stage_rows<4>(a.xn, W.in, 1, 1, W.in, xs, kConsumers);
     ConsumerSync{}();
+    staged();
     const int rb = W.in / 2, groups = W.in / kQuantGroup, cpr = W.in / Chunk<4>::kCols;
     const TileLayout t = tile_layout(2 * kPairsGu, rb, groups, 0);
     const int per_slot = a.I / kPairsGu;
     for (int i = blockIdx.x; i < nt; i += gridDim.x) {
       unsigned slot;
       const uint8_t* base = ring_wait(ring, slot);
+      landed(i == int(blockIdx.x), i + int(gridDim.x) >= nt);
       const bf16* sc = reinterpret_cast<const bf16*>(base + t.sc);
       const bf16* bi = reinterpret_cast<const bf16*>(base + t.bi);
       const int lr = 2 * warp;
@@ -500,6 +516,7 @@ struct Consumer {
     }
     stage_rows<4>(a.act, W.in, k1, k1, W.in, xs, kConsumers);
     ConsumerSync{}();
+    staged();
     const int rb = W.in / 2, groups = W.in / kQuantGroup, cpr = W.in / Chunk<4>::kCols;
     constexpr int S = Chunk<4>::kStride;
     const uint32_t sc_off = kDownPerTile * kRowsDown * rb,
@@ -512,6 +529,7 @@ struct Consumer {
       for (int tt = 0; tt < dt; ++tt) {
         unsigned slot;
         const uint8_t* base = ring_wait(ring, slot);
+        landed(v == int(blockIdx.x) && tt == 0, v + int(gridDim.x) >= nt && tt == dt - 1);
         const int j0 = tt * kDownPerTile, j1 = min(j0 + kDownPerTile, k1);
         for (int j = j0; j < j1; ++j) {
           const int lr = (j - j0) * kRowsDown + rl;
@@ -578,6 +596,7 @@ __global__ void __launch_bounds__(kStepThreads, 1) step_kernel(const __grid_cons
         if (kind != kGdnRec) grid_wait(a.barrier, p * G);
       }
       if (kind != kGdnRec) stamp(a, p, 0);
+      c.p = p;
       if (p + 1 == total) pdl_launch_dependents();
       switch (kind) {
         case kGdnIn:

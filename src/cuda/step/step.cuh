@@ -71,12 +71,15 @@ struct StepArgs {
   bf16* act = nullptr;               // [(K + 1) * I]
   int* route_log = nullptr;          // [layers, K + 1] each layer's choices (may be null)
   unsigned* barrier = nullptr;       // grid barrier counter of this launch, zero before it
-  // Profiling (null otherwise): %globaltimer (ns) when each block starts and ends each product,
-  // [product p of this launch][0: start, 1: end][block]; products in order, 6 per GDN layer
-  // (in_proj, recurrence, out_proj, router, experts gate|up, experts down), 3 per MoE-only layer.
+  // Profiling (null otherwise): %globaltimer (ns) at points of each product in each block,
+  // [product p of this launch][kStepStamps][block]: 0 start (its inputs ready), 1 end, 2 x staged,
+  // 3 first weight tile landed, 4 last tile landed (2-4: products with tiles, in blocks with tiles).
+  // Products in order, 6 per GDN layer (in_proj, recurrence, out_proj, router, experts gate|up,
+  // experts down), 3 per MoE-only layer.
   unsigned long long* prof = nullptr;
 };
 
+constexpr int kStepStamps = 5;
 constexpr int kStepKinds = 6;  // the products above, in that order
 constexpr int kStepMaxProducts = kStepMaxLayers * kStepKinds;
 
