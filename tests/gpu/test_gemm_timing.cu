@@ -1,12 +1,16 @@
 // Prefill GEMM timings, old kernel (gemm_v1.cu, ldmatrix on a dequantized shared tile) against the
 // current one (src/cuda/gemm/gemm.cu, codes dequantized into mma fragments), at the real model's
-// prefill shapes for 4,096 tokens: the grouped expert gate|up (SwiGLU) and down with uniform
-// routing (~128 rows per expert), and the dense GDN in_proj / out_proj. Not pass/fail beyond the
+// prefill shapes for 4,096 tokens: the grouped expert gate|up (SwiGLU) and down [256 x 1024x2048],
+// [256 x 2048x512] with uniform routing (~128 rows per expert) and with a skewed one, and the dense
+// GDN in_proj / out_proj and attention q|k|v. Not pass/fail beyond the
 // two kernels agreeing; runs only with TANSY_GEMM_TIMING=1 and prints median ms and TFLOP/s.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <random>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda/gemm/gemm.cuh"
@@ -89,29 +93,50 @@ TEST(Timing, Gemm) {
   constexpr int E = 256, k = 8, H = 2048, I = 512;
   TestMatrix GU = make_matrix(WFormat::kAffine4, E * 2 * I, H);
   TestMatrix Dn = make_matrix(WFormat::kAffine4, E * H, I);
-  std::vector<int> idx;
-  std::vector<float> wts;
-  random_routing(n, E, k, idx, wts);
-  auto didx = to_device(idx);
-  DeviceRouting R;
-  const auto rv = R.view(E, n * k);
-  cuda::moe_route_sort(didx.get(), n, k, E, rv, 0);
-  DeviceBuffer<bf16> act(size_t(n) * k * I), yd(size_t(n) * k * H);
-  compare("gemm_grouped gate|up [256 x 1024x2048] swiglu", 2.0 * n * k * 2 * I * H, act, [&](bool use_new) {
-    const cuda::GemmOutput o{act.get(), cuda::GemmOutType::kBF16, I, cuda::GemmEpilogue::kSwiGlu};
-    if (use_new)
-      cuda::gemm_grouped(GU.dev, E, dx.get(), H, true, n, k, rv, o, 0);
-    else
-      cuda::gemm_v1::gemm_grouped(GU.dev, E, dx.get(), H, true, n, k, rv, o, 0);
-  });
-  // down reads the SwiGLU activations of the (new) gate|up run above
-  compare("gemm_grouped down [256 x 2048x512]", 2.0 * n * k * H * I, yd, [&](bool use_new) {
-    const cuda::GemmOutput o{yd.get(), cuda::GemmOutType::kBF16, H, cuda::GemmEpilogue::kStore};
-    if (use_new)
-      cuda::gemm_grouped(Dn.dev, E, act.get(), I, false, n, k, rv, o, 0);
-    else
-      cuda::gemm_v1::gemm_grouped(Dn.dev, E, act.get(), I, false, n, k, rv, o, 0);
-  });
+  // Uniform routing, then a skewed one: each token's 8 experts drawn without replacement with
+  // probability ~ rank^-0.5 (Gumbel top-k), the kind of load tansy synth --router-skew 0.5 gives.
+  for (const bool skewed : {false, true}) {
+    std::vector<int> idx;
+    std::vector<float> wts;
+    random_routing(n, E, k, idx, wts);
+    if (skewed) {
+      std::vector<float> logw(E);
+      for (int e = 0; e < E; ++e) logw[size_t(e)] = -0.5f * std::log(float(e + 1));
+      std::uniform_real_distribution<double> u(1e-12, 1.0);
+      std::vector<std::pair<double, int>> key(E);
+      for (int t = 0; t < n; ++t) {
+        for (int e = 0; e < E; ++e) key[size_t(e)] = {logw[size_t(e)] - std::log(-std::log(u(rng()))), e};
+        std::partial_sort(key.begin(), key.begin() + k, key.end(), std::greater<>());
+        for (int j = 0; j < k; ++j) idx[size_t(t) * k + j] = key[size_t(j)].second;
+      }
+    }
+    std::vector<int> count(E, 0);
+    for (int e : idx) ++count[size_t(e)];
+    std::printf("  routing %s: rows per expert max %d, min %d (mean %d)\n", skewed ? "skewed" : "uniform",
+                *std::max_element(count.begin(), count.end()), *std::min_element(count.begin(), count.end()),
+                n * k / E);
+    auto didx = to_device(idx);
+    DeviceRouting R;
+    const auto rv = R.view(E, n * k);
+    cuda::moe_route_sort(didx.get(), n, k, E, rv, 0);
+    DeviceBuffer<bf16> act(size_t(n) * k * I), yd(size_t(n) * k * H);
+    const std::string tag = skewed ? " (skewed)" : " (uniform)";
+    compare(("gemm_grouped gate|up swiglu" + tag).c_str(), 2.0 * n * k * 2 * I * H, act, [&](bool use_new) {
+      const cuda::GemmOutput o{act.get(), cuda::GemmOutType::kBF16, I, cuda::GemmEpilogue::kSwiGlu};
+      if (use_new)
+        cuda::gemm_grouped(GU.dev, E, dx.get(), H, true, n, k, rv, o, 0);
+      else
+        cuda::gemm_v1::gemm_grouped(GU.dev, E, dx.get(), H, true, n, k, rv, o, 0);
+    });
+    // down reads the SwiGLU activations of the (new) gate|up run above
+    compare(("gemm_grouped down" + tag).c_str(), 2.0 * n * k * H * I, yd, [&](bool use_new) {
+      const cuda::GemmOutput o{yd.get(), cuda::GemmOutType::kBF16, H, cuda::GemmEpilogue::kStore};
+      if (use_new)
+        cuda::gemm_grouped(Dn.dev, E, act.get(), I, false, n, k, rv, o, 0);
+      else
+        cuda::gemm_v1::gemm_grouped(Dn.dev, E, act.get(), I, false, n, k, rv, o, 0);
+    });
+  }
   CUDA_CHECK(cudaDeviceSynchronize());
 }
 
