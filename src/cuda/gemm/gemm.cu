@@ -4,21 +4,25 @@
 // launches too small to fill the machine); every warp owns a 64 x 32 output tile over all 64 rows,
 // so each weight column is dequantized by exactly one warp. k-tile 64 = one quant group: one
 // (scale, bias) per weight row per k-tile. 4 cp.async stages of the X tile and of the weight tile
-// in its packed form; one barrier per k-tile.
+// in its packed form; one barrier per k-tile. The mma computes the transposed product: the weights
+// are its A operand (m16 = 16 output columns), X its B operand (n8 = 8 rows of X).
 //
 // The weights never go through a dequantized shared tile. Each lane reads its packed codes from the
-// stage and dequantizes them straight into mma B fragments. That works because a dot product does
+// stage and dequantizes them straight into mma A fragments. That works because a dot product does
 // not care about the order of k as long as A and B agree: in a 64-wide k-tile, lane (g, t) (g =
-// lane/4, t = lane%4) takes the 16-element chunks j = 2t and 2t+1 (physical k 8j..8j+7) for its two
+// lane/4, t = lane%4) takes the 8-element chunks j = 2t and 2t+1 (physical k 8j..8j+7) for its two
 // k32 halves c = 0, 1, and inside a chunk the mma pair (s = 0, 1) of that half sees
 //   logical k {2t, 2t+1}   (a0/a1, b0) = physical 8j + 4s + {0, 1}
 //   logical k {2t+8, 2t+9} (a2/a3, b1) = physical 8j + 4s + {2, 3}.
-// So one 16-byte load of X row g at chunk j holds (a0, a2) of both mmas, and one packed word (4-bit)
-// or two (8-bit) or one 16-byte chunk (bf16) of weight row g holds (b0, b1) of both: a lane reads
-// exactly the codes it dequantizes, with no redundancy, no ldmatrix and no second barrier.
+// So one packed word (4-bit) or two (8-bit) or one 16-byte chunk (bf16) of weight row g (and of row
+// g+8) holds the lane's A values of both mmas, and one 16-byte load of X row g at chunk j holds
+// (b0, b1) of both, already in consecutive registers: a lane reads exactly the codes it
+// dequantizes, with no redundancy, no ldmatrix, no register moves and no second barrier.
 // Shared-memory reads are conflict-free: X and bf16 weight rows use the XOR swizzle (chunk ^ row%8;
 // the 8 lanes of a 16-byte load phase are rows 2q, 2q+1 whose chunk sets then differ in parity),
-// packed rows are 32 (4-bit) or 64 (8-bit) contiguous bytes read as 8 / 16 bytes per lane.
+// packed rows are 32 (4-bit) or 64 (8-bit) contiguous bytes read as 8 / 16 bytes per lane. The
+// accumulators (output columns by X rows) go through an f32 tile in the freed stage memory, so the
+// epilogue writes whole output rows.
 #include <algorithm>
 
 #include "core/error.h"
@@ -49,7 +53,9 @@ struct Layout {
   static constexpr int BN = 32 * kWarps;
   static constexpr int kA = BM * BK * 2;         // one X stage
   static constexpr int kW = BN * kWRowBytes<F>;  // one weight stage
-  static constexpr int kTotal = kStages * (kA + kW);
+  static constexpr int kCld = BN + 4;            // f32 output tile row (the epilogue reuses the stages)
+  static constexpr int kC = BM * kCld * 4;
+  static constexpr int kTotal = kStages * (kA + kW) > kC ? kStages*(kA + kW) : kC;
 };
 
 struct Params {
@@ -116,8 +122,8 @@ __global__ void __launch_bounds__(32 * kWarps, 16 / kWarps) gemm_kernel(const Pa
   using L = Layout<kWarps, F>;
   constexpr int kThreads = 32 * kWarps;
   constexpr int BN = L::BN;
-  constexpr int kMT = BM / 16;                           // m16 tiles per warp (the warp covers all 64 rows)
-  constexpr int kNT = 4;                                 // n8 tiles per warp (32 columns)
+  constexpr int kMT = 2;       // m16 tiles of weight rows (output columns) per warp: 32 columns
+  constexpr int kNT = BM / 8;  // n8 tiles of X rows per warp: all 64 rows of the tile
   constexpr int kAChunks = BM * (BK / 8) / kThreads;     // 16-byte X chunks per thread per stage
   constexpr int kWRowChunks = kWRowBytes<F> / 16;        // 16-byte chunks of one weight row
   constexpr int kWChunks = BN * kWRowChunks / kThreads;  // ... per thread per stage
@@ -125,7 +131,7 @@ __global__ void __launch_bounds__(32 * kWarps, 16 / kWarps) gemm_kernel(const Pa
   static_assert(kWChunks * kThreads == BN * kWRowChunks && kAChunks * kThreads == BM * (BK / 8));
 
   extern __shared__ __align__(128) unsigned char smem[];
-  __nv_bfloat16* const As = reinterpret_cast<__nv_bfloat16*>(smem);
+  const __nv_bfloat16* const As = reinterpret_cast<const __nv_bfloat16*>(smem);
   unsigned char* const Ws = smem + kStages * L::kA;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -163,28 +169,30 @@ __global__ void __launch_bounds__(32 * kWarps, 16 / kWarps) gemm_kernel(const Pa
     row_end = p.n_rows;
   }
 
-  // Sources of this thread's 16-byte copies at k-tile 0 (fixed rows; advanced by one k-tile per
-  // stage; null: past the tile's end). X chunk idx = tid + i*kThreads -> tile row idx/8, chunk idx%8.
-  const __nv_bfloat16* a_src[kAChunks];
+  // This thread's 16-byte copies per stage, as 32-bit offsets fixed across k-tiles (the launchers
+  // check X and one weight matrix fit): X chunk idx = tid + i*kThreads -> tile row idx/8, chunk
+  // idx%8; weight chunk idx -> tile row idx / kWRowChunks, chunk idx % kWRowChunks. Rows past the
+  // tile's end (X) or the matrix's (weights) copy a valid row instead of zeros: they only reach
+  // output rows / columns that are never stored.
+  uint32_t a_off[kAChunks], a_dst[kAChunks];
 #pragma unroll
   for (int i = 0; i < kAChunks; ++i) {
-    const int grow = row0 + (tid + i * kThreads) / 8;
-    a_src[i] = nullptr;
-    if (grow < row_end) {
-      const int xrow = p.sorted_slot ? p.sorted_slot[grow] / p.gather_k : grow;
-      a_src[i] = p.X + size_t(xrow) * p.ldx + (tid % 8) * 8;
-    }
+    const int r = (tid + i * kThreads) / 8, grow = row0 + r < row_end ? row0 + r : row0;
+    const int xrow = p.sorted_slot ? p.sorted_slot[grow] / p.gather_k : grow;
+    a_off[i] = uint32_t(xrow) * uint32_t(p.ldx) + uint32_t(tid % 8) * 8;
+    a_dst[i] = uint32_t(swz<BK / 8>(r, (tid % 8) * 8)) * 2;
   }
-  // Weight chunk idx = tid + i*kThreads -> tile row idx / kWRowChunks, chunk idx % kWRowChunks.
-  const unsigned char* w_src[kWChunks];
+  const unsigned char* const w_base =
+      kAffine ? reinterpret_cast<const unsigned char*>(q) : reinterpret_cast<const unsigned char*>(wdense);
+  uint32_t w_off[kWChunks], w_dst[kWChunks];
   {
-    const unsigned char* base =
-        kAffine ? reinterpret_cast<const unsigned char*>(q) : reinterpret_cast<const unsigned char*>(wdense);
-    const size_t row_bytes = size_t(p.in) * kWRowBytes<F> / BK;
+    const uint32_t row_bytes = uint32_t(p.in) * kWRowBytes<F> / BK;
 #pragma unroll
     for (int i = 0; i < kWChunks; ++i) {
-      const int idx = tid + i * kThreads, r = idx / kWRowChunks;
-      w_src[i] = n0 + r < p.out ? base + size_t(n0 + r) * row_bytes + (idx % kWRowChunks) * 16 : nullptr;
+      const int idx = tid + i * kThreads, r = idx / kWRowChunks, c = idx % kWRowChunks;
+      w_off[i] = uint32_t(min(n0 + r, p.out - 1)) * row_bytes + uint32_t(c) * 16;
+      w_dst[i] =
+          F == WFormat::kBF16 ? uint32_t(swz<BK / 8>(r, c * 8)) * 2 : uint32_t(r * kWRowBytes<F> + c * 16);
     }
   }
 
@@ -192,40 +200,34 @@ __global__ void __launch_bounds__(32 * kWarps, 16 / kWarps) gemm_kernel(const Pa
   const int groups = p.in / kQuantGroup;
 
   auto load_stage = [&](int kt, int stage) {
-    __nv_bfloat16* as = As + stage * (BM * BK);
+    unsigned char* as = smem + stage * L::kA;
 #pragma unroll
-    for (int i = 0; i < kAChunks; ++i) {
-      const int r = (tid + i * kThreads) / 8;
-      tc::cp_async16(as + swz<BK / 8>(r, (tid % 8) * 8), a_src[i] ? a_src[i] + kt * BK : p.X,
-                     a_src[i] != nullptr);
-    }
+    for (int i = 0; i < kAChunks; ++i)
+      tc::cp_async16(as + a_dst[i], p.X + a_off[i] + uint32_t(kt) * BK, true);
     unsigned char* ws = Ws + stage * L::kW;
 #pragma unroll
-    for (int i = 0; i < kWChunks; ++i) {
-      const int idx = tid + i * kThreads, r = idx / kWRowChunks, c = idx % kWRowChunks;
-      unsigned char* dst =
-          F == WFormat::kBF16 ? ws + swz<BK / 8>(r, c * 8) * 2 : ws + r * kWRowBytes<F> + c * 16;
-      const void* src = w_src[i] ? w_src[i] + size_t(kt) * kWRowBytes<F> : static_cast<const void*>(p.X);
-      tc::cp_async16(dst, src, w_src[i] != nullptr);
-    }
+    for (int i = 0; i < kWChunks; ++i)
+      tc::cp_async16(ws + w_dst[i], w_base + w_off[i] + uint32_t(kt) * kWRowBytes<F>, true);
   };
 
-  // (scale, bias) of the lane's 4 weight rows (n-tiles) for one k-tile, fetched a k-tile ahead.
-  const int wcol = warp * 32 + g;  // tile row (output column) of n-tile 0 for this lane
-  __nv_bfloat162 sb_next[kNT];     // (scale, bias)
-  auto load_sb = [&](int kt) {
+  // (scale, bias) of the lane's 4 weight rows for one k-tile, fetched a k-tile ahead: row
+  // wrow(i) = warp*32 + (i/2)*16 + (i%2)*8 + g of the block's tile (m16 tile i/2, half i%2).
+  auto wrow = [&](int i) { return warp * 32 + (i / 2) * 16 + (i % 2) * 8 + g; };
+  uint32_t sb_off[4];  // rows past the matrix read the last row's (never stored)
 #pragma unroll
-    for (int nt = 0; nt < kNT; ++nt) {
-      const int col = n0 + wcol + nt * 8;
-      if (kAffine && col < p.out && kt < KT) {
-        const size_t i = size_t(col) * groups + kt;
-        sb_next[nt] = __halves2bfloat162(scales[i], biases[i]);
-      } else {
-        sb_next[nt] = __floats2bfloat162_rn(0.f, 0.f);
-      }
+  for (int i = 0; i < 4; ++i) sb_off[i] = uint32_t(min(n0 + wrow(i), p.out - 1)) * uint32_t(groups);
+  __nv_bfloat162 sb_next[4] = {};  // (scale, bias)
+  auto load_sb = [&](int kt) {
+    if constexpr (kAffine) {
+      const uint32_t k = uint32_t(min(kt, KT - 1));  // past the end: a valid, unused group
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        sb_next[i] = __halves2bfloat162(scales[sb_off[i] + k], biases[sb_off[i] + k]);
     }
   };
 
+  // acc[mt][nt]: the m16 x n8 product of weight rows warp*32 + mt*16 + (g, g+8) and tile rows
+  // (tokens) nt*8 + 2t, 2t+1 (mma C layout with the weights as A).
   float acc[kMT][kNT][4] = {};
 
 #pragma unroll
@@ -244,112 +246,127 @@ __global__ void __launch_bounds__(32 * kWarps, 16 / kWarps) gemm_kernel(const Pa
     const int stage = kt % kStages;
     const __nv_bfloat16* as = As + stage * (BM * BK);
     const unsigned char* ws = Ws + stage * L::kW;
-    __nv_bfloat162 sb[kNT];
+    __nv_bfloat162 sb[4];
 #pragma unroll
-    for (int nt = 0; nt < kNT; ++nt) sb[nt] = sb_next[nt];
+    for (int i = 0; i < 4; ++i) sb[i] = sb_next[i];
     load_sb(kt + 1);
 
-    // Packed codes of this lane's rows for the whole k-tile: chunks 2t and 2t+1.
-    [[maybe_unused]] uint32_t packed[kNT][F == WFormat::kAffine4 ? 2 : 4];
+    // Packed codes of the lane's 4 weight rows for the whole k-tile: chunks 2t and 2t+1.
+    [[maybe_unused]] uint32_t packed[4][F == WFormat::kAffine4 ? 2 : 4];
     if constexpr (F == WFormat::kAffine4) {
 #pragma unroll
-      for (int nt = 0; nt < kNT; ++nt) {
-        const uint2 v = *reinterpret_cast<const uint2*>(ws + (wcol + nt * 8) * kWRowBytes<F> + t * 8);
-        packed[nt][0] = v.x;
-        packed[nt][1] = v.y;
+      for (int i = 0; i < 4; ++i) {
+        const uint2 v = *reinterpret_cast<const uint2*>(ws + wrow(i) * kWRowBytes<F> + t * 8);
+        packed[i][0] = v.x;
+        packed[i][1] = v.y;
       }
     } else if constexpr (F == WFormat::kAffine8) {
 #pragma unroll
-      for (int nt = 0; nt < kNT; ++nt) {
-        const uint4 v = lds128(ws + (wcol + nt * 8) * kWRowBytes<F> + t * 16);
-        packed[nt][0] = v.x;
-        packed[nt][1] = v.y;
-        packed[nt][2] = v.z;
-        packed[nt][3] = v.w;
+      for (int i = 0; i < 4; ++i) {
+        const uint4 v = lds128(ws + wrow(i) * kWRowBytes<F> + t * 16);
+        packed[i][0] = v.x;
+        packed[i][1] = v.y;
+        packed[i][2] = v.z;
+        packed[i][3] = v.w;
       }
     }
 
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       const int chunk = 2 * t + c;  // physical k 8*chunk .. +7 of this k-tile
-      uint4 b[kNT];                 // (b0, b1) of mma s=0, then of s=1
+      // Weight values of chunk `chunk` for the lane's 4 rows, 4 k-pairs each: pair 2s (a0/a1) and
+      // 2s+1 (a2/a3) of mma s.
+      uint4 w[4];
 #pragma unroll
-      for (int nt = 0; nt < kNT; ++nt) {
+      for (int i = 0; i < 4; ++i) {
         if constexpr (F == WFormat::kAffine4) {
-          b[nt] = dequant4(packed[nt][c], __low2bfloat162(sb[nt]), __high2bfloat162(sb[nt]));
+          w[i] = dequant4(packed[i][c], __low2bfloat162(sb[i]), __high2bfloat162(sb[i]));
         } else if constexpr (F == WFormat::kAffine8) {
-          b[nt] =
-              dequant8(packed[nt][2 * c], packed[nt][2 * c + 1], __low2float(sb[nt]), __high2float(sb[nt]));
+          w[i] = dequant8(packed[i][2 * c], packed[i][2 * c + 1], __low2float(sb[i]), __high2float(sb[i]));
         } else {
-          b[nt] = lds128(reinterpret_cast<const __nv_bfloat16*>(ws) + swz<BK / 8>(wcol + nt * 8, chunk * 8));
+          w[i] = lds128(reinterpret_cast<const __nv_bfloat16*>(ws) + swz<BK / 8>(wrow(i), chunk * 8));
         }
       }
+      uint32_t a[kMT][2][4];  // [m16 tile][mma s]: rows g (i = 2mt) and g+8 (i = 2mt+1)
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
-        const uint4 lo = lds128(as + swz<BK / 8>(mt * 16 + g, chunk * 8));
-        const uint4 hi = lds128(as + swz<BK / 8>(mt * 16 + g + 8, chunk * 8));
-        const uint32_t a0[4] = {lo.x, hi.x, lo.y, hi.y}, a1[4] = {lo.z, hi.z, lo.w, hi.w};
+        const uint4 lo = w[2 * mt], hi = w[2 * mt + 1];
+        a[mt][0][0] = lo.x, a[mt][0][1] = hi.x, a[mt][0][2] = lo.y, a[mt][0][3] = hi.y;
+        a[mt][1][0] = lo.z, a[mt][1][1] = hi.z, a[mt][1][2] = lo.w, a[mt][1][3] = hi.w;
+      }
 #pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) {
-          tc::mma_bf16(acc[mt][nt], a0, b[nt].x, b[nt].y);
-          tc::mma_bf16(acc[mt][nt], a1, b[nt].z, b[nt].w);
+      for (int nt = 0; nt < kNT; ++nt) {
+        // X row (token) nt*8 + g, chunk `chunk`: (b0, b1) of mma 0, then of mma 1.
+        const uint4 x = lds128(as + swz<BK / 8>(nt * 8 + g, chunk * 8));
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          tc::mma_bf16(acc[mt][nt], a[mt][0], x.x, x.y);
+          tc::mma_bf16(acc[mt][nt], a[mt][1], x.z, x.w);
         }
       }
     }
   }
   tc::cp_async_wait<0>();
+  __syncthreads();  // every warp is done with the stages: reuse them for the output tile
 
-  // Epilogue straight from the accumulators: lane holds rows g, g+8 and column pairs 2t, 2t+1.
-  const int c2 = t * 2;
+  // Accumulators -> f32 tile C[token][column] in shared memory (rows kCld floats apart: the 32
+  // lanes of one store hit 32 banks), then each thread writes column pairs of whole rows.
+  float* const Cs = reinterpret_cast<float*>(smem);
 #pragma unroll
-  for (int mt = 0; mt < kMT; ++mt) {
+  for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = row0 + mt * 16 + g + half * 8;
-      if (row >= row_end) continue;
+    for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-      for (int nt = 0; nt < kNT; ++nt) {
-        const int col = n0 + warp * 32 + nt * 8 + c2;
-        if (col >= p.out) continue;
-        float v0 = acc[mt][nt][2 * half], v1 = acc[mt][nt][2 * half + 1];
-        const bool pair = col + 1 < p.out;
-        if (p.epilogue == GemmEpilogue::kSwiGlu) {
-          const size_t i = size_t(row) * p.ldy + col / 2;  // (gate, up) = (col, col+1); out is even
-          const float y = silu_fast(v0) * v1;
-          if (p.out_type == GemmOutType::kF32)
-            static_cast<float*>(p.Y)[i] = y;
-          else
-            static_cast<__nv_bfloat16*>(p.Y)[i] = __float2bfloat16(y);
-          continue;
+      for (int r = 0; r < 4; ++r)
+        Cs[(nt * 8 + 2 * t + (r & 1)) * L::kCld + warp * 32 + mt * 16 + g + (r >> 1) * 8] = acc[mt][nt][r];
+  __syncthreads();
+
+  constexpr int kPairs = BN / 2;                   // column pairs per row
+  constexpr int kRowsPerPass = kThreads / kPairs;  // 2
+  const int pc = n0 + 2 * (tid % kPairs);          // this thread's first column
+  if (pc >= p.out) return;
+  const bool pair = pc + 1 < p.out;
+#pragma unroll 4
+  for (int lr = tid / kPairs; lr < BM; lr += kRowsPerPass) {
+    const int row = row0 + lr;
+    if (row >= row_end) break;
+    const float2 v = *reinterpret_cast<const float2*>(Cs + lr * L::kCld + (pc - n0));
+    float v0 = v.x, v1 = v.y;
+    if (p.epilogue == GemmEpilogue::kSwiGlu) {
+      const size_t i = size_t(row) * p.ldy + pc / 2;  // (gate, up) = (pc, pc+1); out is even
+      const float y = silu_fast(v0) * v1;
+      if (p.out_type == GemmOutType::kF32)
+        static_cast<float*>(p.Y)[i] = y;
+      else
+        static_cast<__nv_bfloat16*>(p.Y)[i] = __float2bfloat16(y);
+      continue;
+    }
+    const size_t i = size_t(row) * p.ldy + pc;
+    if (p.out_type == GemmOutType::kF32) {
+      float* y = static_cast<float*>(p.Y) + i;
+      if (pair) {
+        if (p.epilogue == GemmEpilogue::kAccumulate) {
+          const float2 o = *reinterpret_cast<float2*>(y);
+          v0 += o.x;
+          v1 += o.y;
         }
-        const size_t i = size_t(row) * p.ldy + col;
-        if (p.out_type == GemmOutType::kF32) {
-          float* y = static_cast<float*>(p.Y) + i;
-          if (pair) {
-            if (p.epilogue == GemmEpilogue::kAccumulate) {
-              const float2 o = *reinterpret_cast<float2*>(y);
-              v0 += o.x;
-              v1 += o.y;
-            }
-            *reinterpret_cast<float2*>(y) = make_float2(v0, v1);
-          } else {
-            if (p.epilogue == GemmEpilogue::kAccumulate) v0 += *y;
-            *y = v0;
-          }
-        } else {
-          __nv_bfloat16* y = static_cast<__nv_bfloat16*>(p.Y) + i;
-          if (pair) {
-            if (p.epilogue == GemmEpilogue::kAccumulate) {
-              const float2 o = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(y));
-              v0 += o.x;
-              v1 += o.y;
-            }
-            *reinterpret_cast<__nv_bfloat162*>(y) = __floats2bfloat162_rn(v0, v1);
-          } else {
-            if (p.epilogue == GemmEpilogue::kAccumulate) v0 += __bfloat162float(*y);
-            *y = __float2bfloat16(v0);
-          }
+        *reinterpret_cast<float2*>(y) = make_float2(v0, v1);
+      } else {
+        if (p.epilogue == GemmEpilogue::kAccumulate) v0 += *y;
+        *y = v0;
+      }
+    } else {
+      __nv_bfloat16* y = static_cast<__nv_bfloat16*>(p.Y) + i;
+      if (pair) {
+        if (p.epilogue == GemmEpilogue::kAccumulate) {
+          const float2 o = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(y));
+          v0 += o.x;
+          v1 += o.y;
         }
+        *reinterpret_cast<__nv_bfloat162*>(y) = __floats2bfloat162_rn(v0, v1);
+      } else {
+        if (p.epilogue == GemmEpilogue::kAccumulate) v0 += __bfloat162float(*y);
+        *y = __float2bfloat16(v0);
       }
     }
   }
@@ -398,7 +415,8 @@ void dispatch_tiles(const Params& p, WFormat fmt, long row_tiles, cudaStream_t s
 bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
 
 // `out` is the row count of one matrix (W.out / n_experts for stacked experts).
-Params make_params(const DevLinear& W, int out, const __nv_bfloat16* X, int64_t ldx, int n_rows,
+// `x_rows`: rows of X the product may read.
+Params make_params(const DevLinear& W, int out, const __nv_bfloat16* X, int64_t ldx, int n_rows, long x_rows,
                    const GemmOutput& Y, const char* what) {
   TANSY_CHECK(W.fmt == WFormat::kAffine4 || W.fmt == WFormat::kAffine8 || W.fmt == WFormat::kBF16,
               "{}: weight format {} is not supported", what, wformat_name(W.fmt));
@@ -414,6 +432,16 @@ Params make_params(const DevLinear& W, int out, const __nv_bfloat16* X, int64_t 
   TANSY_CHECK(n_rows >= 1, "{}: need at least one row, got {}", what, n_rows);
   TANSY_CHECK(X && aligned(X, 16) && ldx >= W.in && ldx % 8 == 0,
               "{}: X must be 16-byte aligned with ldx ({}) >= in ({}) and a multiple of 8", what, ldx, W.in);
+  // The kernel addresses X and one weight matrix with 32-bit offsets.
+  TANSY_CHECK(double(x_rows) * double(ldx) < 4294967296.0, "{}: X of {} rows x {} elements is too large",
+              what, x_rows, ldx);
+  TANSY_CHECK(double(out) * W.in *
+                      (W.fmt == WFormat::kBF16      ? 16
+                       : W.fmt == WFormat::kAffine8 ? 8
+                                                    : 4) /
+                      8 <
+                  4294967296.0,
+              "{}: weight matrix [{}, {}] is too large", what, out, W.in);
   TANSY_CHECK(Y.ptr, "{}: null output", what);
   const int cols = Y.epilogue == GemmEpilogue::kSwiGlu ? out / 2 : out;
   if (Y.epilogue == GemmEpilogue::kSwiGlu)
@@ -442,7 +470,7 @@ Params make_params(const DevLinear& W, int out, const __nv_bfloat16* X, int64_t 
 
 void gemm(const DevLinear& W, const __nv_bfloat16* X, int64_t ldx, int n, const GemmOutput& Y,
           cudaStream_t stream) {
-  const Params p = make_params(W, W.out, X, ldx, n, Y, "gemm");
+  const Params p = make_params(W, W.out, X, ldx, n, n, Y, "gemm");
   dispatch_tiles(p, W.fmt, (n + BM - 1) / BM, stream, "gemm");
 }
 
@@ -455,7 +483,7 @@ void gemm_grouped(const DevLinear& W, int n_experts, const __nv_bfloat16* X, int
               n_experts);
   const long rows = long(n) * k;
   TANSY_CHECK(rows < (1L << 30), "gemm_grouped: n*k = {} too large", rows);
-  Params p = make_params(W, W.out / n_experts, X, ldx, int(rows), Y, "gemm_grouped");
+  Params p = make_params(W, W.out / n_experts, X, ldx, int(rows), gather ? n : rows, Y, "gemm_grouped");
   p.tile_offsets = r.tile_offsets;
   p.expert_offsets = r.expert_offsets;
   p.sorted_slot = gather ? r.sorted_slot : nullptr;
