@@ -313,7 +313,7 @@ TEST(Moe, Grouped) {
     check_moe(WFormat::kAffine4, 2, 256, 128, 1, n, &all_to_1, " one expert");
   }
   check_moe(WFormat::kAffine4, 256, 2048, 512, 8, 512);  // real shapes, ~16 rows per expert, 256-column tiles
-  check_moe(WFormat::kAffine8, 4, 128, 64, 1, 65);        // 8-bit, top-1
+  check_moe(WFormat::kAffine8, 4, 128, 64, 1, 65);       // 8-bit, top-1
   check_moe(WFormat::kBF16, 16, 192, 64, 4, 33);
 }
 
