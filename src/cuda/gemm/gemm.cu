@@ -24,6 +24,7 @@
 // accumulators (output columns by X rows) go through an f32 tile in the freed stage memory, so the
 // epilogue writes whole output rows.
 #include <algorithm>
+#include <type_traits>
 
 #include "core/error.h"
 #include "cuda/common/device_math.cuh"
@@ -198,6 +199,9 @@ __global__ void __launch_bounds__(32 * kWarps, 16 / kWarps) gemm_kernel(const Pa
 
   const int KT = p.in / BK;
   const int groups = p.in / kQuantGroup;
+  // n8 tiles of X rows holding rows of this tile: a grouped tile at the end of an expert's rows
+  // (or the last dense tile) skips the products of the empty ones.
+  const int nt_used = min(kNT, (row_end - row0 + 7) / 8);
 
   auto load_stage = [&](int kt, int stage) {
     unsigned char* as = smem + stage * L::kA;
@@ -237,75 +241,83 @@ __global__ void __launch_bounds__(32 * kWarps, 16 / kWarps) gemm_kernel(const Pa
   }
   load_sb(0);
 
-  for (int kt = 0; kt < KT; ++kt) {
-    tc::cp_async_wait<kStages - 2>();
-    __syncthreads();  // stage kt visible to all; everyone is done with stage kt-1
-    if (kt + kStages - 1 < KT) load_stage(kt + kStages - 1, (kt + kStages - 1) % kStages);
-    tc::cp_async_commit();
+  // The k loop, in two copies: full tiles without the row checks, partial ones with them.
+  auto k_loop = [&](auto full_tile) {
+    for (int kt = 0; kt < KT; ++kt) {
+      tc::cp_async_wait<kStages - 2>();
+      __syncthreads();  // stage kt visible to all; everyone is done with stage kt-1
+      if (kt + kStages - 1 < KT) load_stage(kt + kStages - 1, (kt + kStages - 1) % kStages);
+      tc::cp_async_commit();
 
-    const int stage = kt % kStages;
-    const __nv_bfloat16* as = As + stage * (BM * BK);
-    const unsigned char* ws = Ws + stage * L::kW;
-    __nv_bfloat162 sb[4];
+      const int stage = kt % kStages;
+      const __nv_bfloat16* as = As + stage * (BM * BK);
+      const unsigned char* ws = Ws + stage * L::kW;
+      __nv_bfloat162 sb[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) sb[i] = sb_next[i];
-    load_sb(kt + 1);
+      for (int i = 0; i < 4; ++i) sb[i] = sb_next[i];
+      load_sb(kt + 1);
 
-    // Packed codes of the lane's 4 weight rows for the whole k-tile: chunks 2t and 2t+1.
-    [[maybe_unused]] uint32_t packed[4][F == WFormat::kAffine4 ? 2 : 4];
-    if constexpr (F == WFormat::kAffine4) {
+      // Packed codes of the lane's 4 weight rows for the whole k-tile: chunks 2t and 2t+1.
+      [[maybe_unused]] uint32_t packed[4][F == WFormat::kAffine4 ? 2 : 4];
+      if constexpr (F == WFormat::kAffine4) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const uint2 v = *reinterpret_cast<const uint2*>(ws + wrow(i) * kWRowBytes<F> + t * 8);
-        packed[i][0] = v.x;
-        packed[i][1] = v.y;
-      }
-    } else if constexpr (F == WFormat::kAffine8) {
+        for (int i = 0; i < 4; ++i) {
+          const uint2 v = *reinterpret_cast<const uint2*>(ws + wrow(i) * kWRowBytes<F> + t * 8);
+          packed[i][0] = v.x;
+          packed[i][1] = v.y;
+        }
+      } else if constexpr (F == WFormat::kAffine8) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const uint4 v = lds128(ws + wrow(i) * kWRowBytes<F> + t * 16);
-        packed[i][0] = v.x;
-        packed[i][1] = v.y;
-        packed[i][2] = v.z;
-        packed[i][3] = v.w;
-      }
-    }
-
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      const int chunk = 2 * t + c;  // physical k 8*chunk .. +7 of this k-tile
-      // Weight values of chunk `chunk` for the lane's 4 rows, 4 k-pairs each: pair 2s (a0/a1) and
-      // 2s+1 (a2/a3) of mma s.
-      uint4 w[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        if constexpr (F == WFormat::kAffine4) {
-          w[i] = dequant4(packed[i][c], __low2bfloat162(sb[i]), __high2bfloat162(sb[i]));
-        } else if constexpr (F == WFormat::kAffine8) {
-          w[i] = dequant8(packed[i][2 * c], packed[i][2 * c + 1], __low2float(sb[i]), __high2float(sb[i]));
-        } else {
-          w[i] = lds128(reinterpret_cast<const __nv_bfloat16*>(ws) + swz<BK / 8>(wrow(i), chunk * 8));
+        for (int i = 0; i < 4; ++i) {
+          const uint4 v = lds128(ws + wrow(i) * kWRowBytes<F> + t * 16);
+          packed[i][0] = v.x;
+          packed[i][1] = v.y;
+          packed[i][2] = v.z;
+          packed[i][3] = v.w;
         }
       }
-      uint32_t a[kMT][2][4];  // [m16 tile][mma s]: rows g (i = 2mt) and g+8 (i = 2mt+1)
+
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        const uint4 lo = w[2 * mt], hi = w[2 * mt + 1];
-        a[mt][0][0] = lo.x, a[mt][0][1] = hi.x, a[mt][0][2] = lo.y, a[mt][0][3] = hi.y;
-        a[mt][1][0] = lo.z, a[mt][1][1] = hi.z, a[mt][1][2] = lo.w, a[mt][1][3] = hi.w;
-      }
+      for (int c = 0; c < 2; ++c) {
+        const int chunk = 2 * t + c;  // physical k 8*chunk .. +7 of this k-tile
+        // Weight values of chunk `chunk` for the lane's 4 rows, 4 k-pairs each: pair 2s (a0/a1) and
+        // 2s+1 (a2/a3) of mma s.
+        uint4 w[4];
 #pragma unroll
-      for (int nt = 0; nt < kNT; ++nt) {
-        // X row (token) nt*8 + g, chunk `chunk`: (b0, b1) of mma 0, then of mma 1.
-        const uint4 x = lds128(as + swz<BK / 8>(nt * 8 + g, chunk * 8));
+        for (int i = 0; i < 4; ++i) {
+          if constexpr (F == WFormat::kAffine4) {
+            w[i] = dequant4(packed[i][c], __low2bfloat162(sb[i]), __high2bfloat162(sb[i]));
+          } else if constexpr (F == WFormat::kAffine8) {
+            w[i] = dequant8(packed[i][2 * c], packed[i][2 * c + 1], __low2float(sb[i]), __high2float(sb[i]));
+          } else {
+            w[i] = lds128(reinterpret_cast<const __nv_bfloat16*>(ws) + swz<BK / 8>(wrow(i), chunk * 8));
+          }
+        }
+        uint32_t a[kMT][2][4];  // [m16 tile][mma s]: rows g (i = 2mt) and g+8 (i = 2mt+1)
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
-          tc::mma_bf16(acc[mt][nt], a[mt][0], x.x, x.y);
-          tc::mma_bf16(acc[mt][nt], a[mt][1], x.z, x.w);
+          const uint4 lo = w[2 * mt], hi = w[2 * mt + 1];
+          a[mt][0][0] = lo.x, a[mt][0][1] = hi.x, a[mt][0][2] = lo.y, a[mt][0][3] = hi.y;
+          a[mt][1][0] = lo.z, a[mt][1][1] = hi.z, a[mt][1][2] = lo.w, a[mt][1][3] = hi.w;
+        }
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+          if (!decltype(full_tile)::value && nt >= nt_used) break;  // past the tile's rows (never stored)
+          // X row (token) nt*8 + g, chunk `chunk`: (b0, b1) of mma 0, then of mma 1.
+          const uint4 x = lds128(as + swz<BK / 8>(nt * 8 + g, chunk * 8));
+#pragma unroll
+          for (int mt = 0; mt < kMT; ++mt) {
+            tc::mma_bf16(acc[mt][nt], a[mt][0], x.x, x.y);
+            tc::mma_bf16(acc[mt][nt], a[mt][1], x.z, x.w);
+          }
         }
       }
     }
-  }
+  };
+  if (nt_used == kNT)
+    k_loop(std::true_type{});
+  else
+    k_loop(std::false_type{});
   tc::cp_async_wait<0>();
   __syncthreads();  // every warp is done with the stages: reuse them for the output tile
 
