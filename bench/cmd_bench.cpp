@@ -339,12 +339,21 @@ json weights_note(const std::string& dir) {
       j = json();
     }
   }
-  if (j.is_object() && j.contains("seed"))
-    return json{{"synthetic", true},
-                {"seed", j["seed"]},
-                {"note",
-                 "synthetic checkpoint (tansy synth): real tensor names, shapes and MLX 4-bit layout, random "
-                 "values; random router weights spread tokens roughly uniformly over experts"}};
+  if (j.is_object() && j.contains("seed")) {
+    const double skew = j.value("router_skew", 0.0);
+    return json{
+        {"synthetic", true},
+        {"seed", j["seed"]},
+        {"router_skew", skew},
+        {"note", skew > 0
+                     ? fmt::format("synthetic checkpoint (tansy synth): real tensor names, shapes and MLX "
+                                   "4-bit layout, random values; skewed router: expert of popularity "
+                                   "rank r chosen by a share of tokens ~ r^-{}",
+                                   skew)
+                     : std::string("synthetic checkpoint (tansy synth): real tensor names, shapes and "
+                                   "MLX 4-bit layout, random values; random router weights spread "
+                                   "tokens roughly uniformly over experts")}};
+  }
   return json{{"synthetic", false}};
 }
 
@@ -563,10 +572,14 @@ int run_bench(const std::vector<std::string>& args) {
         report["gpu"].get<std::string>().c_str(), report["driver"].get<std::string>().c_str(),
         report["cuda_runtime"].get<std::string>().c_str(), report["cuda_driver"].get<std::string>().c_str(),
         report["ceilings"]["copy_gbps"].get<double>(), read_gbps, gemm_tflops);
+  std::string weights_desc = "checkpoint";
+  if (report["weights"]["synthetic"].get<bool>()) {
+    const double skew = report["weights"].value("router_skew", 0.0);
+    weights_desc = skew > 0 ? fmt::format("synthetic (skewed router, alpha {})", skew)
+                            : "synthetic (random router: near-uniform expert load)";
+  }
   std::printf("median of %d round(s), %d decode steps; weights: %s\n", rounds, kDecodeSteps,
-              report["weights"]["synthetic"].get<bool>()
-                  ? "synthetic (random router: near-uniform expert load)"
-                  : "checkpoint");
+              weights_desc.c_str());
   std::printf("%9s %13s %12s %18s %9s %9s  %s\n", "context", "prefill tok/s", "decode tok/s", "digest",
               "BW floor", "FLOP flr", "status");
   for (auto& row : results) {

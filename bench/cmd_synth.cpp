@@ -15,10 +15,11 @@ namespace tansy::bench {
 
 const char kSynthSummary[] =
     "write a synthetic checkpoint: --out DIR [--seed S] [--config real|FILE] [--threads N] "
-    "[--shard-gb 5] [--no-tokenizer]";
+    "[--shard-gb 5] [--router-skew ALPHA] [--no-tokenizer]";
 
 int run_synth(const std::vector<std::string>& args) {
-  tansy::cli::Flags f(args, {"out", "seed", "config", "threads", "shard-gb"}, {"no-tokenizer"});
+  tansy::cli::Flags f(args, {"out", "seed", "config", "threads", "shard-gb", "router-skew"},
+                      {"no-tokenizer"});
   const std::string out = f.get("out");
   const std::string which = f.get("config", "real");
   tansy::SynthOptions opt;
@@ -27,6 +28,10 @@ int run_synth(const std::vector<std::string>& args) {
   double shard_gb = f.get_double("shard-gb", 5.0);
   if (!(shard_gb > 0 && shard_gb <= 1000)) tansy::fail("--shard-gb must be in (0, 1000], got {}", shard_gb);
   opt.shard_bytes = size_t(shard_gb * 1e9);
+  // Power-law expert popularity (synth.h SynthOptions::router_skew; BENCHMARK.md "Skewed routing").
+  opt.router_skew = f.get_double("router-skew", 0.0);
+  if (!(opt.router_skew >= 0 && opt.router_skew <= 4))
+    tansy::fail("--router-skew must be in [0, 4], got {}", opt.router_skew);
   // A synthetic tokenizer (synth.h) makes the directory servable: tansy serve / chat load it.
   opt.tokenizer = !f.has("no-tokenizer");
 
@@ -48,6 +53,9 @@ int run_synth(const std::vector<std::string>& args) {
   std::printf("synth: wrote %d tensors, %.3f GB in %d shard(s) to %s in %.1f s (%.2f GB/s), seed %llu\n",
               r.tensors, double(r.data_bytes) / 1e9, r.shards, out.c_str(), s, double(r.data_bytes) / 1e9 / s,
               static_cast<unsigned long long>(opt.seed));
+  if (opt.router_skew > 0)
+    std::printf("synth: router skew %g: expert of popularity rank r chosen by a share of tokens ~ r^-%g\n",
+                opt.router_skew, opt.router_skew);
   if (opt.tokenizer)
     std::printf(
         "synth: wrote a synthetic byte-level BPE tokenizer (%d ids) and the chat template in %.2f s\n",

@@ -3,12 +3,14 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -59,6 +61,9 @@ struct Spec {
   Fill fill;
   uint64_t key;
   float a = 0, b = 0;  // kScales/kBiases: base scale, mid code; kUniform: center, half-width
+  // kScales/kBiases: optional multiplier of each matrix row's scale (element e is in row e / row_groups)
+  std::shared_ptr<const std::vector<float>> row_mult = nullptr;
+  size_t row_groups = 1;
   size_t elems = 1;
   size_t nbytes() const { return elems * dtype_size(dtype); }
 };
@@ -92,7 +97,7 @@ void fill_range(const Spec& s, size_t e0, size_t e1, uint8_t* out) {
     case Fill::kBiases: {
       auto* h = reinterpret_cast<uint16_t*>(out);
       for (size_t e = e0; e < e1; ++e) {
-        float sc = scale_value(s.key, e, s.a);
+        float sc = scale_value(s.key, e, s.row_mult ? s.a * (*s.row_mult)[e / s.row_groups] : s.a);
         h[e - e0] = f32_to_bf16(s.fill == Fill::kScales ? sc : -s.b * sc);
       }
       return;
@@ -135,7 +140,9 @@ class SpecBuilder {
   }
   // An affine-quantized matrix (docs/MODEL.md §8.3) whose dequantized values have mean 0 and
   // standard deviation about `sigma`. `lead` is {n_experts} for stacked expert weights.
-  void linear(const std::string& module, std::vector<int64_t> lead, int out, int in, float sigma) {
+  // `row_mult` (size out, optional) multiplies each row's scales (and so its dequantized values).
+  void linear(const std::string& module, std::vector<int64_t> lead, int out, int in, float sigma,
+              std::shared_ptr<const std::vector<float>> row_mult = nullptr) {
     int bits = cfg_.quant ? cfg_.quant->bits_for(module) : 4;
     int group = cfg_.quant ? cfg_.quant->group_size : 64;
     TANSY_CHECK(bits == 4 || bits == 8, "synth: {} has {} bits; only 4 and 8 are supported", module, bits);
@@ -153,7 +160,44 @@ class SpecBuilder {
     add(module + ".weight", DType::U32, shape(int64_t(in) * bits / 32), Fill::kCodes);
     add(module + ".scales", DType::BF16, shape(in / group), Fill::kScales, base, mid);
     add(module + ".biases", DType::BF16, shape(in / group), Fill::kBiases, base, mid, module + ".scales");
+    if (row_mult) {
+      TANSY_CHECK(lead.empty() && row_mult->size() == size_t(out), "synth: row multipliers for {} do not fit",
+                  module);
+      // The random codes and scales give each row a norm a few percent off the mean; divide it out
+      // so the dequantized row norms are exactly proportional to the multipliers (before the bf16
+      // rounding of the scales).
+      const Spec& codes = specs[specs.size() - 3];
+      const Spec& sc = specs[specs.size() - 2];
+      const int groups = in / group, words = in * bits / 32, per_word = 32 / bits;
+      const uint32_t mask = (1u << bits) - 1;
+      std::vector<double> norm(static_cast<size_t>(out));
+      double mean = 0;
+      for (int r = 0; r < out; ++r) {
+        double ss = 0;
+        for (int gi = 0; gi < groups; ++gi) {
+          const double s = scale_value(sc.key, size_t(r) * groups + gi, base);
+          double q2 = 0;
+          for (int j = gi * group; j < (gi + 1) * group; ++j) {
+            const size_t wi = size_t(r) * words + size_t(j / per_word);
+            const uint32_t word = uint32_t(hash_at(codes.key, wi >> 1) >> (32 * (wi & 1)));
+            const double c = double((word >> (bits * (j % per_word))) & mask) - mid;
+            q2 += c * c;
+          }
+          ss += s * s * q2;
+        }
+        mean += norm[size_t(r)] = std::sqrt(ss);
+      }
+      mean /= out;
+      auto adjusted = std::make_shared<std::vector<float>>(size_t(out));
+      for (int r = 0; r < out; ++r)
+        (*adjusted)[size_t(r)] = float((*row_mult)[size_t(r)] * mean / norm[size_t(r)]);
+      for (size_t i = specs.size() - 2; i < specs.size(); ++i) {
+        specs[i].row_mult = adjusted;
+        specs[i].row_groups = size_t(groups);
+      }
+    }
   }
+  uint64_t seed() const { return seed_; }
   // Norm multipliers stored as (1 + w) in bf16 (MODEL.md §3), w small.
   void norm(const std::string& name, int n) { add(name, DType::BF16, {n}, Fill::kUniform, 1.0f, 0.1f); }
 
@@ -167,8 +211,13 @@ class SpecBuilder {
 // residual additions keep the hidden state of order 1; the router at 1/sqrt(in) gives logits of
 // spread ~1 over 256 experts, so top-8 routing of random tokens is close to uniform; lm_head at
 // 4/sqrt(in) gives peaked logits (top-1 well separated from top-2).
-std::vector<Spec> build_specs(const ModelConfig& c, uint64_t seed) {
+//
+// Router skew (SynthOptions::router_skew): router row e of layer i is multiplied by
+// router_skew_multipliers[rank of e], the ranks a permutation of the experts drawn per layer.
+std::vector<Spec> build_specs(const ModelConfig& c, uint64_t seed, double router_skew) {
   SpecBuilder b(seed, c);
+  std::vector<float> by_rank;
+  if (router_skew > 0) by_rank = router_skew_multipliers(c.num_experts, c.experts_per_tok, router_skew);
   const std::string P = kPrefix;
   const int H = c.hidden_size;
   const float in_h = 1.0f / std::sqrt(float(H));
@@ -202,7 +251,18 @@ std::vector<Spec> build_specs(const ModelConfig& c, uint64_t seed) {
     }
     const std::string M = L + "mlp.";
     const int E = c.num_experts, I = c.moe_intermediate, S = c.shared_intermediate;
-    b.linear(M + "gate", {}, E, H, in_h);
+    std::shared_ptr<std::vector<float>> router_mult;
+    if (!by_rank.empty()) {
+      // Fisher-Yates from the counter hash: expert perm[r] has popularity rank r in this layer.
+      std::vector<int> perm(static_cast<size_t>(E));
+      for (int e = 0; e < E; ++e) perm[size_t(e)] = e;
+      const uint64_t key = mix64(b.seed() ^ (0x736b6577ULL + uint64_t(i)));
+      for (int j = E - 1; j > 0; --j)
+        std::swap(perm[size_t(j)], perm[hash_at(key, uint64_t(j)) % uint64_t(j + 1)]);
+      router_mult = std::make_shared<std::vector<float>>(size_t(E));
+      for (int r = 0; r < E; ++r) (*router_mult)[size_t(perm[size_t(r)])] = by_rank[size_t(r)];
+    }
+    b.linear(M + "gate", {}, E, H, in_h, router_mult);
     b.linear(M + "switch_mlp.gate_proj", {E}, I, H, in_h);
     b.linear(M + "switch_mlp.up_proj", {E}, I, H, in_h);
     b.linear(M + "switch_mlp.down_proj", {E}, H, I, 0.5f / std::sqrt(float(I)));
@@ -250,6 +310,74 @@ void write_text(const std::filesystem::path& path, const std::string& text) {
 }
 
 }  // namespace
+
+std::vector<double> router_skew_rates(int E, int k, double alpha) {
+  TANSY_CHECK(E >= 1 && k >= 1 && k <= E, "synth: top-{} routing over {} experts", k, E);
+  TANSY_CHECK(std::isfinite(alpha) && alpha >= 0, "synth: router skew must be >= 0, got {}", alpha);
+  std::vector<double> rate(static_cast<size_t>(E));
+  double sum = 0;
+  for (int r = 0; r < E; ++r) sum += rate[size_t(r)] = std::pow(double(r + 1), -alpha);
+  for (auto& v : rate) v *= k / sum;
+  TANSY_CHECK(
+      rate[0] <= kMaxRouterSkewRate,
+      "synth: router skew {} too large for top-{} of {} experts (the most popular would need {:.3f} of "
+      "the tokens, at most {})",
+      alpha, k, E, rate[0], kMaxRouterSkewRate);
+  return rate;
+}
+
+// Top-k routing picks the k largest logits, so with rows of independent random weights and inputs
+// uncorrelated with them, the logits of one token are independent zero-mean Gaussians whose
+// standard deviations are the rows' multipliers m_r times a common factor (top-k ignores it), and
+// the selection rates depend only on the multipliers. Fit them on a fixed sample of standard normal
+// logits z: per token the selection threshold is theta (midway between the k-th and (k+1)-th
+// largest m_r·z_r), expert r's rate is p_r = mean Q(theta / m_r) (Q the normal tail) and
+// d p_r / d log m_r = mean x·phi(x) at x = theta / m_r; a damped Newton step per expert on
+// log p_r, the thresholds recomputed each round.
+std::vector<float> router_skew_multipliers(int E, int k, double alpha) {
+  const std::vector<double> target = router_skew_rates(E, k, alpha);
+  if (k >= E) return std::vector<float>(size_t(E), 1.0f);  // every expert always chosen
+  constexpr int kSamples = 4096, kIters = 40;
+  std::vector<float> z(size_t(kSamples) * size_t(E));
+  const uint64_t key = mix64(0x726f75746572ULL);
+  for (size_t i = 0; i < z.size(); ++i) {  // Box-Muller from two uniform draws
+    const double u1 = (double(hash_at(key, 2 * i) >> 11) + 0.5) / 9007199254740992.0;
+    const double u2 = double(hash_at(key, 2 * i + 1) >> 11) / 9007199254740992.0;
+    z[i] = float(std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2));
+  }
+  std::vector<double> logm(static_cast<size_t>(E), 0.0), theta(static_cast<size_t>(kSamples));
+  std::vector<float> tmp(static_cast<size_t>(E));
+  for (int it = 0; it < kIters; ++it) {
+    for (int t = 0; t < kSamples; ++t) {
+      const float* zt = z.data() + size_t(t) * size_t(E);
+      for (int r = 0; r < E; ++r) tmp[size_t(r)] = float(std::exp(logm[size_t(r)])) * zt[r];
+      std::nth_element(tmp.begin(), tmp.begin() + k, tmp.end(), std::greater<float>());
+      const float next = tmp[size_t(k)];  // (k+1)-th largest; the k largest are before it
+      const float kth = *std::min_element(tmp.begin(), tmp.begin() + k);
+      theta[size_t(t)] = 0.5 * (double(kth) + double(next));
+    }
+    for (int r = 0; r < E; ++r) {
+      const double m = std::exp(logm[size_t(r)]);
+      double p = 0, dp = 0;
+      for (double th : theta) {
+        const double x = th / m;
+        p += 0.5 * std::erfc(x / std::sqrt(2.0));
+        dp += x * std::exp(-0.5 * x * x) / std::sqrt(2 * 3.141592653589793);
+      }
+      p = std::max(p / kSamples, 1e-12);
+      dp /= kSamples;
+      const double err = std::log(target[size_t(r)]) - std::log(p);
+      const double step = dp > 1e-9 ? 0.8 * err * p / dp : 0.1 * err;
+      logm[size_t(r)] += std::clamp(step, -1.0, 1.0);
+    }
+  }
+  double ss = 0;
+  for (double l : logm) ss += std::exp(2 * l);
+  const double norm = std::sqrt(ss / E);
+  std::vector<float> m(static_cast<size_t>(E));
+  for (int r = 0; r < E; ++r) m[size_t(r)] = float(std::exp(logm[size_t(r)]) / norm);
+  return m;
+}
 
 nlohmann::json real_model_config_json() {
   using nlohmann::json;
@@ -345,7 +473,9 @@ SynthResult write_synthetic_checkpoint(const nlohmann::json& config_in, const st
   namespace fs = std::filesystem;
   const nlohmann::json config = complete_synth_config(config_in);
   const ModelConfig cfg = parse_config(config);
-  const std::vector<Spec> specs = build_specs(cfg, opt.seed);
+  TANSY_CHECK(std::isfinite(opt.router_skew) && opt.router_skew >= 0,
+              "synth: router skew must be >= 0, got {}", opt.router_skew);
+  const std::vector<Spec> specs = build_specs(cfg, opt.seed, opt.router_skew);
   if (opt.tokenizer) synth_tokenizer_layout(cfg);  // refuse before writing gigabytes, not after
 
   std::error_code ec;
@@ -470,9 +600,12 @@ SynthResult write_synthetic_checkpoint(const nlohmann::json& config_in, const st
 
   nlohmann::json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
   write_text(dir / "model.safetensors.index.json", index.dump(2) + "\n");
-  write_text(
-      dir / "tansy_synth.json",
-      nlohmann::json{{"generator", "tansy synth"}, {"seed", opt.seed}, {"model", cfg.name}}.dump(2) + "\n");
+  write_text(dir / "tansy_synth.json", nlohmann::json{{"generator", "tansy synth"},
+                                                      {"seed", opt.seed},
+                                                      {"model", cfg.name},
+                                                      {"router_skew", opt.router_skew}}
+                                               .dump(2) +
+                                           "\n");
   SynthResult result{total, int(specs.size()), n_shards};
   if (opt.tokenizer) {
     const auto t0 = std::chrono::steady_clock::now();

@@ -28,7 +28,24 @@ struct SynthOptions {
   size_t shard_bytes = size_t(5) << 30;   // start a new shard past this many data bytes
   size_t chunk_bytes = size_t(32) << 20;  // unit of work per thread and per write
   bool tokenizer = false;                 // also write_synthetic_tokenizer (before config.json)
+  // Router skew alpha (0: off, the routers' rows all alike, near-uniform expert load). With
+  // alpha > 0 each layer's router rows get per-expert multipliers such that, for router inputs
+  // uncorrelated with the router rows, the expert of popularity rank r (1-based; a per-layer
+  // permutation of the experts) is chosen by a fraction of tokens proportional to r^-alpha
+  // (router_skew_rates). docs/BENCHMARK.md "Skewed routing".
+  double router_skew = 0;
 };
+
+// Fraction of tokens choosing the expert of popularity rank r (0-based) among E with top-k
+// routing under router skew alpha: k·(r+1)^-alpha / sum_j (j+1)^-alpha (sums to k). Throws Error
+// when alpha is negative or so large that the most popular expert would need a rate above
+// kMaxRouterSkewRate (scaling a router row cannot push its rate much past 1/2).
+constexpr double kMaxRouterSkewRate = 0.4;
+std::vector<double> router_skew_rates(int E, int k, double alpha);
+
+// Per-rank multipliers of the router rows (RMS 1 over the experts) that give router_skew_rates:
+// fitted once per (E, k, alpha) on a fixed sample of Gaussian logits (deterministic).
+std::vector<float> router_skew_multipliers(int E, int k, double alpha);
 
 struct SynthResult {
   size_t data_bytes = 0;  // tensor bytes over all shards

@@ -1,7 +1,7 @@
 // Gated DeltaNet (src/cuda/gdn/) against cpu::conv1d_step, cpu::l2norm_heads, cpu::gdn_gates,
 // cpu::gdn_recurrent_step and cpu::rmsnorm_gated: the decode conv/gates and recurrence, the fused
-// in_proj + step of one token, and the chunked prefill (gdn_prefill on tensor cores, and the f32
-// gdn_prefill_f32 kept beside it). Tolerances in gpu_test_util.h, and
+// in_proj + step of one token, and the chunked prefill (gdn_prefill on tensor cores). Tolerances in
+// gpu_test_util.h, and
 // kTolF32Chunked 1e-4: chunked GDN with f32 output/state against the token-by-token loop, the same
 // math re-associated through a 64x64 triangular solve per chunk.
 #include <cmath>
@@ -200,15 +200,12 @@ TEST(Gdn, InProjAndStep) {
 
 // ---- prefill ----
 
-using PrefillFn = void (*)(const cuda::GdnPrefillArgs&, cudaStream_t);
-
 // The chunked delta rule over `pieces` (successive calls, each continuing from the state the
 // previous one left) against the token-by-token loop from the same random nonzero state.
-void check_gdn(int n_k, int n_v, const std::vector<int>& pieces, bool f32_out,
-               PrefillFn prefill = cuda::gdn_prefill, const char* name = "gdn_prefill") {
+void check_gdn(int n_k, int n_v, const std::vector<int>& pieces, bool f32_out) {
   constexpr int D = cuda::kGdnDim;
   const int n = std::accumulate(pieces.begin(), pieces.end(), 0);
-  std::string label = std::string(name) + " heads " + str(n_k) + "/" + str(n_v) + " n=" + str(n);
+  std::string label = "gdn_prefill heads " + str(n_k) + "/" + str(n_v) + " n=" + str(n);
   if (pieces.size() > 1) {
     label += " (";
     for (size_t i = 0; i < pieces.size(); ++i) label += (i ? "+" : "") + str(pieces[i]);
@@ -261,7 +258,7 @@ void check_gdn(int n_k, int n_v, const std::vector<int>& pieces, bool f32_out,
     a.o_f32 = f32_out ? o32.get() + size_t(start) * ldo : nullptr;
     a.o_bf16 = f32_out ? nullptr : o16.get() + size_t(start) * ldo;
     a.o_stride = ldo;
-    prefill(a, 0);
+    cuda::gdn_prefill(a, 0);
     start += m;
   }
   const auto got_o =
@@ -311,13 +308,6 @@ TEST(Gdn, ChunkedLong) {
   check_gdn(2, 4, {32768}, true);
 }
 
-// The f32 CUDA-core kernel kept beside the tensor-core one (the call site can switch back to it).
-TEST(Gdn, ChunkedF32Kernel) {
-  for (int n : {1, 65, 200}) check_gdn(16, 32, {n}, n % 2 == 1, cuda::gdn_prefill_f32, "gdn_prefill_f32");
-  check_gdn(2, 4, {1000}, true, cuda::gdn_prefill_f32, "gdn_prefill_f32");
-  check_gdn(2, 4, {100, 77}, false, cuda::gdn_prefill_f32, "gdn_prefill_f32");
-}
-
 TEST(Gdn, RejectsBadShapes) {
   DeviceBuffer<bf16> x(64 * 1024);
   DeviceBuffer<float> f(64 * 128 * 128);
@@ -342,7 +332,6 @@ TEST(Gdn, RejectsBadShapes) {
   a.q_stride = 256;
   a.n = 0;
   EXPECT_THROW(cuda::gdn_prefill(a, 0), Error);
-  EXPECT_THROW(cuda::gdn_prefill_f32(a, 0), Error);
 }
 
 }  // namespace

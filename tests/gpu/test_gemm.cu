@@ -31,14 +31,29 @@ struct GemmCase {
 
 TEST(Gemm, Plain) {
   const GemmCase cases[] = {
-      {WFormat::kAffine4, 8192, 2048, 1, "in_qkv"},     {WFormat::kAffine4, 8192, 2048, 63, "in_qkv"},
-      {WFormat::kAffine4, 8192, 2048, 64, "in_qkv"},    {WFormat::kAffine4, 8192, 2048, 65, "in_qkv"},
-      {WFormat::kAffine4, 8192, 2048, 200, "in_qkv"},   {WFormat::kAffine4, 8192, 2048, 4096, "in_qkv"},
-      {WFormat::kAffine4, 2048, 4096, 200, "out_proj"}, {WFormat::kAffine4, 4096, 2048, 130, "in_z"},
-      {WFormat::kAffine4, 512, 2048, 300, "k_proj"},    {WFormat::kAffine4, 2048, 512, 129, "shared down"},
-      {WFormat::kAffine8, 256, 2048, 65, "router"},     {WFormat::kAffine8, 1, 2048, 63, "shared gate"},
-      {WFormat::kAffine4, 37, 192, 3, "odd rows"},      {WFormat::kAffine8, 70, 128, 17, "8-bit small"},
-      {WFormat::kBF16, 513, 2048, 130, "bf16"},         {WFormat::kBF16, 72, 64, 1, "bf16 small"},
+      {WFormat::kAffine4, 8192, 2048, 1, "in_qkv"},
+      {WFormat::kAffine4, 8192, 2048, 63, "in_qkv"},
+      {WFormat::kAffine4, 8192, 2048, 64, "in_qkv"},
+      {WFormat::kAffine4, 8192, 2048, 65, "in_qkv"},
+      {WFormat::kAffine4, 8192, 2048, 200, "in_qkv"},
+      {WFormat::kAffine4, 8192, 2048, 4096, "in_qkv"},
+      {WFormat::kAffine4, 2048, 4096, 200, "out_proj"},
+      {WFormat::kAffine4, 4096, 2048, 130, "in_z"},
+      {WFormat::kAffine4, 512, 2048, 300, "k_proj"},
+      {WFormat::kAffine4, 2048, 512, 129, "shared down"},
+      {WFormat::kAffine8, 256, 2048, 65, "router"},
+      {WFormat::kAffine8, 1, 2048, 63, "shared gate"},
+      {WFormat::kAffine4, 37, 192, 3, "odd rows"},
+      {WFormat::kAffine8, 70, 128, 17, "8-bit small"},
+      {WFormat::kBF16, 513, 2048, 130, "bf16"},
+      {WFormat::kBF16, 72, 64, 1, "bf16 small"},
+      // 256-column tiles (enough tiles to fill the machine), partial last column tile
+      {WFormat::kAffine4, 12352, 2048, 4096, "gdn in_proj"},
+      {WFormat::kAffine4, 2048, 4096, 4096, "gdn out_proj"},
+      {WFormat::kAffine4, 12352, 2048, 65, "gdn in_proj"},
+      {WFormat::kAffine4, 1100, 128, 4096, "partial tile"},
+      {WFormat::kAffine8, 1300, 256, 4096, "8-bit wide"},
+      {WFormat::kBF16, 2000, 512, 4096, "bf16 wide"},
   };
   for (const auto& c : cases) {
     TestMatrix W = make_matrix(c.fmt, c.out, c.in);

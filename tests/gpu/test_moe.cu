@@ -203,9 +203,11 @@ TEST(Moe, Experts) {
 
 // ---- prefill ----
 
-void check_moe(WFormat fmt, int E, int H, int I, int k, int n) {
-  const std::string label =
-      "moe E=" + str(E) + " H=" + str(H) + " I=" + str(I) + " k=" + str(k) + " n=" + str(n);
+// `routing` (n*k expert choices, distinct per token) replaces the random uniform routing.
+void check_moe(WFormat fmt, int E, int H, int I, int k, int n, const std::vector<int>* routing = nullptr,
+               const char* what = "") {
+  const std::string label = std::string("moe") + what + " E=" + str(E) + " H=" + str(H) + " I=" + str(I) +
+                            " k=" + str(k) + " n=" + str(n);
   TestMatrix GU = make_matrix(fmt, E * 2 * I, H);  // per expert: interleaved gate/up rows
   TestMatrix D = make_matrix(fmt, E * H, I);
   auto x = randn(size_t(n) * H);
@@ -214,6 +216,7 @@ void check_moe(WFormat fmt, int E, int H, int I, int k, int n) {
   std::vector<int> idx;
   std::vector<float> wts;
   random_routing(n, E, k, idx, wts);
+  if (routing) idx = *routing;
   auto didx = to_device(idx);
   auto dw = to_device(wts);
   const int rows = n * k;
@@ -305,8 +308,41 @@ TEST(Moe, Grouped) {
   check_moe(WFormat::kAffine4, 256, 2048, 512, 8, 1);    // real shapes, one token
   check_moe(WFormat::kAffine4, 256, 2048, 512, 8, 200);  // real shapes, most experts 1 partial tile
   check_moe(WFormat::kAffine4, 8, 256, 128, 2, 300);     // ~75 rows per expert: 2 tiles each
+  for (int n : {63, 64, 65}) {  // every row to expert 1 (expert 0 empty): one expert's rows around a tile
+    const std::vector<int> all_to_1(n, 1);
+    check_moe(WFormat::kAffine4, 2, 256, 128, 1, n, &all_to_1, " one expert");
+  }
+  check_moe(WFormat::kAffine4, 256, 2048, 512, 8, 512);  // real shapes, ~16 rows per expert, 256-column tiles
   check_moe(WFormat::kAffine8, 4, 128, 64, 1, 65);       // 8-bit, top-1
   check_moe(WFormat::kBF16, 16, 192, 64, 4, 33);
+}
+
+// Uneven loads: one expert takes every token (thousands of rows: tens of 64-row tiles), one takes a
+// single token, a third of the experts take none, the rest share the remaining choices at random.
+TEST(Moe, GroupedUnevenExperts) {
+  auto skewed = [](int n, int E, int k) {
+    std::vector<int> idx(size_t(n) * k);
+    std::vector<int> perm(E - 2 - E / 3);  // experts 2 .. E - E/3 - 1; the last E/3 get nothing
+    for (int t = 0; t < n; ++t) {
+      std::iota(perm.begin(), perm.end(), 2);
+      std::shuffle(perm.begin(), perm.end(), rng());
+      idx[size_t(t) * k] = 0;
+      for (int j = 1; j < k; ++j) idx[size_t(t) * k + j] = t == 0 && j == 1 ? 1 : perm[j - 1];
+    }
+    return idx;
+  };
+  {
+    const auto r = skewed(1500, 32, 4);
+    check_moe(WFormat::kAffine4, 32, 2048, 512, 4, 1500, &r, " uneven");  // real per-expert shapes
+  }
+  {
+    const auto r = skewed(65, 12, 3);
+    check_moe(WFormat::kAffine4, 12, 256, 128, 3, 65, &r, " uneven");
+  }
+  {
+    const auto r = skewed(130, 9, 2);
+    check_moe(WFormat::kBF16, 9, 192, 64, 2, 130, &r, " uneven");
+  }
 }
 
 TEST(Moe, RejectsBadShapes) {

@@ -379,7 +379,7 @@ TEST(Timing, Prefill) {
 }
 
 // The chunked delta rule alone at the real heads (16 key, 32 value, d 128), f32 output as the
-// prefill path uses it: µs per layer for the tensor-core kernel and the f32 one it replaced.
+// prefill path uses it: µs per layer.
 TEST(Timing, Gdn) {
   constexpr int D = cuda::kGdnDim, nk = 16, nv = 32, conv = 2 * nk * D + nv * D;
   std::printf("gdn chunked delta rule per layer (median of 15; heads %d/%d; random data)\n", nk, nv);
@@ -408,9 +408,7 @@ TEST(Timing, Gdn) {
     a.o_f32 = o.get();
     a.o_stride = nv * D;
     const double tc = median_ms([&] { cuda::gdn_prefill(a, 0); });
-    const double f32 = median_ms([&] { cuda::gdn_prefill_f32(a, 0); });
-    std::printf("  TIMING gdn n=%-6d gdn_prefill %9.1f us/layer   gdn_prefill_f32 %9.1f us/layer   (x%.2f)\n",
-                n, 1e3 * tc, 1e3 * f32, f32 / tc);
+    std::printf("  TIMING gdn n=%-6d gdn_prefill %9.1f us/layer\n", n, 1e3 * tc);
   }
   CUDA_CHECK(cudaDeviceSynchronize());
 }

@@ -1,6 +1,7 @@
 // Synthetic checkpoints: layout accepted by the strict loader, determinism, value scales.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -8,6 +9,7 @@
 #include <fstream>
 #include <iterator>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -16,6 +18,7 @@
 #include "bench/workload.h"
 #include "core/error.h"
 #include "core/safetensors.h"
+#include "cpu/ops.h"
 #include "model/config.h"
 #include "model/weights.h"
 #include "text/chat_template.h"
@@ -163,6 +166,95 @@ TEST(Synth, RealConfigMatchesTheModel) {
   }
   auto j = tansy::real_model_config_json();
   EXPECT_EQ(j["quantization"], j["quantization_config"]);
+}
+
+// Expert selection rates of one layer's router (as written to the checkpoint, 8-bit codes) over
+// `n` router inputs of independent N(0, 1) entries (the RMS-1 normed hidden state the router
+// reads), sorted from the most chosen expert down, and the most chosen expert.
+std::pair<std::vector<double>, int> router_rates(const tansy::Linear& router, int k, int n, unsigned seed) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> nd;
+  std::vector<float> x(size_t(n) * router.in), logits(size_t(n) * router.out);
+  for (auto& v : x) v = nd(gen);
+  tansy::cpu::matmul(router, x.data(), n, logits.data());
+  std::vector<int> count(static_cast<size_t>(router.out), 0), idx(static_cast<size_t>(k));
+  std::vector<float> w(static_cast<size_t>(k));
+  for (int t = 0; t < n; ++t) {
+    tansy::cpu::route_topk(logits.data() + size_t(t) * router.out, router.out, k, idx.data(), w.data());
+    for (int e : idx) ++count[size_t(e)];
+  }
+  const int top = int(std::max_element(count.begin(), count.end()) - count.begin());
+  std::vector<double> rate;
+  for (int c : count) rate.push_back(double(c) / n);
+  std::sort(rate.rbegin(), rate.rend());
+  return {rate, top};
+}
+
+// --router-skew: the routers of the written checkpoint, run on the CPU, choose experts at rates
+// following the power law (rank r chosen by a share ~ r^-alpha); without it the load is flat.
+TEST(Synth, RouterSkewFollowsThePowerLaw) {
+  constexpr int E = 64, k = 4, n = 6000;
+  constexpr double alpha = 0.6;
+  auto cfg = tiny_text_config();
+  cfg["hidden_size"] = 1024;  // row norms vary less with more inputs: less chance skew in the flat case
+  cfg["num_experts"] = E;
+  cfg["num_experts_per_tok"] = k;
+  TempDir flat, skewed;
+  tansy::write_synthetic_checkpoint(cfg, flat.path, opts(5, 2, 1 << 30));
+  auto o = opts(5, 2, 1 << 30);
+  o.router_skew = alpha;
+  tansy::write_synthetic_checkpoint(cfg, skewed.path, o);
+  EXPECT_NE(read_all(skewed.path / "tansy_synth.json").find("\"router_skew\": 0.6"), std::string::npos);
+
+  const auto target = tansy::router_skew_rates(E, k, alpha);
+  EXPECT_NEAR(std::accumulate(target.begin(), target.end(), 0.0), double(k), 1e-9);
+  const double mean = double(k) / E;
+  {
+    auto store = tansy::TensorStore::open(flat.path);  // the weights point into it
+    auto w = tansy::load_weights(tansy::load_config(flat.path), store);
+    for (int layer : {0, 3}) {
+      const auto [rate, top] = router_rates(w.layers[size_t(layer)].moe.router, k, n, 1);
+      EXPECT_LT(rate.front() / mean, 1.5) << "flat router, layer " << layer;
+      EXPECT_GT(rate.back() / mean, 0.6) << "flat router, layer " << layer;
+    }
+  }
+  auto store = tansy::TensorStore::open(skewed.path);
+  auto w = tansy::load_weights(tansy::load_config(skewed.path), store);
+  int top_expert[2];
+  for (int li = 0; li < 2; ++li) {
+    const int layer = li == 0 ? 0 : 3;
+    const auto [rate, top] = router_rates(w.layers[size_t(layer)].moe.router, k, n, 2 + li);
+    top_expert[li] = top;
+    const std::string at = "skewed router, layer " + std::to_string(layer);
+    // most popular expert ~5x the mean rate, the least ~0.4x: within 20% of the power law
+    EXPECT_NEAR(rate.front() / target.front(), 1.0, 0.2) << at << ": top rate " << rate.front();
+    EXPECT_NEAR(rate.back() / target.back(), 1.0, 0.3) << at << ": bottom rate " << rate.back();
+    // groups of 8 ranks (less noise than single ranks) within 15%
+    for (int g = 0; g < E; g += 8) {
+      double got = 0, want = 0;
+      for (int r = g; r < g + 8; ++r) got += rate[size_t(r)], want += target[size_t(r)];
+      EXPECT_NEAR(got / want, 1.0, 0.15) << at << ": ranks " << g + 1 << ".." << g + 8;
+    }
+    // least-squares slope of log(rate) on log(rank)
+    double sx = 0, sy = 0, sxx = 0, sxy = 0;
+    for (int r = 0; r < E; ++r) {
+      const double x = std::log(r + 1.0), y = std::log(rate[size_t(r)]);
+      sx += x, sy += y, sxx += x * x, sxy += x * y;
+    }
+    const double slope = (E * sxy - sx * sy) / (E * sxx - sx * sx);
+    EXPECT_NEAR(slope, -alpha, 0.12) << at;
+  }
+  EXPECT_NE(top_expert[0], top_expert[1]) << "each layer draws its own popularity order";
+}
+
+TEST(Synth, RouterSkewRefusesWhatScalingCannotReach) {
+  EXPECT_NO_THROW(tansy::router_skew_rates(256, 8, 0.5));
+  EXPECT_THROW(tansy::router_skew_rates(256, 8, 1.0), tansy::Error);  // top expert would need 1.3 of tokens
+  EXPECT_THROW(tansy::router_skew_rates(256, 8, -0.1), tansy::Error);
+  TempDir d;
+  auto o = opts(1, 1, 1 << 20);
+  o.router_skew = 5.0;
+  EXPECT_THROW(tansy::write_synthetic_checkpoint(tiny_text_config(), d.path, o), tansy::Error);
 }
 
 TEST(Synth, RefusesNonEmptyDirectoryAndBadConfig) {

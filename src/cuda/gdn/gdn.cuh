@@ -6,7 +6,6 @@
 //   matvec/matvec.cu     matvec_norm_gdn: in_proj with the conv and gates as its epilogue (decode)
 //   gdn/decode.cu        gdn_decode_step (decode), gdn_conv and gdn_recurrent (the GEMV prefill path)
 //   gdn/prefill_tc.cu    gdn_prefill: the chunked delta rule on tensor cores (prefill)
-//   gdn/prefill.cu       gdn_prefill_f32: the same with the state products on CUDA cores
 #pragma once
 #include <cstdint>
 
@@ -81,13 +80,6 @@ void gdn_recurrent(const GdnPrefillArgs& a, cudaStream_t stream);
 // in as bf16 hi + lo pairs, so the products keep ~16 mantissa bits, and the state stays f32 in
 // registers across chunks (gdn/prefill_tc.cu says why).
 void gdn_prefill(const GdnPrefillArgs& a, cudaStream_t stream);
-
-// The previous chunked kernel (tensor cores for the Gram matrices only, everything touching S in
-// f32 on the CUDA cores), kept as the accuracy yardstick for gdn_prefill and as a fallback.
-void gdn_prefill_f32(const GdnPrefillArgs& a, cudaStream_t stream);
-
-// The argument checks both chunked kernels share; `who` names the caller in the error.
-void check_gdn_prefill_args(const GdnPrefillArgs& a, const char* who);
 
 // ---- decode (one token) ----
 

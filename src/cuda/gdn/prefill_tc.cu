@@ -1,13 +1,14 @@
-// Chunked Gated DeltaNet prefill on tensor cores (gdn_prefill; docs/MODEL.md §5.6). Same algebra
-// and work split as gdn_prefill_f32 (prefill.cu): one block = one value head x 32 state columns,
-// walking the chunks of 64 tokens in order. Per chunk (C = 64 rows, zero-padded past n):
+// Chunked Gated DeltaNet prefill on tensor cores (gdn_prefill; docs/MODEL.md §5.6). One block = one
+// value head x 32 state columns, walking the chunks of 64 tokens in order. Per chunk (C = 64 rows,
+// zero-padded past n):
 //   G = cumsum(g);  A[i][j] = β_i (k_i·k_j) e^{G_i-G_j} (j < i);  Aqk[i][j] = (q_i·k_j) e^{G_i-G_j} (j <= i)
 //   V' = (I + A)^{-1} R,  R = β⊙(V - e^G⊙(K·S))      forward substitution over 32 columns
 //   O  = e^G ⊙ (Q·S) + Aqk·V'
 //   S  = e^{G_last} S + Kᵀ·(e^{G_last-G} ⊙ V')
-// V' = U - W·S of prefill.cu with the inverse moved past the product: (I+A)^{-1}(β⊙V) -
-// (I+A)^{-1}(β⊙e^G⊙K)·S = (I+A)^{-1}(β⊙V - β⊙e^G⊙(K·S)), so the substitution runs over the 32
-// value columns instead of 32 + 128, and K·S is a bf16-exact-operand product like Q·S.
+// This is the WY form's V' = U - W·S, [U | W] = (I+A)^{-1} [β⊙V | β⊙e^G⊙K], with the inverse moved
+// past the product: (I+A)^{-1}(β⊙V) - (I+A)^{-1}(β⊙e^G⊙K)·S = (I+A)^{-1}(β⊙V - β⊙e^G⊙(K·S)), so the
+// substitution runs over the 32 value columns instead of 32 + 128, and K·S is a bf16-exact-operand
+// product like Q·S.
 //
 // Every product is mma.sync m16n8k16 (bf16 in, f32 accumulate):
 //   Q·Kᵀ, K·Kᵀ              q̂, k̂ are bf16 already: one mma each, exact products.
@@ -421,10 +422,34 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_prefill_tc_kernel(const GdnPr
           make_float2(s[nt][2 * hf], s[nt][2 * hf + 1]);
 }
 
+bool aligned(const void* ptr, size_t n) { return reinterpret_cast<uintptr_t>(ptr) % n == 0; }
+
+void check_args(const GdnPrefillArgs& a, const char* who) {
+  TANSY_CHECK(a.n >= 1, "{}: need at least one token, got {}", who, a.n);
+  TANSY_CHECK(a.n_k_heads >= 1 && a.n_v_heads >= a.n_k_heads && a.n_v_heads % a.n_k_heads == 0 &&
+                  a.n_v_heads <= 65535,
+              "{}: {} value heads over {} key heads unsupported", who, a.n_v_heads, a.n_k_heads);
+  TANSY_CHECK(a.q && a.k && a.v && a.beta && a.g && a.state, "{}: null input", who);
+  TANSY_CHECK(!a.o_bf16 != !a.o_f32, "{}: exactly one of o_bf16 / o_f32 must be set (got {})", who,
+              a.o_bf16 ? "both" : "neither");
+  TANSY_CHECK(aligned(a.q, 16) && aligned(a.k, 16) && aligned(a.v, 16) && a.q_stride % 8 == 0 &&
+                  a.k_stride % 8 == 0 && a.v_stride % 8 == 0,
+              "{}: q/k/v rows must be 16-byte aligned (strides {}, {}, {})", who, a.q_stride, a.k_stride,
+              a.v_stride);
+  TANSY_CHECK(a.q_stride >= int64_t(a.n_k_heads) * kGdnDim && a.k_stride >= int64_t(a.n_k_heads) * kGdnDim &&
+                  a.v_stride >= int64_t(a.n_v_heads) * kGdnDim &&
+                  a.o_stride >= int64_t(a.n_v_heads) * kGdnDim,
+              "{}: a row stride is shorter than its heads (q {}, k {}, v {}, o {})", who, a.q_stride,
+              a.k_stride, a.v_stride, a.o_stride);
+  TANSY_CHECK(
+      a.o_f32 ? (aligned(a.o_f32, 16) && a.o_stride % 4 == 0) : (aligned(a.o_bf16, 8) && a.o_stride % 4 == 0),
+      "{}: output rows must be aligned for 4-wide stores (stride {})", who, a.o_stride);
+}
+
 }  // namespace
 
 void gdn_prefill(const GdnPrefillArgs& a, cudaStream_t stream) {
-  check_gdn_prefill_args(a, "gdn_prefill");
+  check_args(a, "gdn_prefill");
   constexpr int kSmem = sizeof(Smem);
   static const bool attr_set =
       cudaFuncSetAttribute(gdn_prefill_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) ==

@@ -1,11 +1,30 @@
-// Prefill GEMM with fused affine dequant, grouped MoE variant, routing sort and combine.
+// Prefill GEMM with fused affine dequant, grouped MoE variant.
 //
-// Tile: BM x 128 outputs per block (BM = 128 or 64), k-tile 64 = one quant group, so each weight
-// row needs exactly one (scale, bias) per k-tile. 8 warps as 2 (M) x 4 (N); warp tile BM/2 x 32.
-// Pipeline: 3 cp.async stages for X and the packed weight tile; each k-tile the block dequantizes
-// its packed stage into one bf16 tile (swizzled like the X tile) and both operands go through
-// ldmatrix into mma.sync. bf16 weights skip the dequant and are read from their stage directly.
+// Tile: 64 rows x BN outputs per block, BN = 32 x warps (8 warps: 256 columns, 4 warps: 128 for
+// launches too small to fill the machine); every warp owns a 64 x 32 output tile over all 64 rows,
+// so each weight column is dequantized by exactly one warp. k-tile 64 = one quant group: one
+// (scale, bias) per weight row per k-tile. 4 cp.async stages of the X tile and of the weight tile
+// in its packed form; one barrier per k-tile. The mma computes the transposed product: the weights
+// are its A operand (m16 = 16 output columns), X its B operand (n8 = 8 rows of X).
+//
+// The weights never go through a dequantized shared tile. Each lane reads its packed codes from the
+// stage and dequantizes them straight into mma A fragments. That works because a dot product does
+// not care about the order of k as long as A and B agree: in a 64-wide k-tile, lane (g, t) (g =
+// lane/4, t = lane%4) takes the 8-element chunks j = 2t and 2t+1 (physical k 8j..8j+7) for its two
+// k32 halves c = 0, 1, and inside a chunk the mma pair (s = 0, 1) of that half sees
+//   logical k {2t, 2t+1}   (a0/a1, b0) = physical 8j + 4s + {0, 1}
+//   logical k {2t+8, 2t+9} (a2/a3, b1) = physical 8j + 4s + {2, 3}.
+// So one packed word (4-bit) or two (8-bit) or one 16-byte chunk (bf16) of weight row g (and of row
+// g+8) holds the lane's A values of both mmas, and one 16-byte load of X row g at chunk j holds
+// (b0, b1) of both, already in consecutive registers: a lane reads exactly the codes it
+// dequantizes, with no redundancy, no ldmatrix, no register moves and no second barrier.
+// Shared-memory reads are conflict-free: X and bf16 weight rows use the XOR swizzle (chunk ^ row%8;
+// the 8 lanes of a 16-byte load phase are rows 2q, 2q+1 whose chunk sets then differ in parity),
+// packed rows are 32 (4-bit) or 64 (8-bit) contiguous bytes read as 8 / 16 bytes per lane. The
+// accumulators (output columns by X rows) go through an f32 tile in the freed stage memory, so the
+// epilogue writes whole output rows.
 #include <algorithm>
+#include <type_traits>
 
 #include "core/error.h"
 #include "cuda/common/device_math.cuh"
@@ -17,23 +36,27 @@ namespace {
 
 using tc::swz;
 
-constexpr int BN = 128;
+constexpr int BM = 64;  // == kGroupedBM: moe_route_sort's tiles are this kernel's row tiles
+static_assert(BM == kGroupedBM);
 constexpr int BK = 64;
-constexpr int kThreads = 256;
-constexpr int kStages = 3;
+constexpr int kStages = 4;
+constexpr int kWideWarps = 8, kNarrowWarps = 4;
 
+// Bytes of one weight row in one k-tile, as stored.
 template <WFormat F>
-constexpr int kWordsPerRowTile = F == WFormat::kAffine4   ? BK / 8
-                                 : F == WFormat::kAffine8 ? BK / 4
-                                                          : 0;
+constexpr int kWRowBytes = F == WFormat::kAffine4   ? BK / 2
+                           : F == WFormat::kAffine8 ? BK
+                                                    : BK * 2;
 
 // Shared memory carve-up (bytes) for one instantiation.
-template <int BM, WFormat F>
+template <int kWarps, WFormat F>
 struct Layout {
-  static constexpr int kA = BM * BK * 2;                                                       // one X stage
-  static constexpr int kW = F == WFormat::kBF16 ? BN * BK * 2 : BN * kWordsPerRowTile<F> * 4;  // one W stage
-  static constexpr int kB = F == WFormat::kBF16 ? 0 : BN * BK * 2;  // dequantized tile
-  static constexpr int kTotal = kStages * (kA + kW) + kB;
+  static constexpr int BN = 32 * kWarps;
+  static constexpr int kA = BM * BK * 2;         // one X stage
+  static constexpr int kW = BN * kWRowBytes<F>;  // one weight stage
+  static constexpr int kCld = BN + 4;            // f32 output tile row (the epilogue reuses the stages)
+  static constexpr int kC = BM * kCld * 4;
+  static constexpr int kTotal = kStages * (kA + kW) > kC ? kStages*(kA + kW) : kC;
 };
 
 struct Params {
@@ -57,9 +80,9 @@ struct Params {
   int n_experts;
 };
 
-// 8 4-bit codes (one u32, low nibble first) -> 8 bf16 values s·q + b, as one 16-byte chunk.
+// 8 4-bit codes (one u32, low nibble first) -> 8 bf16 values s·q + b, as 4 bf16 pairs in k order.
 // Codes become exact bf16 integers through the 128+c bit trick (exponent of 128, mantissa c),
-// then one subtraction and one fused multiply-add per pair.
+// then one subtraction and one fused multiply-add per pair (exact product, one rounding to bf16).
 __device__ __forceinline__ uint4 dequant4(uint32_t w, __nv_bfloat162 s2, __nv_bfloat162 b2) {
   const uint32_t even = w & 0x0f0f0f0fu;               // c0 c2 c4 c6 in bytes 0..3
   const uint32_t odd = (w >> 4) & 0x0f0f0f0fu;         // c1 c3 c5 c7
@@ -93,20 +116,27 @@ __device__ __forceinline__ uint4 dequant8(uint32_t w0, uint32_t w1, float s, flo
   return make_uint4(r[0], r[1], r[2], r[3]);
 }
 
-template <int BM, WFormat F>
-__global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const Params p) {
-  using L = Layout<BM, F>;
-  constexpr int kMT = BM / 32;                               // m16 tiles per warp (warp tile BM/2 rows)
-  constexpr int kNT = 4;                                     // n8 tiles per warp (warp tile 32 cols)
-  constexpr int kARowsPerThread = BM * (BK / 8) / kThreads;  // 16-byte chunks of X per thread per stage
+__device__ __forceinline__ uint4 lds128(const void* p) { return *reinterpret_cast<const uint4*>(p); }
+
+template <int kWarps, WFormat F>
+__global__ void __launch_bounds__(32 * kWarps, 16 / kWarps) gemm_kernel(const Params p) {
+  using L = Layout<kWarps, F>;
+  constexpr int kThreads = 32 * kWarps;
+  constexpr int BN = L::BN;
+  constexpr int kMT = 2;       // m16 tiles of weight rows (output columns) per warp: 32 columns
+  constexpr int kNT = BM / 8;  // n8 tiles of X rows per warp: all 64 rows of the tile
+  constexpr int kAChunks = BM * (BK / 8) / kThreads;     // 16-byte X chunks per thread per stage
+  constexpr int kWRowChunks = kWRowBytes<F> / 16;        // 16-byte chunks of one weight row
+  constexpr int kWChunks = BN * kWRowChunks / kThreads;  // ... per thread per stage
   constexpr bool kAffine = F != WFormat::kBF16;
+  static_assert(kWChunks * kThreads == BN * kWRowChunks && kAChunks * kThreads == BM * (BK / 8));
 
   extern __shared__ __align__(128) unsigned char smem[];
-  __nv_bfloat16* const As = reinterpret_cast<__nv_bfloat16*>(smem);
+  const __nv_bfloat16* const As = reinterpret_cast<const __nv_bfloat16*>(smem);
   unsigned char* const Ws = smem + kStages * L::kA;
-  __nv_bfloat16* const Bdq = reinterpret_cast<__nv_bfloat16*>(smem + kStages * (L::kA + L::kW));
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane / 4, t = lane % 4;
   const int n0 = blockIdx.y * BN;  // first output column of this block
 
   // Row range of this block and the weight matrix it multiplies.
@@ -114,18 +144,18 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const Params p) {
   const uint32_t* q = p.q;
   const __nv_bfloat16 *scales = p.scales, *biases = p.biases, *wdense = p.w;
   if (p.tile_offsets) {
-    const int t = blockIdx.x;
-    if (t >= p.tile_offsets[p.n_experts]) return;  // grid is an upper bound on the tile count
-    int lo = 0, hi = p.n_experts - 1;              // last expert whose first tile is <= t
+    const int tile = blockIdx.x;
+    if (tile >= p.tile_offsets[p.n_experts]) return;  // grid is an upper bound on the tile count
+    int lo = 0, hi = p.n_experts - 1;                 // last expert whose first tile is <= tile
     while (lo < hi) {
       const int mid = (lo + hi + 1) / 2;
-      if (p.tile_offsets[mid] <= t)
+      if (p.tile_offsets[mid] <= tile)
         lo = mid;
       else
         hi = mid - 1;
     }
     const int e = lo;
-    row0 = p.expert_offsets[e] + (t - p.tile_offsets[e]) * BM;
+    row0 = p.expert_offsets[e] + (tile - p.tile_offsets[e]) * BM;
     row_end = p.expert_offsets[e + 1];
     const size_t rows = size_t(p.out);
     if constexpr (kAffine) {
@@ -140,63 +170,68 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const Params p) {
     row_end = p.n_rows;
   }
 
-  // X source rows this thread copies (fixed across k-tiles): chunk idx = tid + i*256 ->
-  // tile row idx/8, chunk idx%8.
-  const __nv_bfloat16* a_src[kARowsPerThread];
+  // This thread's 16-byte copies per stage, as 32-bit offsets fixed across k-tiles (the launchers
+  // check X and one weight matrix fit): X chunk idx = tid + i*kThreads -> tile row idx/8, chunk
+  // idx%8; weight chunk idx -> tile row idx / kWRowChunks, chunk idx % kWRowChunks. Rows past the
+  // tile's end (X) or the matrix's (weights) copy a valid row instead of zeros: they only reach
+  // output rows / columns that are never stored.
+  uint32_t a_off[kAChunks], a_dst[kAChunks];
 #pragma unroll
-  for (int i = 0; i < kARowsPerThread; ++i) {
-    const int r = (tid + i * kThreads) / 8, grow = row0 + r;
-    if (grow < row_end) {
-      const int xrow = p.sorted_slot ? p.sorted_slot[grow] / p.gather_k : grow;
-      a_src[i] = p.X + size_t(xrow) * p.ldx + (tid % 8) * 8;
-    } else {
-      a_src[i] = nullptr;
+  for (int i = 0; i < kAChunks; ++i) {
+    const int r = (tid + i * kThreads) / 8, grow = row0 + r < row_end ? row0 + r : row0;
+    const int xrow = p.sorted_slot ? p.sorted_slot[grow] / p.gather_k : grow;
+    a_off[i] = uint32_t(xrow) * uint32_t(p.ldx) + uint32_t(tid % 8) * 8;
+    a_dst[i] = uint32_t(swz<BK / 8>(r, (tid % 8) * 8)) * 2;
+  }
+  const unsigned char* const w_base =
+      kAffine ? reinterpret_cast<const unsigned char*>(q) : reinterpret_cast<const unsigned char*>(wdense);
+  uint32_t w_off[kWChunks], w_dst[kWChunks];
+  {
+    const uint32_t row_bytes = uint32_t(p.in) * kWRowBytes<F> / BK;
+#pragma unroll
+    for (int i = 0; i < kWChunks; ++i) {
+      const int idx = tid + i * kThreads, r = idx / kWRowChunks, c = idx % kWRowChunks;
+      w_off[i] = uint32_t(min(n0 + r, p.out - 1)) * row_bytes + uint32_t(c) * 16;
+      w_dst[i] =
+          F == WFormat::kBF16 ? uint32_t(swz<BK / 8>(r, c * 8)) * 2 : uint32_t(r * kWRowBytes<F> + c * 16);
     }
   }
 
   const int KT = p.in / BK;
   const int groups = p.in / kQuantGroup;
-  // Weight row this thread copies and dequantizes (affine): row tid/2, half tid%2 of the k-tile.
-  const int wrow = tid / 2, whalf = tid % 2;
-  const bool wrow_ok = n0 + wrow < p.out;
+  // n8 tiles of X rows holding rows of this tile: a grouped tile at the end of an expert's rows
+  // (or the last dense tile) skips the products of the empty ones.
+  const int nt_used = min(kNT, (row_end - row0 + 7) / 8);
 
   auto load_stage = [&](int kt, int stage) {
-    __nv_bfloat16* as = As + stage * (BM * BK);
+    unsigned char* as = smem + stage * L::kA;
 #pragma unroll
-    for (int i = 0; i < kARowsPerThread; ++i) {
-      const int r = (tid + i * kThreads) / 8;
-      tc::cp_async16(as + swz<BK / 8>(r, (tid % 8) * 8), a_src[i] ? a_src[i] + kt * BK : p.X,
-                     a_src[i] != nullptr);
-    }
-    if constexpr (F == WFormat::kBF16) {
-      __nv_bfloat16* ws = reinterpret_cast<__nv_bfloat16*>(Ws + stage * L::kW);
+    for (int i = 0; i < kAChunks; ++i)
+      tc::cp_async16(as + a_dst[i], p.X + a_off[i] + uint32_t(kt) * BK, true);
+    unsigned char* ws = Ws + stage * L::kW;
 #pragma unroll
-      for (int i = 0; i < BN * (BK / 8) / kThreads; ++i) {
-        const int idx = tid + i * kThreads, r = idx / 8, c = idx % 8;
-        const bool ok = n0 + r < p.out;
-        tc::cp_async16(ws + swz<BK / 8>(r, c * 8),
-                       ok ? wdense + size_t(n0 + r) * p.in + kt * BK + c * 8 : wdense, ok);
-      }
-    } else {
-      constexpr int kWords = kWordsPerRowTile<F>;  // per row per k-tile
-      uint32_t* ws = reinterpret_cast<uint32_t*>(Ws + stage * L::kW) + wrow * kWords + whalf * (kWords / 2);
-      const size_t wpr = size_t(p.in) * (F == WFormat::kAffine4 ? 4 : 8) / 32;
-      const uint32_t* src = q + size_t(n0 + wrow) * wpr + size_t(kt) * kWords + whalf * (kWords / 2);
-#pragma unroll
-      for (int i = 0; i < kWords / 2 / 4; ++i) tc::cp_async16(ws + i * 4, wrow_ok ? src + i * 4 : q, wrow_ok);
-    }
+    for (int i = 0; i < kWChunks; ++i)
+      tc::cp_async16(ws + w_dst[i], w_base + w_off[i] + uint32_t(kt) * kWRowBytes<F>, true);
   };
 
-  // (scale, bias) of this thread's weight row for one k-tile, fetched a k-tile ahead.
-  float s_next = 0.f, b_next = 0.f;
+  // (scale, bias) of the lane's 4 weight rows for one k-tile, fetched a k-tile ahead: row
+  // wrow(i) = warp*32 + (i/2)*16 + (i%2)*8 + g of the block's tile (m16 tile i/2, half i%2).
+  auto wrow = [&](int i) { return warp * 32 + (i / 2) * 16 + (i % 2) * 8 + g; };
+  uint32_t sb_off[4];  // rows past the matrix read the last row's (never stored)
+#pragma unroll
+  for (int i = 0; i < 4; ++i) sb_off[i] = uint32_t(min(n0 + wrow(i), p.out - 1)) * uint32_t(groups);
+  __nv_bfloat162 sb_next[4] = {};  // (scale, bias)
   auto load_sb = [&](int kt) {
-    if (kAffine && wrow_ok && kt < KT) {
-      const size_t i = size_t(n0 + wrow) * groups + kt;
-      s_next = __bfloat162float(scales[i]);
-      b_next = __bfloat162float(biases[i]);
+    if constexpr (kAffine) {
+      const uint32_t k = uint32_t(min(kt, KT - 1));  // past the end: a valid, unused group
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        sb_next[i] = __halves2bfloat162(scales[sb_off[i] + k], biases[sb_off[i] + k]);
     }
   };
 
+  // acc[mt][nt]: the m16 x n8 product of weight rows warp*32 + mt*16 + (g, g+8) and tile rows
+  // (tokens) nt*8 + 2t, 2t+1 (mma C layout with the weights as A).
   float acc[kMT][kNT][4] = {};
 
 #pragma unroll
@@ -206,147 +241,194 @@ __global__ void __launch_bounds__(kThreads, 2) gemm_kernel(const Params p) {
   }
   load_sb(0);
 
-  const int wm = warp / 4, wn = warp % 4;
-  for (int kt = 0; kt < KT; ++kt) {
-    tc::cp_async_wait<kStages - 2>();
-    __syncthreads();  // stage kt visible to all; everyone is done with kt-1 (its stage and Bdq)
-    if (kt + kStages - 1 < KT) load_stage(kt + kStages - 1, (kt + kStages - 1) % kStages);
-    tc::cp_async_commit();
+  // The k loop, in two copies: full tiles without the row checks, partial ones with them.
+  auto k_loop = [&](auto full_tile) {
+    for (int kt = 0; kt < KT; ++kt) {
+      tc::cp_async_wait<kStages - 2>();
+      __syncthreads();  // stage kt visible to all; everyone is done with stage kt-1
+      if (kt + kStages - 1 < KT) load_stage(kt + kStages - 1, (kt + kStages - 1) % kStages);
+      tc::cp_async_commit();
 
-    const int stage = kt % kStages;
-    const __nv_bfloat16* as = As + stage * (BM * BK);
-    const __nv_bfloat16* bs;
-    if constexpr (kAffine) {
-      constexpr int kWords = kWordsPerRowTile<F>;
-      const uint32_t* ws =
-          reinterpret_cast<const uint32_t*>(Ws + stage * L::kW) + wrow * kWords + whalf * (kWords / 2);
-      const float s = s_next, b = b_next;
+      const int stage = kt % kStages;
+      const __nv_bfloat16* as = As + stage * (BM * BK);
+      const unsigned char* ws = Ws + stage * L::kW;
+      __nv_bfloat162 sb[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) sb[i] = sb_next[i];
       load_sb(kt + 1);
-      // This thread's 32 columns = 4 output chunks (whalf*4 .. +3) of row wrow.
+
+      // Packed codes of the lane's 4 weight rows for the whole k-tile: chunks 2t and 2t+1.
+      [[maybe_unused]] uint32_t packed[4][F == WFormat::kAffine4 ? 2 : 4];
+      if constexpr (F == WFormat::kAffine4) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        uint4 v;
-        if constexpr (F == WFormat::kAffine4) {
-          v = dequant4(ws[i], __floats2bfloat162_rn(s, s), __floats2bfloat162_rn(b, b));
-        } else {
-          v = dequant8(ws[2 * i], ws[2 * i + 1], s, b);
+        for (int i = 0; i < 4; ++i) {
+          const uint2 v = *reinterpret_cast<const uint2*>(ws + wrow(i) * kWRowBytes<F> + t * 8);
+          packed[i][0] = v.x;
+          packed[i][1] = v.y;
         }
-        *reinterpret_cast<uint4*>(Bdq + swz<BK / 8>(wrow, (whalf * 4 + i) * 8)) = v;
+      } else if constexpr (F == WFormat::kAffine8) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const uint4 v = lds128(ws + wrow(i) * kWRowBytes<F> + t * 16);
+          packed[i][0] = v.x;
+          packed[i][1] = v.y;
+          packed[i][2] = v.z;
+          packed[i][3] = v.w;
+        }
       }
-      __syncthreads();
-      bs = Bdq;
-    } else {
-      bs = reinterpret_cast<const __nv_bfloat16*>(Ws + stage * L::kW);
-    }
 
 #pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) {
-      uint32_t a[kMT][4];
+      for (int c = 0; c < 2; ++c) {
+        const int chunk = 2 * t + c;  // physical k 8*chunk .. +7 of this k-tile
+        // Weight values of chunk `chunk` for the lane's 4 rows, 4 k-pairs each: pair 2s (a0/a1) and
+        // 2s+1 (a2/a3) of mma s.
+        uint4 w[4];
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
-        tc::ldmatrix_x4(a[mt],
-                        as + swz<BK / 8>(wm * (BM / 2) + mt * 16 + (lane % 16), kk * 16 + (lane / 16) * 8));
-#pragma unroll
-      for (int np = 0; np < kNT / 2; ++np) {
-        uint32_t b[4];  // b0,b1 of n-tile 2np, then of n-tile 2np+1
-        tc::ldmatrix_x4(b, bs + swz<BK / 8>(wn * 32 + np * 16 + (lane / 16) * 8 + (lane % 8),
-                                            kk * 16 + ((lane / 8) % 2) * 8));
+        for (int i = 0; i < 4; ++i) {
+          if constexpr (F == WFormat::kAffine4) {
+            w[i] = dequant4(packed[i][c], __low2bfloat162(sb[i]), __high2bfloat162(sb[i]));
+          } else if constexpr (F == WFormat::kAffine8) {
+            w[i] = dequant8(packed[i][2 * c], packed[i][2 * c + 1], __low2float(sb[i]), __high2float(sb[i]));
+          } else {
+            w[i] = lds128(reinterpret_cast<const __nv_bfloat16*>(ws) + swz<BK / 8>(wrow(i), chunk * 8));
+          }
+        }
+        uint32_t a[kMT][2][4];  // [m16 tile][mma s]: rows g (i = 2mt) and g+8 (i = 2mt+1)
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
-          tc::mma_bf16(acc[mt][2 * np], a[mt], b[0], b[1]);
-          tc::mma_bf16(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+          const uint4 lo = w[2 * mt], hi = w[2 * mt + 1];
+          a[mt][0][0] = lo.x, a[mt][0][1] = hi.x, a[mt][0][2] = lo.y, a[mt][0][3] = hi.y;
+          a[mt][1][0] = lo.z, a[mt][1][1] = hi.z, a[mt][1][2] = lo.w, a[mt][1][3] = hi.w;
+        }
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+          if (!decltype(full_tile)::value && nt >= nt_used) break;  // past the tile's rows (never stored)
+          // X row (token) nt*8 + g, chunk `chunk`: (b0, b1) of mma 0, then of mma 1.
+          const uint4 x = lds128(as + swz<BK / 8>(nt * 8 + g, chunk * 8));
+#pragma unroll
+          for (int mt = 0; mt < kMT; ++mt) {
+            tc::mma_bf16(acc[mt][nt], a[mt][0], x.x, x.y);
+            tc::mma_bf16(acc[mt][nt], a[mt][1], x.z, x.w);
+          }
         }
       }
     }
-  }
+  };
+  if (nt_used == kNT)
+    k_loop(std::true_type{});
+  else
+    k_loop(std::false_type{});
   tc::cp_async_wait<0>();
+  __syncthreads();  // every warp is done with the stages: reuse them for the output tile
 
-  // Epilogue straight from the accumulators: lane holds rows g, g+8 and column pairs 2c, 2c+1.
-  const int g = lane / 4, c2 = (lane % 4) * 2;
+  // Accumulators -> f32 tile C[token][column] in shared memory (rows kCld floats apart: the 32
+  // lanes of one store hit 32 banks), then each thread writes column pairs of whole rows.
+  float* const Cs = reinterpret_cast<float*>(smem);
 #pragma unroll
-  for (int mt = 0; mt < kMT; ++mt) {
+  for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = row0 + wm * (BM / 2) + mt * 16 + g + half * 8;
-      if (row >= row_end) continue;
+    for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-      for (int nt = 0; nt < kNT; ++nt) {
-        const int col = n0 + wn * 32 + nt * 8 + c2;
-        if (col >= p.out) continue;
-        float v0 = acc[mt][nt][2 * half], v1 = acc[mt][nt][2 * half + 1];
-        const bool pair = col + 1 < p.out;
-        if (p.epilogue == GemmEpilogue::kSwiGlu) {
-          const size_t i = size_t(row) * p.ldy + col / 2;  // (gate, up) = (col, col+1); out is even
-          const float y = silu_fast(v0) * v1;
-          if (p.out_type == GemmOutType::kF32)
-            static_cast<float*>(p.Y)[i] = y;
-          else
-            static_cast<__nv_bfloat16*>(p.Y)[i] = __float2bfloat16(y);
-          continue;
+      for (int r = 0; r < 4; ++r)
+        Cs[(nt * 8 + 2 * t + (r & 1)) * L::kCld + warp * 32 + mt * 16 + g + (r >> 1) * 8] = acc[mt][nt][r];
+  __syncthreads();
+
+  constexpr int kPairs = BN / 2;                   // column pairs per row
+  constexpr int kRowsPerPass = kThreads / kPairs;  // 2
+  const int pc = n0 + 2 * (tid % kPairs);          // this thread's first column
+  if (pc >= p.out) return;
+  const bool pair = pc + 1 < p.out;
+#pragma unroll 4
+  for (int lr = tid / kPairs; lr < BM; lr += kRowsPerPass) {
+    const int row = row0 + lr;
+    if (row >= row_end) break;
+    const float2 v = *reinterpret_cast<const float2*>(Cs + lr * L::kCld + (pc - n0));
+    float v0 = v.x, v1 = v.y;
+    if (p.epilogue == GemmEpilogue::kSwiGlu) {
+      const size_t i = size_t(row) * p.ldy + pc / 2;  // (gate, up) = (pc, pc+1); out is even
+      const float y = silu_fast(v0) * v1;
+      if (p.out_type == GemmOutType::kF32)
+        static_cast<float*>(p.Y)[i] = y;
+      else
+        static_cast<__nv_bfloat16*>(p.Y)[i] = __float2bfloat16(y);
+      continue;
+    }
+    const size_t i = size_t(row) * p.ldy + pc;
+    if (p.out_type == GemmOutType::kF32) {
+      float* y = static_cast<float*>(p.Y) + i;
+      if (pair) {
+        if (p.epilogue == GemmEpilogue::kAccumulate) {
+          const float2 o = *reinterpret_cast<float2*>(y);
+          v0 += o.x;
+          v1 += o.y;
         }
-        const size_t i = size_t(row) * p.ldy + col;
-        if (p.out_type == GemmOutType::kF32) {
-          float* y = static_cast<float*>(p.Y) + i;
-          if (pair) {
-            if (p.epilogue == GemmEpilogue::kAccumulate) {
-              const float2 o = *reinterpret_cast<float2*>(y);
-              v0 += o.x;
-              v1 += o.y;
-            }
-            *reinterpret_cast<float2*>(y) = make_float2(v0, v1);
-          } else {
-            if (p.epilogue == GemmEpilogue::kAccumulate) v0 += *y;
-            *y = v0;
-          }
-        } else {
-          __nv_bfloat16* y = static_cast<__nv_bfloat16*>(p.Y) + i;
-          if (pair) {
-            if (p.epilogue == GemmEpilogue::kAccumulate) {
-              const float2 o = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(y));
-              v0 += o.x;
-              v1 += o.y;
-            }
-            *reinterpret_cast<__nv_bfloat162*>(y) = __floats2bfloat162_rn(v0, v1);
-          } else {
-            if (p.epilogue == GemmEpilogue::kAccumulate) v0 += __bfloat162float(*y);
-            *y = __float2bfloat16(v0);
-          }
+        *reinterpret_cast<float2*>(y) = make_float2(v0, v1);
+      } else {
+        if (p.epilogue == GemmEpilogue::kAccumulate) v0 += *y;
+        *y = v0;
+      }
+    } else {
+      __nv_bfloat16* y = static_cast<__nv_bfloat16*>(p.Y) + i;
+      if (pair) {
+        if (p.epilogue == GemmEpilogue::kAccumulate) {
+          const float2 o = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(y));
+          v0 += o.x;
+          v1 += o.y;
         }
+        *reinterpret_cast<__nv_bfloat162*>(y) = __floats2bfloat162_rn(v0, v1);
+      } else {
+        if (p.epilogue == GemmEpilogue::kAccumulate) v0 += __bfloat162float(*y);
+        *y = __float2bfloat16(v0);
       }
     }
   }
 }
 
-template <int BM, WFormat F>
+template <int kWarps, WFormat F>
 void launch(const Params& p, dim3 grid, cudaStream_t stream) {
-  constexpr int kSmem = Layout<BM, F>::kTotal;
+  constexpr int kSmem = Layout<kWarps, F>::kTotal;
   static const bool attr_set = [] {
-    return cudaFuncSetAttribute(gemm_kernel<BM, F>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) ==
+    return cudaFuncSetAttribute(gemm_kernel<kWarps, F>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) ==
            cudaSuccess;
   }();
   if (!attr_set) fail("gemm: cannot reserve {} bytes of shared memory per block", kSmem);
-  gemm_kernel<BM, F><<<grid, kThreads, kSmem, stream>>>(p);
+  gemm_kernel<kWarps, F><<<grid, 32 * kWarps, kSmem, stream>>>(p);
   launch_check("gemm");
 }
 
-template <int BM>
+template <int kWarps>
 void dispatch(const Params& p, WFormat fmt, dim3 grid, cudaStream_t stream) {
   switch (fmt) {
     case WFormat::kAffine4:
-      return launch<BM, WFormat::kAffine4>(p, grid, stream);
+      return launch<kWarps, WFormat::kAffine4>(p, grid, stream);
     case WFormat::kAffine8:
-      return launch<BM, WFormat::kAffine8>(p, grid, stream);
+      return launch<kWarps, WFormat::kAffine8>(p, grid, stream);
     case WFormat::kBF16:
-      return launch<BM, WFormat::kBF16>(p, grid, stream);
+      return launch<kWarps, WFormat::kBF16>(p, grid, stream);
     default:
       fail("gemm: weight format {} is not supported", wformat_name(fmt));
+  }
+}
+
+// 256-column tiles halve the X re-reads; fall back to 128 columns when 256 would leave the
+// multiprocessors short of two blocks each (small n, narrow matrices).
+void dispatch_tiles(const Params& p, WFormat fmt, long row_tiles, cudaStream_t stream, const char* what) {
+  const long wide = (p.out + 32L * kWideWarps - 1) / (32L * kWideWarps);
+  const long narrow = (p.out + 32L * kNarrowWarps - 1) / (32L * kNarrowWarps);
+  TANSY_CHECK(narrow <= 65535 && row_tiles <= 0x7fffffffL, "{}: out {} or {} row tiles exceed the grid limit",
+              what, p.out, row_tiles);
+  if (row_tiles * wide >= 2L * sm_count()) {
+    dispatch<kWideWarps>(p, fmt, dim3(unsigned(row_tiles), unsigned(wide)), stream);
+  } else {
+    dispatch<kNarrowWarps>(p, fmt, dim3(unsigned(row_tiles), unsigned(narrow)), stream);
   }
 }
 
 bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
 
 // `out` is the row count of one matrix (W.out / n_experts for stacked experts).
-Params make_params(const DevLinear& W, int out, const __nv_bfloat16* X, int64_t ldx, int n_rows,
+// `x_rows`: rows of X the product may read.
+Params make_params(const DevLinear& W, int out, const __nv_bfloat16* X, int64_t ldx, int n_rows, long x_rows,
                    const GemmOutput& Y, const char* what) {
   TANSY_CHECK(W.fmt == WFormat::kAffine4 || W.fmt == WFormat::kAffine8 || W.fmt == WFormat::kBF16,
               "{}: weight format {} is not supported", what, wformat_name(W.fmt));
@@ -362,6 +444,16 @@ Params make_params(const DevLinear& W, int out, const __nv_bfloat16* X, int64_t 
   TANSY_CHECK(n_rows >= 1, "{}: need at least one row, got {}", what, n_rows);
   TANSY_CHECK(X && aligned(X, 16) && ldx >= W.in && ldx % 8 == 0,
               "{}: X must be 16-byte aligned with ldx ({}) >= in ({}) and a multiple of 8", what, ldx, W.in);
+  // The kernel addresses X and one weight matrix with 32-bit offsets.
+  TANSY_CHECK(double(x_rows) * double(ldx) < 4294967296.0, "{}: X of {} rows x {} elements is too large",
+              what, x_rows, ldx);
+  TANSY_CHECK(double(out) * W.in *
+                      (W.fmt == WFormat::kBF16      ? 16
+                       : W.fmt == WFormat::kAffine8 ? 8
+                                                    : 4) /
+                      8 <
+                  4294967296.0,
+              "{}: weight matrix [{}, {}] is too large", what, out, W.in);
   TANSY_CHECK(Y.ptr, "{}: null output", what);
   const int cols = Y.epilogue == GemmEpilogue::kSwiGlu ? out / 2 : out;
   if (Y.epilogue == GemmEpilogue::kSwiGlu)
@@ -390,17 +482,8 @@ Params make_params(const DevLinear& W, int out, const __nv_bfloat16* X, int64_t 
 
 void gemm(const DevLinear& W, const __nv_bfloat16* X, int64_t ldx, int n, const GemmOutput& Y,
           cudaStream_t stream) {
-  const Params p = make_params(W, W.out, X, ldx, n, Y, "gemm");
-  const int ntiles = (W.out + BN - 1) / BN;
-  TANSY_CHECK(ntiles <= 65535, "gemm: out {} exceeds the grid limit", W.out);
-  // 128-row tiles reuse each weight tile twice as much; fall back to 64 rows when 128 would leave
-  // the multiprocessors short of two blocks each.
-  const long tiles128 = long((n + 127) / 128) * ntiles;
-  if (tiles128 >= 2L * sm_count()) {
-    dispatch<128>(p, W.fmt, dim3((n + 127) / 128, ntiles), stream);
-  } else {
-    dispatch<64>(p, W.fmt, dim3((n + 63) / 64, ntiles), stream);
-  }
+  const Params p = make_params(W, W.out, X, ldx, n, n, Y, "gemm");
+  dispatch_tiles(p, W.fmt, (n + BM - 1) / BM, stream, "gemm");
 }
 
 void gemm_grouped(const DevLinear& W, int n_experts, const __nv_bfloat16* X, int64_t ldx, bool gather, int n,
@@ -412,17 +495,15 @@ void gemm_grouped(const DevLinear& W, int n_experts, const __nv_bfloat16* X, int
               n_experts);
   const long rows = long(n) * k;
   TANSY_CHECK(rows < (1L << 30), "gemm_grouped: n*k = {} too large", rows);
-  Params p = make_params(W, W.out / n_experts, X, ldx, int(rows), Y, "gemm_grouped");
+  Params p = make_params(W, W.out / n_experts, X, ldx, int(rows), gather ? n : rows, Y, "gemm_grouped");
   p.tile_offsets = r.tile_offsets;
   p.expert_offsets = r.expert_offsets;
   p.sorted_slot = gather ? r.sorted_slot : nullptr;
   p.gather_k = k;
   p.n_experts = n_experts;
   // Each expert's last tile may be partial: at most rows/BM full tiles plus one per non-empty expert.
-  const long max_tiles = (rows + kGroupedBM - 1) / kGroupedBM + std::min<long>(n_experts, rows);
-  const int ntiles = (p.out + BN - 1) / BN;
-  TANSY_CHECK(ntiles <= 65535, "gemm_grouped: {} rows per expert exceed the grid limit", p.out);
-  dispatch<kGroupedBM>(p, W.fmt, dim3(unsigned(max_tiles), ntiles), stream);
+  const long max_tiles = (rows + BM - 1) / BM + std::min<long>(n_experts, rows);
+  dispatch_tiles(p, W.fmt, max_tiles, stream, "gemm_grouped");
 }
 
 }  // namespace tansy::cuda

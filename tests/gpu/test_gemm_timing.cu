@@ -1,0 +1,144 @@
+// Prefill GEMM timings, old kernel (gemm_v1.cu, ldmatrix on a dequantized shared tile) against the
+// current one (src/cuda/gemm/gemm.cu, codes dequantized into mma fragments), at the real model's
+// prefill shapes for 4,096 tokens: the grouped expert gate|up (SwiGLU) and down [256 x 1024x2048],
+// [256 x 2048x512] with uniform routing (~128 rows per expert) and with a skewed one, and the dense
+// GDN in_proj / out_proj and attention q|k|v. Not pass/fail beyond the
+// two kernels agreeing; runs only with TANSY_GEMM_TIMING=1 and prints median ms and TFLOP/s.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "cuda/gemm/gemm.cuh"
+#include "cuda/moe/moe.cuh"
+#include "gemm_v1.h"
+#include "gpu_test_util.h"
+
+namespace tansy {
+namespace {
+
+using namespace gpu_test;
+using cuda::bf16;
+using cuda::DeviceBuffer;
+
+namespace gemm_timing {
+
+template <typename F>
+double median_ms(F&& fn, int reps = 21) {
+  cudaEvent_t e0, e1;
+  CUDA_CHECK(cudaEventCreate(&e0));
+  CUDA_CHECK(cudaEventCreate(&e1));
+  fn();
+  CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<float> t(reps);
+  for (auto& ms : t) {
+    CUDA_CHECK(cudaEventRecord(e0, 0));
+    fn();
+    CUDA_CHECK(cudaEventRecord(e1, 0));
+    CUDA_CHECK(cudaEventSynchronize(e1));
+    CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+  }
+  CUDA_CHECK(cudaEventDestroy(e0));
+  CUDA_CHECK(cudaEventDestroy(e1));
+  std::sort(t.begin(), t.end());
+  return t[reps / 2];
+}
+
+// Times `run(use_new)` for both kernels, prints both, and checks the two outputs agree (relative
+// L2 distance, bf16 outputs: the f32 sums differ only in order).
+template <typename Run>
+void compare(const char* what, double flop, DeviceBuffer<bf16>& y, Run&& run) {
+  run(false);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  const auto old_out = from_device_bf16(y.get(), y.size());
+  const double ms_old = median_ms([&] { run(false); });
+  run(true);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  const auto new_out = from_device_bf16(y.get(), y.size());
+  const double ms_new = median_ms([&] { run(true); });
+  std::printf("  TIMING %-44s old %8.3f ms %6.1f TFLOP/s | new %8.3f ms %6.1f TFLOP/s | x%.2f\n", what,
+              ms_old, flop / (ms_old * 1e-3) / 1e12, ms_new, flop / (ms_new * 1e-3) / 1e12, ms_old / ms_new);
+  EXPECT_REL(new_out, old_out, kTolBf16, std::string(what) + ": new kernel vs old");
+}
+
+}  // namespace gemm_timing
+
+TEST(Timing, Gemm) {
+  if (!std::getenv("TANSY_GEMM_TIMING")) GTEST_SKIP() << "set TANSY_GEMM_TIMING=1";
+  using namespace gemm_timing;
+  constexpr int n = 4096;
+  std::printf("prefill GEMM timings at n=%d (median of 21; 4-bit weights; random data; old = gemm_v1)\n", n);
+  auto x = randn(size_t(n) * 4096);
+  round_bf16_inplace(x);
+  auto dx = to_device_bf16(x);
+  auto dense = [&](const char* what, int out, int in) {
+    TestMatrix W = make_matrix(WFormat::kAffine4, out, in);
+    DeviceBuffer<bf16> y(size_t(n) * out);
+    compare(what, 2.0 * n * out * in, y, [&](bool use_new) {
+      const cuda::GemmOutput o{y.get(), cuda::GemmOutType::kBF16, out, cuda::GemmEpilogue::kStore};
+      if (use_new)
+        cuda::gemm(W.dev, dx.get(), in, n, o, 0);
+      else
+        cuda::gemm_v1::gemm(W.dev, dx.get(), in, n, o, 0);
+    });
+  };
+  dense("gemm gdn in_proj [12352x2048]", 12352, 2048);
+  dense("gemm gdn out_proj [2048x4096]", 2048, 4096);
+  dense("gemm attn in_qkv [8192x2048]", 8192, 2048);
+
+  constexpr int E = 256, k = 8, H = 2048, I = 512;
+  TestMatrix GU = make_matrix(WFormat::kAffine4, E * 2 * I, H);
+  TestMatrix Dn = make_matrix(WFormat::kAffine4, E * H, I);
+  // Uniform routing, then a skewed one: each token's 8 experts drawn without replacement with
+  // probability ~ rank^-0.5 (Gumbel top-k), the kind of load tansy synth --router-skew 0.5 gives.
+  for (const bool skewed : {false, true}) {
+    std::vector<int> idx;
+    std::vector<float> wts;
+    random_routing(n, E, k, idx, wts);
+    if (skewed) {
+      std::vector<float> logw(E);
+      for (int e = 0; e < E; ++e) logw[size_t(e)] = -0.5f * std::log(float(e + 1));
+      std::uniform_real_distribution<double> u(1e-12, 1.0);
+      std::vector<std::pair<double, int>> key(E);
+      for (int t = 0; t < n; ++t) {
+        for (int e = 0; e < E; ++e) key[size_t(e)] = {logw[size_t(e)] - std::log(-std::log(u(rng()))), e};
+        std::partial_sort(key.begin(), key.begin() + k, key.end(), std::greater<>());
+        for (int j = 0; j < k; ++j) idx[size_t(t) * k + j] = key[size_t(j)].second;
+      }
+    }
+    std::vector<int> count(E, 0);
+    for (int e : idx) ++count[size_t(e)];
+    std::printf("  routing %s: rows per expert max %d, min %d (mean %d)\n", skewed ? "skewed" : "uniform",
+                *std::max_element(count.begin(), count.end()), *std::min_element(count.begin(), count.end()),
+                n * k / E);
+    auto didx = to_device(idx);
+    DeviceRouting R;
+    const auto rv = R.view(E, n * k);
+    cuda::moe_route_sort(didx.get(), n, k, E, rv, 0);
+    DeviceBuffer<bf16> act(size_t(n) * k * I), yd(size_t(n) * k * H);
+    const std::string tag = skewed ? " (skewed)" : " (uniform)";
+    compare(("gemm_grouped gate|up swiglu" + tag).c_str(), 2.0 * n * k * 2 * I * H, act, [&](bool use_new) {
+      const cuda::GemmOutput o{act.get(), cuda::GemmOutType::kBF16, I, cuda::GemmEpilogue::kSwiGlu};
+      if (use_new)
+        cuda::gemm_grouped(GU.dev, E, dx.get(), H, true, n, k, rv, o, 0);
+      else
+        cuda::gemm_v1::gemm_grouped(GU.dev, E, dx.get(), H, true, n, k, rv, o, 0);
+    });
+    // down reads the SwiGLU activations of the (new) gate|up run above
+    compare(("gemm_grouped down" + tag).c_str(), 2.0 * n * k * H * I, yd, [&](bool use_new) {
+      const cuda::GemmOutput o{yd.get(), cuda::GemmOutType::kBF16, H, cuda::GemmEpilogue::kStore};
+      if (use_new)
+        cuda::gemm_grouped(Dn.dev, E, act.get(), I, false, n, k, rv, o, 0);
+      else
+        cuda::gemm_v1::gemm_grouped(Dn.dev, E, act.get(), I, false, n, k, rv, o, 0);
+    });
+  }
+  CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+}  // namespace
+}  // namespace tansy
