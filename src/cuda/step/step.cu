@@ -140,18 +140,42 @@ __device__ __forceinline__ void grid_wait(const unsigned* bar, unsigned target) 
   ConsumerSync{}();
 }
 
-// A row's dot product from its tile: lane l takes chunks l, l+32, ... (the per-op kernels' order).
-template <int BITS>
-__device__ __forceinline__ float dot_tile(const uint8_t* wrow, const bf16* srow, const bf16* brow,
-                                          const float* xs, int cpr, int lane) {
-  constexpr int S = Chunk<BITS>::kStride;
-  float acc = 0.f;
-  for (int c = lane; c < cpr; c += 32) {
-    const uint4 w = *reinterpret_cast<const uint4*>(wrow + c * 16);
+// The shapes the step's dot products are unrolled for (the real model's; step_supported checks
+// them): chunks per row of the 2048-column products (in_proj and experts gate|up 4-bit, the router
+// 8-bit), of out_proj's 4096 columns, of the experts' 512-column down rows; slots per token.
+constexpr int kHidden = 2048, kValueDim = 4096, kMoeInter = 512, kSlotsPerToken = 9;
+constexpr int kCprIn = kHidden / Chunk<4>::kCols;      // 64: 2 chunks per lane
+constexpr int kCprRouter = kHidden / Chunk<8>::kCols;  // 128
+constexpr int kCprOut = kValueDim / Chunk<4>::kCols;   // 128
+constexpr int kCprDown = kMoeInter / Chunk<4>::kCols;  // 16: one chunk per lane of 16
+
+// R rows' dot products from their tile (rows lr[r] of it): lane l takes chunks l, l+32, ... and adds
+// them in that order (the per-op kernels' order). Each chunk's product is independent, so the
+// unrolled loop keeps R * CPR/32 of them in flight in the warp.
+template <int BITS, int CPR, int R>
+__device__ __forceinline__ void dot_rows(const uint8_t* wtile, const bf16* sc, const bf16* bi,
+                                         const int (&lr)[R], const float* xs, int lane, float (&acc)[R]) {
+  constexpr int S = Chunk<BITS>::kStride, N = CPR / 32, RB = CPR * 16;
+  constexpr int GR = CPR * Chunk<BITS>::kCols / kQuantGroup;  // quant groups per row
+  static_assert(CPR % 32 == 0);
+  float d[R][N];
+#pragma unroll
+  for (int n = 0; n < N; ++n) {
+    const int c = lane + 32 * n;
     const int g = (c * Chunk<BITS>::kCols) / kQuantGroup;
-    acc += chunk_dot<BITS>(w, xs + c * S, __bfloat162float(srow[g]), __bfloat162float(brow[g]));
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const uint4 w = *reinterpret_cast<const uint4*>(wtile + lr[r] * RB + c * 16);
+      d[r][n] = chunk_dot<BITS>(w, xs + c * S, __bfloat162float(sc[lr[r] * GR + g]),
+                                __bfloat162float(bi[lr[r] * GR + g]));
+    }
   }
-  return acc;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    acc[r] = 0.f;
+#pragma unroll
+    for (int n = 0; n < N; ++n) acc[r] += d[r][n];
+  }
 }
 
 // Row-tile layout in a slot: codes [cap rows], scales [cap rows], biases [cap rows] (then, for the
@@ -306,10 +330,14 @@ struct Consumer {
     if (first) stamp(a, p, 3);
     if (last) stamp(a, p, 4);
   }
-
   __device__ float* ss(int point) const { return a.ss + size_t(point) * kNormParts; }
+  __device__ const uint8_t* next_tile(unsigned& slot, bool first, bool last) {
+    const uint8_t* base = ring_wait(ring, slot);
+    landed(first, last);
+    return base;
+  }
 
-  // GDN in_proj with the input norm, then each row's conv / gate epilogue.
+  // GDN in_proj with the input norm, then each row's conv / gate epilogue; 2 rows per warp.
   __device__ void gdn_in(const StepLayer& L) {
     const DevLinear& W = L.gdn_in;
     const int nt = n_tiles(a, L, kGdnIn);
@@ -319,7 +347,7 @@ struct Consumer {
     nz.ss = ss(2 * L.index);
     nz.w = L.in_norm;
     nz.eps = a.eps;
-    stage_norm<4>(nz, W.in, xs, red, false, ConsumerSync{});
+    stage_norm<4>(nz, kHidden, xs, red, false, ConsumerSync{});
     ConsumerSync{}();
     staged();
     GdnInEpilogue G;
@@ -334,38 +362,44 @@ struct Consumer {
     G.conv_out = a.conv_out;
     G.beta = a.beta;
     G.g = a.g;
-    const int rb = W.in / 2, groups = W.in / kQuantGroup, cpr = W.in / Chunk<4>::kCols, K = a.conv_kernel;
-    const TileLayout t = tile_layout(kRowsIn, rb, groups, K);
+    const int K = a.conv_kernel;
+    const TileLayout t = tile_layout(kRowsIn, kHidden / 2, kHidden / kQuantGroup, K);
+    constexpr int R = kRowsIn / kWarps;
+    static_assert(R == 2);
+    const int lr[R] = {warp, warp + kWarps};
     for (int i = blockIdx.x; i < nt; i += gridDim.x) {
       unsigned slot;
-      const uint8_t* base = ring_wait(ring, slot);
-      landed(i == int(blockIdx.x), i + int(gridDim.x) >= nt);
-      const bf16* sc = reinterpret_cast<const bf16*>(base + t.sc);
-      const bf16* bi = reinterpret_cast<const bf16*>(base + t.bi);
+      const uint8_t* base = next_tile(slot, i == int(blockIdx.x), i + int(gridDim.x) >= nt);
       const float* cw = reinterpret_cast<const float*>(base + t.cw);
       const bf16* win = reinterpret_cast<const bf16*>(base + t.win);
       const int r0 = i * kRowsIn, rows = min(kRowsIn, W.out - r0);
+      float w[R], in[R], y[R];
 #pragma unroll
-      for (int k = 0; k < kRowsIn / kWarps; ++k) {
-        const int lr = warp + k * kWarps, row = r0 + lr;
-        if (lr >= rows) break;  // uniform across the warp
-        float w = 0.f, in = 0.f;
-        if (row < a.conv_dim) {
-          if (lane < K) w = cw[lr * K + lane];
-          if (lane < K - 1) in = __bfloat162float(win[lane * kRowsIn + lr]);
+      for (int k = 0; k < R; ++k) {
+        w[k] = in[k] = 0.f;
+        if (r0 + lr[k] < a.conv_dim) {
+          if (lane < K) w[k] = cw[lr[k] * K + lane];
+          if (lane < K - 1) in[k] = __bfloat162float(win[lane * kRowsIn + lr[k]]);
         }
-        const float y =
-            group_sum<32>(dot_tile<4>(base + lr * rb, sc + lr * groups, bi + lr * groups, xs, cpr, lane));
-        if (lane == 0) a.proj[row] = __float2bfloat16(y);
-        gdn_in_epilogue(G, row, y, w, in, lane);
       }
+      dot_rows<4, kCprIn, R>(base, reinterpret_cast<const bf16*>(base + t.sc),
+                             reinterpret_cast<const bf16*>(base + t.bi), lr, xs, lane, y);
+#pragma unroll
+      for (int k = 0; k < R; ++k) y[k] = group_sum<32>(y[k]);
       ring_release(ring, slot, lane);
+#pragma unroll
+      for (int k = 0; k < R; ++k) {
+        if (lr[k] >= rows) break;  // uniform across the warp
+        const int row = r0 + lr[k];
+        if (lane == 0) a.proj[row] = __float2bfloat16(y[k]);
+        gdn_in_epilogue(G, row, y[k], w[k], in[k], lane);
+      }
     }
   }
 
   // The recurrence: unit u = (head u/4, columns (u%4)*32) on threads 0..127; the state is read
   // before waiting on the in_proj (only this unit touches it).
-  __device__ void gdn_rec(const StepLayer& L, unsigned p, gdn_unit::Smem& gsm) {
+  __device__ void gdn_rec(const StepLayer& L, unsigned pp, gdn_unit::Smem& gsm) {
     GdnDecodeArgs ga;
     ga.conv = a.conv_out;
     ga.beta = a.beta;
@@ -389,8 +423,8 @@ struct Consumer {
       S = gdn_unit::state_column(ga, u / kUnitsPerHead, (u % kUnitsPerHead) * gdn_unit::kColsPerUnit);
       gdn_unit::load_state(S, s);
     }
-    grid_wait(a.barrier, p * gridDim.x);
-    stamp(a, p, 0);
+    grid_wait(a.barrier, pp * gridDim.x);
+    stamp(a, pp, 0);
     for (; u < units; u += gridDim.x) {
       if (!mine) continue;
       if (u != int(blockIdx.x)) {
@@ -403,7 +437,6 @@ struct Consumer {
 
   // out_proj + residual: tile i = rows 8i..8i+7 = partial sum i of the next norm point.
   __device__ void gdn_out(const StepLayer& L) {
-    const DevLinear& W = L.gdn_out;
     const int nt = n_tiles(a, L, kGdnOut);
     if (int(blockIdx.x) >= nt) return;
     // h of this warp's row in the block's tile j, held by lane j (loaded before staging x)
@@ -412,26 +445,26 @@ struct Consumer {
       const int i = blockIdx.x + lane * gridDim.x;
       if (i < nt) hv = __ldcg(a.h + i * kRowsOut + warp);
     }
-    stage_rows<4>(a.mix, W.in, 1, 1, W.in, xs, kConsumers);
+    stage_rows<4>(a.mix, kValueDim, 1, 1, kValueDim, xs, kConsumers);
     ConsumerSync{}();
     staged();
-    const int rb = W.in / 2, groups = W.in / kQuantGroup, cpr = W.in / Chunk<4>::kCols;
-    const TileLayout t = tile_layout(kRowsOut, rb, groups, 0);
+    const TileLayout t = tile_layout(kRowsOut, kValueDim / 2, kValueDim / kQuantGroup, 0);
     float* part = ss(2 * L.index + 1);
+    const int lr[1] = {warp};
     int j = 0;
     for (int i = blockIdx.x; i < nt; i += gridDim.x, ++j) {
       unsigned slot;
-      const uint8_t* base = ring_wait(ring, slot);
-      landed(i == int(blockIdx.x), i + int(gridDim.x) >= nt);
-      const int row = i * kRowsOut + warp;
-      const float y = group_sum<32>(
-          dot_tile<4>(base + warp * rb, reinterpret_cast<const bf16*>(base + t.sc) + warp * groups,
-                      reinterpret_cast<const bf16*>(base + t.bi) + warp * groups, xs, cpr, lane));
+      const uint8_t* base = next_tile(slot, i == int(blockIdx.x), i + int(gridDim.x) >= nt);
+      float y[1];
+      dot_rows<4, kCprOut, 1>(base, reinterpret_cast<const bf16*>(base + t.sc),
+                              reinterpret_cast<const bf16*>(base + t.bi), lr, xs, lane, y);
       ring_release(ring, slot, lane);
+      y[0] = group_sum<32>(y[0]);
+      const int row = i * kRowsOut + warp;
       const float hr = j < 32 ? __shfl_sync(0xffffffffu, hv, j) : __ldcg(a.h + row);
       float sq = 0.f;
       if (lane == 0) {
-        const float v = hr + y;
+        const float v = hr + y[0];
         a.h[row] = v;
         sq = fmaf(v, v, sq);
       }
@@ -450,21 +483,21 @@ struct Consumer {
     nz.w = L.post_norm;
     nz.eps = a.eps;
     nz.xn_out = a.xn;
-    stage_norm<8>(nz, W.in, xs, red, blockIdx.x == 0, ConsumerSync{});
+    stage_norm<8>(nz, kHidden, xs, red, blockIdx.x == 0, ConsumerSync{});
     ConsumerSync{}();
     staged();
-    const int rb = W.in, groups = W.in / kQuantGroup, cpr = W.in / Chunk<8>::kCols;
-    const TileLayout t = tile_layout(kRowsRouter, rb, groups, 0);
+    const TileLayout t = tile_layout(kRowsRouter, kHidden, kHidden / kQuantGroup, 0);
+    const int lr[1] = {warp};
     for (int i = blockIdx.x; i < nt; i += gridDim.x) {
       unsigned slot;
-      const uint8_t* base = ring_wait(ring, slot);
-      landed(i == int(blockIdx.x), i + int(gridDim.x) >= nt);
+      const uint8_t* base = next_tile(slot, i == int(blockIdx.x), i + int(gridDim.x) >= nt);
       const int row = i * kRowsRouter + warp;
-      if (row < W.out) {
-        const float y = group_sum<32>(
-            dot_tile<8>(base + warp * rb, reinterpret_cast<const bf16*>(base + t.sc) + warp * groups,
-                        reinterpret_cast<const bf16*>(base + t.bi) + warp * groups, xs, cpr, lane));
-        if (lane == 0) a.logits[row] = y;
+      if (row < W.out) {  // uniform across the warp
+        float y[1];
+        dot_rows<8, kCprRouter, 1>(base, reinterpret_cast<const bf16*>(base + t.sc),
+                                   reinterpret_cast<const bf16*>(base + t.bi), lr, xs, lane, y);
+        y[0] = group_sum<32>(y[0]);
+        if (lane == 0) a.logits[row] = y[0];
       }
       ring_release(ring, slot, lane);
     }
@@ -472,30 +505,26 @@ struct Consumer {
 
   // Experts gate|up with SwiGLU: tile i = slot i / (I/8), output pairs 8·(i % (I/8)) + warp.
   __device__ void experts_gu(const StepLayer& L) {
-    const DevLinear& W = L.gu;
     const int nt = n_tiles(a, L, kExpertsGu);
     if (int(blockIdx.x) >= nt) return;
-    stage_rows<4>(a.xn, W.in, 1, 1, W.in, xs, kConsumers);
+    stage_rows<4>(a.xn, kHidden, 1, 1, kHidden, xs, kConsumers);
     ConsumerSync{}();
     staged();
-    const int rb = W.in / 2, groups = W.in / kQuantGroup, cpr = W.in / Chunk<4>::kCols;
-    const TileLayout t = tile_layout(2 * kPairsGu, rb, groups, 0);
-    const int per_slot = a.I / kPairsGu;
+    const TileLayout t = tile_layout(2 * kPairsGu, kHidden / 2, kHidden / kQuantGroup, 0);
+    constexpr int per_slot = kMoeInter / kPairsGu;
+    const int lr[2] = {2 * warp, 2 * warp + 1};
     for (int i = blockIdx.x; i < nt; i += gridDim.x) {
       unsigned slot;
-      const uint8_t* base = ring_wait(ring, slot);
-      landed(i == int(blockIdx.x), i + int(gridDim.x) >= nt);
-      const bf16* sc = reinterpret_cast<const bf16*>(base + t.sc);
-      const bf16* bi = reinterpret_cast<const bf16*>(base + t.bi);
-      const int lr = 2 * warp;
-      const float gt =
-          group_sum<32>(dot_tile<4>(base + lr * rb, sc + lr * groups, bi + lr * groups, xs, cpr, lane));
-      const float up = group_sum<32>(
-          dot_tile<4>(base + (lr + 1) * rb, sc + (lr + 1) * groups, bi + (lr + 1) * groups, xs, cpr, lane));
+      const uint8_t* base = next_tile(slot, i == int(blockIdx.x), i + int(gridDim.x) >= nt);
+      float y[2];
+      dot_rows<4, kCprIn, 2>(base, reinterpret_cast<const bf16*>(base + t.sc),
+                             reinterpret_cast<const bf16*>(base + t.bi), lr, xs, lane, y);
       ring_release(ring, slot, lane);
+      y[0] = group_sum<32>(y[0]);
+      y[1] = group_sum<32>(y[1]);
       if (lane == 0) {
-        const int j = i / per_slot, p = (i % per_slot) * kPairsGu + warp;
-        a.act[int64_t(j) * a.I + p] = __float2bfloat16(swiglu_bf16(gt, up));
+        const int j = i / per_slot, pr = (i % per_slot) * kPairsGu + warp;
+        a.act[int64_t(j) * kMoeInter + pr] = __float2bfloat16(swiglu_bf16(y[0], y[1]));
       }
     }
   }
@@ -503,43 +532,51 @@ struct Consumer {
   // Experts down + weighted combine + residual: row block v = rows 16v..16v+15, thread = (row, lane
   // of 16), lane c takes chunk c of every expert in slot order (the per-op kernel's order).
   __device__ void experts_down(const StepLayer& L) {
-    const DevLinear& W = L.down;
     const int nt = n_tiles(a, L, kExpertsDown);
     if (int(blockIdx.x) >= nt) return;
-    constexpr int Gl = 16;  // lanes per row: I = 512 is 16 chunks
+    constexpr int Gl = kCprDown;  // lanes per row: one chunk each
+    static_assert(Gl == 16 && kConsumers / Gl == kRowsDown);
     const int rl = threadIdx.x / Gl, sub = threadIdx.x % Gl;
-    const int k1 = a.K + 1;
     float hv = 0.f;
     {
       const int v = blockIdx.x + sub * gridDim.x;
       if (v < nt) hv = __ldcg(a.h + v * kRowsDown + rl);
     }
-    stage_rows<4>(a.act, W.in, k1, k1, W.in, xs, kConsumers);
+    stage_rows<4>(a.act, kMoeInter, kSlotsPerToken, kSlotsPerToken, kMoeInter, xs, kConsumers);
     ConsumerSync{}();
     staged();
-    const int rb = W.in / 2, groups = W.in / kQuantGroup, cpr = W.in / Chunk<4>::kCols;
-    constexpr int S = Chunk<4>::kStride;
-    const uint32_t sc_off = kDownPerTile * kRowsDown * rb,
-                   bi_off = sc_off + kDownPerTile * kRowsDown * groups * 2;
-    const int dt = down_tiles(a);
+    constexpr int S = Chunk<4>::kStride, rb = kMoeInter / 2, groups = kMoeInter / kQuantGroup;
+    constexpr uint32_t sc_off = kDownPerTile * kRowsDown * rb,
+                       bi_off = sc_off + kDownPerTile * kRowsDown * groups * 2;
+    constexpr int dt = (kSlotsPerToken + kDownPerTile - 1) / kDownPerTile;
+    const int g = (sub * Chunk<4>::kCols) / kQuantGroup;
     float* part = ss(2 * L.index + 2);
     int jv = 0;
     for (int v = blockIdx.x; v < nt; v += gridDim.x, ++jv) {
       float acc = 0.f;
+#pragma unroll
       for (int tt = 0; tt < dt; ++tt) {
         unsigned slot;
-        const uint8_t* base = ring_wait(ring, slot);
-        landed(v == int(blockIdx.x) && tt == 0, v + int(gridDim.x) >= nt && tt == dt - 1);
-        const int j0 = tt * kDownPerTile, j1 = min(j0 + kDownPerTile, k1);
-        for (int j = j0; j < j1; ++j) {
-          const int lr = (j - j0) * kRowsDown + rl;
+        const uint8_t* base =
+            next_tile(slot, v == int(blockIdx.x) && tt == 0, v + int(gridDim.x) >= nt && tt == dt - 1);
+        constexpr int kMax = kDownPerTile;
+        const int j0 = tt * kDownPerTile;
+        float d[kMax];
+#pragma unroll
+        for (int jl = 0; jl < kMax; ++jl) {
+          if (j0 + jl >= kSlotsPerToken) break;
+          const int lr = jl * kRowsDown + rl;
           const uint4 wv = *reinterpret_cast<const uint4*>(base + lr * rb + sub * 16);
-          const int g = (sub * Chunk<4>::kCols) / kQuantGroup;
           const float s = __bfloat162float(reinterpret_cast<const bf16*>(base + sc_off)[lr * groups + g]);
           const float bb = __bfloat162float(reinterpret_cast<const bf16*>(base + bi_off)[lr * groups + g]);
-          acc = fmaf(rs.w[j], chunk_dot<4>(wv, xs + (j * cpr + sub) * S, s, bb), acc);
+          d[jl] = chunk_dot<4>(wv, xs + ((j0 + jl) * kCprDown + sub) * S, s, bb);
         }
         ring_release(ring, slot, lane);
+#pragma unroll
+        for (int jl = 0; jl < kMax; ++jl) {
+          if (j0 + jl >= kSlotsPerToken) break;
+          acc = fmaf(rs.w[j0 + jl], d[jl], acc);
+        }
       }
       acc = group_sum<Gl>(acc);
       const int r = v * kRowsDown + rl;
@@ -635,6 +672,9 @@ bool fail_why(std::string* why, std::string msg) {
 
 bool step_supported(const StepLayer& L, const StepArgs& a, std::string* why) {
   auto q4 = [](const DevLinear& W) { return W.fmt == WFormat::kAffine4; };
+  if (a.H != kHidden || a.I != kMoeInter || a.K + 1 != kSlotsPerToken || (L.gdn && a.value_dim != kValueDim))
+    return fail_why(
+        why, "dimensions other than the real model's (hidden 2048, GDN values 4096, top-8 + shared of 512)");
   if (L.gdn) {
     if (!q4(L.gdn_in) || !q4(L.gdn_out)) return fail_why(why, "GDN projections are not 4-bit");
     if (L.gdn_in.in != a.H || a.H > kFusedNormMaxDim || a.H % 64 != 0)
