@@ -126,16 +126,14 @@ __device__ __forceinline__ void stamp(const StepArgs& a, unsigned p, int which) 
 }
 __device__ __forceinline__ void grid_arrive(unsigned* bar) {
   ConsumerSync{}();  // the block's writes of the product are done
-  if (threadIdx.x == 0) {
-    __threadfence();
-    atomicAdd(bar, 1u);
-  }
+  // A release at gpu scope: after the block barrier it orders every consumer thread's writes of
+  // the product before the count (cumulativity), without a full fence.
+  if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(bar) : "memory");
 }
 __device__ __forceinline__ void grid_wait(const unsigned* bar, unsigned target) {
   if (threadIdx.x == 0) {
     while (ld_acquire(bar) < target) {
     }
-    __threadfence();
   }
   ConsumerSync{}();
 }
@@ -228,8 +226,38 @@ __device__ void route(const StepArgs& a, const StepLayer& L, unsigned target, Ro
   }
 }
 
+__device__ __forceinline__ void prefetch_l2(const void* src, unsigned bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+}
+template <int BITS>
+__device__ __forceinline__ void prefetch_rows(const DevLinear& W, int64_t r0, int rows) {
+  const int64_t rb = int64_t(W.in) * BITS / 8, groups = W.in / kQuantGroup;
+  prefetch_l2(reinterpret_cast<const uint8_t*>(W.q) + r0 * rb, unsigned(rows * rb));
+  prefetch_l2(W.scales + r0 * groups, unsigned(rows * groups * 2));
+  prefetch_l2(W.biases + r0 * groups, unsigned(rows * groups * 2));
+}
+
+// Producer lane 0, while it waits on a routing: this block's tiles of the next GDN layer's
+// in_proj, out_proj and router asked into L2, so that their copies into the ring (once the experts'
+// tiles free it) come from L2 instead of DRAM. Only the experts' weights depend on activations;
+// this keeps DRAM busy during the stretch (recurrence, out_proj, router, routing) where the ring
+// holds nothing else to fetch.
+__device__ void prefetch_next_layer(const StepArgs& a, const StepLayer& N) {
+  const int G = gridDim.x, b = blockIdx.x;
+  for (int i = b, nt = n_tiles(a, N, kGdnIn); i < nt; i += G) {
+    const int r0 = i * kRowsIn;
+    prefetch_rows<4>(N.gdn_in, r0, min(kRowsIn, N.gdn_in.out - r0));
+  }
+  for (int i = b, nt = n_tiles(a, N, kGdnOut); i < nt; i += G)
+    prefetch_rows<4>(N.gdn_out, i * kRowsOut, kRowsOut);
+  for (int i = b, nt = n_tiles(a, N, kRouter); i < nt; i += G) {
+    const int r0 = i * kRowsRouter;
+    prefetch_rows<8>(N.router, r0, min(kRowsRouter, N.router.out - r0));
+  }
+}
+
 __device__ void produce(const StepArgs& a, const StepLayer& L, int kind, unsigned phase_target, Ring& ring,
-                        RouteSmem& rs, int lane) {
+                        RouteSmem& rs, int lane, const StepLayer* next) {
   const int G = gridDim.x, b = blockIdx.x;
   const int nt = n_tiles(a, L, kind);
   uint64_t* bar = nullptr;
@@ -273,6 +301,7 @@ __device__ void produce(const StepArgs& a, const StepLayer& L, int kind, unsigne
       break;
     }
     case kExpertsGu: {
+      if (next && next->gdn && lane == 0) prefetch_next_layer(a, *next);
       route(a, L, phase_target, rs, lane);
       const DevLinear& W = L.gu;
       const TileLayout t = tile_layout(2 * kPairsGu, W.in / 2, W.in / kQuantGroup, 0);
@@ -615,7 +644,8 @@ __global__ void __launch_bounds__(kStepThreads, 1) step_kernel(const __grid_cons
     unsigned p = 0;
     for (int li = 0; li < a.n_layers; ++li)
       for (int j = 0; j < n_kinds(a.layer[li]); ++j, ++p)
-        produce(a, a.layer[li], kind_at(a.layer[li], j), p * G, ring, rs, lane);
+        produce(a, a.layer[li], kind_at(a.layer[li], j), p * G, ring, rs, lane,
+                li + 1 < a.n_layers ? &a.layer[li + 1] : nullptr);
     return;
   }
   pdl_wait();
