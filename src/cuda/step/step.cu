@@ -340,6 +340,8 @@ __device__ void produce(const StepArgs& a, const StepLayer& L, int kind, unsigne
     default:
       break;
   }
+  if (a.prof && lane == 0 && b < nt)
+    a.prof[(size_t(phase_target / G) * kStepStamps + 6) * G + b] = global_ns();  // the last tile is issued
   __syncwarp();
 }
 
@@ -360,9 +362,14 @@ struct Consumer {
     if (last) stamp(a, p, 4);
   }
   __device__ float* ss(int point) const { return a.ss + size_t(point) * kNormParts; }
+  unsigned long long waited = 0;  // profiling: ns thread 0 spent waiting on this product's tiles
   __device__ const uint8_t* next_tile(unsigned& slot, bool first, bool last) {
+    const bool prof = a.prof && threadIdx.x == 0;
+    const unsigned long long t0 = prof ? global_ns() : 0;
     const uint8_t* base = ring_wait(ring, slot);
+    if (prof) waited += global_ns() - t0;
     landed(first, last);
+    if (prof && last) a.prof[(size_t(p) * kStepStamps + 5) * gridDim.x + blockIdx.x] = waited;
     return base;
   }
 
@@ -664,6 +671,7 @@ __global__ void __launch_bounds__(kStepThreads, 1) step_kernel(const __grid_cons
       }
       if (kind != kGdnRec) stamp(a, p, 0);
       c.p = p;
+      c.waited = 0;
       if (p + 1 == total) pdl_launch_dependents();
       switch (kind) {
         case kGdnIn:
