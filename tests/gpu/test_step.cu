@@ -1,10 +1,12 @@
 // The persistent decode step (src/cuda/step/) against the per-op decode kernels it replaces, on
-// the synthetic full-size checkpoint (its shapes are the ones the step runs; set TANSY_SYNTH_DIR):
-// the same logits bit for bit at every step on a 132-multiprocessor card (H100 SXM / H200, where
-// the residual products' partial sums fall into the same row blocks), the same greedy tokens
-// through the decode graph, and the same routed experts. The per-op kernels are themselves checked
-// against the CPU reference (test_matvec, test_gdn, test_moe, and test_model's layer-by-layer runs,
-// whose synthetic decode step now runs the persistent step).
+// the synthetic full-size checkpoint (its shapes are the ones the step runs; set TANSY_SYNTH_DIR).
+// Teacher-forced on the per-op run's greedy tokens: the logits of every step within the bf16
+// plan's tolerance of the per-op kernels' and the same top-1 wherever it is decisive; the same
+// number of routed layers; and the step deterministic (two runs bit-identical). The step's
+// 2048-column products run on tensor cores (another summation order than the per-op kernels'
+// CUDA-core dot products); its other products use the per-op kernels' device functions. The
+// per-op kernels are themselves checked against the CPU reference (test_matvec, test_gdn,
+// test_moe, and test_model's layer-by-layer runs, whose synthetic decode step runs the step).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -38,7 +40,9 @@ struct DecodeRun {
   std::vector<std::vector<int32_t>> routes;
 };
 
-DecodeRun decode_run(cuda::CudaModel& m, const std::vector<int32_t>& prompt, int steps) {
+// Greedy from the run's own logits, or the tokens of `force` (teacher forcing).
+DecodeRun decode_run(cuda::CudaModel& m, const std::vector<int32_t>& prompt, int steps,
+                     const std::vector<int32_t>* force = nullptr) {
   DecodeRun r;
   const int V = m.config().vocab_size;
   auto st = m.new_state(int(prompt.size()) + steps + 2);
@@ -46,7 +50,7 @@ DecodeRun decode_run(cuda::CudaModel& m, const std::vector<int32_t>& prompt, int
   m.forward(*st, prompt, lg, false);
   r.logits.push_back(lg);
   for (int i = 0; i < steps; ++i) {
-    const int32_t t = argmax_of(lg);
+    const int32_t t = force ? (*force)[i] : argmax_of(lg);
     r.tokens.push_back(t);
     m.forward(*st, std::span<const int32_t>(&t, 1), lg, false);  // the decode graph
     r.logits.push_back(lg);
@@ -54,7 +58,7 @@ DecodeRun decode_run(cuda::CudaModel& m, const std::vector<int32_t>& prompt, int
   // one more step eagerly with the routes traced
   m.set_route_trace(
       [&](int, std::span<const int32_t> idx) { r.routes.emplace_back(idx.begin(), idx.end()); });
-  const int32_t t = argmax_of(lg);
+  const int32_t t = force ? (*force)[steps] : argmax_of(lg);
   m.forward(*st, std::span<const int32_t>(&t, 1), lg, false);
   m.set_route_trace(nullptr);
   r.logits.push_back(lg);
@@ -71,63 +75,65 @@ TEST(Step, SyntheticMatchesPerOpKernels) {
   const int V = m->config().vocab_size;
   const auto prompt = prompt_ids(300, V);
   constexpr int kSteps = 24;
-  const DecodeRun step = decode_run(*m, prompt, kSteps);
   m->use_decode_kernels(cuda::DecodeKernels::kPerOp);
   ASSERT_FALSE(m->decode_persistent());
-  const DecodeRun per_op = decode_run(*m, prompt, kSteps);
+  const DecodeRun ref = decode_run(*m, prompt, kSteps);
+  std::vector<int32_t> forced = ref.tokens;
+  forced.push_back(argmax_of(ref.logits[kSteps]));  // the token of ref's traced step
   m->use_decode_kernels(cuda::DecodeKernels::kPersistent);
   ASSERT_TRUE(m->decode_persistent());
+  const DecodeRun step = decode_run(*m, prompt, kSteps, &forced);
+  const DecodeRun again = decode_run(*m, prompt, kSteps, &forced);
 
-  EXPECT_EQ(step.tokens, per_op.tokens);
   ASSERT_EQ(step.routes.size(), size_t(m->config().num_layers)) << "every layer's routing reported once";
-  EXPECT_EQ(step.routes, per_op.routes);
-  const bool same_blocks = cuda::sm_count() == 132;
+  EXPECT_EQ(step.routes, again.routes);
+  int same_routes = 0;
+  for (size_t l = 0; l < step.routes.size(); ++l) same_routes += step.routes[l] == ref.routes[l];
   double worst = 0;
-  int identical = 0;
+  int decisive = 0, agree = 0, identical = 0;
   for (size_t s = 0; s < step.logits.size(); ++s) {
     const auto& a = step.logits[s];
-    const auto& b = per_op.logits[s];
+    const auto& b = ref.logits[s];
     float mx = 0, d = 0;
     for (int i = 0; i < V; ++i) {
       mx = std::max(mx, std::fabs(b[i]));
       d = std::max(d, std::fabs(a[i] - b[i]));
     }
     worst = std::max(worst, double(d) / mx);
+    const int top = argmax_of(b);
+    float second = -INFINITY;
+    for (int i = 0; i < V; ++i)
+      if (i != top) second = std::max(second, b[i]);
+    if (b[top] - second > 0.05f * mx) {
+      ++decisive;
+      agree += argmax_of(a) == top;
+    }
+    EXPECT_EQ(std::memcmp(a.data(), again.logits[s].data(), sizeof(float) * V), 0)
+        << "step " << s << " not deterministic";
     identical += std::memcmp(a.data(), b.data(), sizeof(float) * V) == 0;
   }
   std::printf(
-      "  persistent vs per-op decode: %d of %zu logit rows bit-identical, max |dlogit|/max|logit| %.2e\n",
-      identical, step.logits.size(), worst);
-  if (same_blocks)
-    EXPECT_EQ(identical, int(step.logits.size()))
-        << "132 multiprocessors: the step must equal the per-op kernels";
-  else
-    EXPECT_LT(worst, 2e-2);
+      "  persistent vs per-op decode (teacher-forced, %zu logit rows): max |dlogit|/max|logit| %.2e, "
+      "decisive top-1 "
+      "%d/%d, %d rows bit-identical; traced step: %d/%zu layers routed alike\n",
+      step.logits.size(), worst, agree, decisive, identical, same_routes, step.routes.size());
+  EXPECT_LT(worst, 2e-2);
+  EXPECT_EQ(agree, decisive);
 
-  // greedy through generate_greedy (the bench's path), both plans, and a reset state
-  auto greedy = [&](int n) {
-    std::vector<int32_t> toks;
-    auto st = m->new_state(int(prompt.size()) + n + 1);
-    m->generate_greedy(*st, prompt, n, [&](int32_t t) {
-      toks.push_back(t);
-      return true;
-    });
-    EXPECT_TRUE(m->reset_state(*st));
-    std::vector<int32_t> again;
-    m->generate_greedy(*st, prompt, n, [&](int32_t t) {
-      again.push_back(t);
-      return true;
-    });
-    EXPECT_EQ(again, toks) << "a reset state decodes as a new one";
-    return toks;
-  };
-  const auto g_step = greedy(40);
-  m->use_decode_kernels(cuda::DecodeKernels::kPerOp);
-  const auto g_op = greedy(40);
-  m->use_decode_kernels(cuda::DecodeKernels::kPersistent);
-  EXPECT_EQ(g_step, g_op);
-  std::vector<int32_t> from_logits(step.tokens.begin(), step.tokens.end());
-  EXPECT_EQ(std::vector<int32_t>(g_step.begin(), g_step.begin() + kSteps), from_logits);
+  // greedy through generate_greedy (the bench's path) from a reset state equals a new state's
+  auto st = m->new_state(int(prompt.size()) + 41);
+  std::vector<int32_t> toks, toks2;
+  m->generate_greedy(*st, prompt, 40, [&](int32_t t) {
+    toks.push_back(t);
+    return true;
+  });
+  ASSERT_TRUE(m->reset_state(*st));
+  m->generate_greedy(*st, prompt, 40, [&](int32_t t) {
+    toks2.push_back(t);
+    return true;
+  });
+  EXPECT_EQ(toks2, toks) << "a reset state decodes as a new one";
+  EXPECT_EQ(int(toks.size()), 40);
 }
 
 // Not a pass/fail test: decode speed of both plans in one process (TANSY_STEP_TIMING=1).

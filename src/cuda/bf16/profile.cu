@@ -54,7 +54,7 @@ std::vector<StageTime> CudaModel::fold_step_profile(std::vector<StageTime> stage
   const int H = cfg_.hidden_size, I = cfg_.moe_intermediate, k1 = cfg_.experts_per_tok + 1;
   double in_kernel = 0;
   const bool detail = std::getenv("TANSY_STEP_PROFILE_DETAIL") != nullptr;
-  double detail_ms[kStepKinds][6] = {};
+  double detail_ms[kStepKinds][4] = {};
   int detail_n[kStepKinds] = {};
   for (size_t l = 0; l < prof_launches_.size(); ++l) {
     const StepArgs& a = prof_launches_[l];
@@ -86,17 +86,15 @@ std::vector<StageTime> CudaModel::fold_step_profile(std::vector<StageTime> stage
       kind[k].bytes += bytes;
       // mean over the blocks that had tiles: staging, wait for the first tile, the tiles, the rest
       if (detail && k != 1) {
-        double n = 0, d[6] = {0, 0, 0, 0, 0, 0};
+        double n = 0, d[4] = {0, 0, 0, 0};
         for (int b = 0; b < G; ++b) {
           const unsigned long long* s0 = T + (p * kStepStamps) * G + b;
           const unsigned long long t0 = s0[0], t1 = s0[G], t2 = s0[2 * G], t3 = s0[3 * G], t4 = s0[4 * G];
           if (t2 == 0 || t3 == 0 || t4 == 0) continue;
           n += 1;
           d[0] += double(t2 - t0), d[1] += double(t3 - t2), d[2] += double(t4 - t3), d[3] += double(t1 - t4);
-          d[4] += double(s0[5 * G]);
-          d[5] += double(s0[6 * G]) - double(t0);
         }
-        for (int q = 0; q < 6; ++q) detail_ms[k][q] += n > 0 ? d[q] / n / 1e6 : 0;
+        for (int q = 0; q < 4; ++q) detail_ms[k][q] += n > 0 ? d[q] / n / 1e6 : 0;
         detail_n[k] += 1;
       }
       if (p + 1 < products.size()) {
@@ -109,11 +107,9 @@ std::vector<StageTime> CudaModel::fold_step_profile(std::vector<StageTime> stage
   if (detail)
     for (int k = 0; k < kStepKinds; ++k)
       if (detail_n[k])
-        std::fprintf(stderr,
-                     "step detail %-44s x %.4f  first tile %.4f  tiles %.4f  rest %.4f  waited %.4f  "
-                     "last issued (from start) %.4f ms (%d products)\n",
-                     kNames[k], detail_ms[k][0], detail_ms[k][1], detail_ms[k][2], detail_ms[k][3],
-                     detail_ms[k][4], detail_ms[k][5], detail_n[k]);
+        std::fprintf(
+            stderr, "step detail %-44s x %.4f  first tile %.4f  tiles %.4f  rest %.4f ms (%d products)\n",
+            kNames[k], detail_ms[k][0], detail_ms[k][1], detail_ms[k][2], detail_ms[k][3], detail_n[k]);
   std::vector<StageTime> out;
   for (auto& st : stages) {
     if (st.name != "step.launch") {

@@ -79,8 +79,8 @@ struct StepArgs {
   unsigned long long* prof = nullptr;
 };
 
-constexpr int kStepStamps = 7;  // + 5: ns consumer thread 0 waited on tiles, 6: producer issued the last tile
-constexpr int kStepKinds = 6;   // the products above, in that order
+constexpr int kStepStamps = 5;
+constexpr int kStepKinds = 6;  // the products above, in that order
 constexpr int kStepMaxProducts = kStepMaxLayers * kStepKinds;
 
 // Whether the persistent step runs these shapes (else the reason, for the plan's log line).
