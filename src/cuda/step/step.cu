@@ -6,7 +6,6 @@
 #include "cuda/common/bulk_copy.cuh"
 #include "cuda/common/device_math.cuh"
 #include "cuda/common/launch.cuh"
-#include "cuda/common/tensor_core.cuh"
 #include "cuda/gdn/decode_step.cuh"
 #include "cuda/matvec/chunk.cuh"
 #include "cuda/matvec/fused.cuh"
@@ -29,7 +28,7 @@ constexpr int kProducerWarp = kWarps;
 // with the next two products', so the weights of out_proj and the router land while the
 // recurrence runs; the experts' 5 + 3 tiles fit beside each other once the routing is known.
 constexpr int kSlots = 10;
-constexpr uint32_t kSlotBytes = 19328;
+constexpr uint32_t kSlotBytes = 18944;
 constexpr uint32_t kXsBytes = 20736;  // staged x: the experts' 9 down inputs of 512 are the largest
 constexpr size_t kStepSmem = size_t(kSlots) * kSlotBytes + kXsBytes;
 
@@ -142,10 +141,10 @@ __device__ __forceinline__ void grid_wait(const unsigned* bar, unsigned target) 
 }
 
 // The shapes the step's dot products are unrolled for (the real model's; step_supported checks
-// them): chunks per row of the router's 2048 8-bit columns, of out_proj's 4096 columns, of the
-// experts' 512-column down rows; slots per token (the 2048-column 4-bit products run on tensor
-// cores, below).
+// them): chunks per row of the 2048-column products (in_proj and experts gate|up 4-bit, the router
+// 8-bit), of out_proj's 4096 columns, of the experts' 512-column down rows; slots per token.
 constexpr int kHidden = 2048, kValueDim = 4096, kMoeInter = 512, kSlotsPerToken = 9;
+constexpr int kCprIn = kHidden / Chunk<4>::kCols;      // 64: 2 chunks per lane
 constexpr int kCprRouter = kHidden / Chunk<8>::kCols;  // 128
 constexpr int kCprOut = kValueDim / Chunk<4>::kCols;   // 128
 constexpr int kCprDown = kMoeInter / Chunk<4>::kCols;  // 16: one chunk per lane of 16
@@ -193,16 +192,6 @@ __device__ __forceinline__ TileLayout tile_layout(int cap, int row_bytes, int gr
   return t;
 }
 
-// The 16-row tiles of the 2048-column 4-bit products (in_proj, experts gate|up), read as mma A
-// fragments: each code row is copied to its own 1056-byte pitch (1024 + 32), so that the 8 rows one
-// fragment load touches fall in distinct bank groups; then scales, biases [16 rows][32 groups] bf16,
-// and for the in_proj the conv taps [16][kernel] f32 and window [kernel-1][16] bf16.
-constexpr uint32_t kPitch = 1056;
-constexpr uint32_t kMmaSc = kRowsIn * kPitch, kMmaBi = kMmaSc + kRowsIn * 32 * 2,
-                   kMmaCw = kMmaBi + kRowsIn * 32 * 2;
-constexpr uint32_t kMmaWin = kMmaCw + kRowsIn * 4 * 4;
-static_assert(kMmaWin + 3 * kRowsIn * 2 <= kSlotBytes);
-
 // ---- the producer ----
 
 template <int BITS>
@@ -212,14 +201,6 @@ __device__ __forceinline__ void copy_rows(uint8_t* dst, const TileLayout& t, con
   bulk::copy(dst, reinterpret_cast<const uint8_t*>(W.q) + r0 * rb, unsigned(rows * rb), bar);
   bulk::copy(dst + t.sc, W.scales + r0 * groups, unsigned(rows * groups * 2), bar);
   bulk::copy(dst + t.bi, W.biases + r0 * groups, unsigned(rows * groups * 2), bar);
-}
-// 16 rows of a 2048-column 4-bit matrix into the pitched mma layout.
-__device__ __forceinline__ void copy_rows_mma(uint8_t* dst, const DevLinear& W, int64_t r0, uint64_t* bar) {
-  constexpr int64_t rb = kHidden / 2, groups = kHidden / kQuantGroup;
-  const uint8_t* src = reinterpret_cast<const uint8_t*>(W.q) + r0 * rb;
-  for (int r = 0; r < kRowsIn; ++r) bulk::copy(dst + r * kPitch, src + r * rb, unsigned(rb), bar);
-  bulk::copy(dst + kMmaSc, W.scales + r0 * groups, unsigned(kRowsIn * groups * 2), bar);
-  bulk::copy(dst + kMmaBi, W.biases + r0 * groups, unsigned(kRowsIn * groups * 2), bar);
 }
 template <int BITS>
 __device__ __forceinline__ unsigned rows_bytes(const DevLinear& W, int rows) {
@@ -256,17 +237,18 @@ __device__ void produce(const StepArgs& a, const StepLayer& L, int kind, unsigne
     case kGdnIn: {
       const DevLinear& W = L.gdn_in;
       const int K = a.conv_kernel;
+      const TileLayout t = tile_layout(kRowsIn, W.in / 2, W.in / kQuantGroup, K);
       for (int i = b; i < nt && lane == 0; i += G) {
-        const int r0 = i * kRowsIn, rows = kRowsIn;  // in_proj rows % 16 == 0 (step_supported)
-        const bool conv = r0 < a.conv_dim;           // conv_dim % 16 == 0: a tile is all conv rows or none
+        const int r0 = i * kRowsIn, rows = min(kRowsIn, W.out - r0);
+        const bool conv = r0 < a.conv_dim;  // conv_dim % 16 == 0: a tile is all conv rows or none
         const unsigned bytes =
             rows_bytes<4>(W, rows) + (conv ? unsigned(rows * K * 4 + (K - 1) * rows * 2) : 0u);
         uint8_t* dst = ring_acquire(ring, bytes, bar);
-        copy_rows_mma(dst, W, r0, bar);
+        copy_rows<4>(dst, t, W, r0, rows, bar);
         if (conv) {
-          bulk::copy(dst + kMmaCw, L.conv_w + int64_t(r0) * K, unsigned(rows * K * 4), bar);
+          bulk::copy(dst + t.cw, L.conv_w + int64_t(r0) * K, unsigned(rows * K * 4), bar);
           for (int j = 0; j < K - 1; ++j)
-            bulk::copy(dst + kMmaWin + j * kRowsIn * 2, L.window + int64_t(j) * a.conv_dim + r0,
+            bulk::copy(dst + t.win + j * kRowsIn * 2, L.window + int64_t(j) * a.conv_dim + r0,
                        unsigned(rows * 2), bar);
         }
       }
@@ -293,12 +275,13 @@ __device__ void produce(const StepArgs& a, const StepLayer& L, int kind, unsigne
     case kExpertsGu: {
       route(a, L, phase_target, rs, lane);
       const DevLinear& W = L.gu;
+      const TileLayout t = tile_layout(2 * kPairsGu, W.in / 2, W.in / kQuantGroup, 0);
       const int per_slot = a.I / kPairsGu;
       for (int i = b; i < nt && lane == 0; i += G) {
         const int j = i / per_slot, p0 = (i % per_slot) * kPairsGu;
         const int64_t r0 = int64_t(rs.idx[j]) * 2 * a.I + 2 * p0;
         uint8_t* dst = ring_acquire(ring, rows_bytes<4>(W, 2 * kPairsGu), bar);
-        copy_rows_mma(dst, W, r0, bar);
+        copy_rows<4>(dst, t, W, r0, 2 * kPairsGu, bar);
       }
       break;
     }
@@ -331,107 +314,6 @@ __device__ void produce(const StepArgs& a, const StepLayer& L, int kind, unsigne
   __syncwarp();
 }
 
-// ---- the 2048-column 4-bit products on tensor cores ----
-//
-// A 16-row tile is one mma row block: lane (g = lane/4, t = lane%4) holds rows g and g+8. Warp w
-// owns quant groups w, w+8, w+16, w+24 of every row; per group it reads words 2t, 2t+1 (16
-// columns) of both rows and turns each word into bf16 A fragments with a mask per nibble pair: the
-// pair (k, k+4) of a word is the bf16 value 128+q (exact), so the k order inside a word is (0,4),
-// (1,5), (2,6), (3,7) and x's B fragments are packed alike (every B column the same x). The
-// accumulator restarts per group, so that its scale and bias apply in f32:
-// y = s·Σ(128+q)x + (b - 128s)·Σx, as chunk_dot's. Each warp leaves its partial of the tile's 16
-// rows in shared memory; the rows' sums add them in warp order.
-
-constexpr int kMmaGroupsPerWarp = kHidden / kQuantGroup / kWarps;  // 4
-static_assert(kMmaGroupsPerWarp * kWarps * kQuantGroup == kHidden);
-
-struct XFrag {
-  uint32_t b[kMmaGroupsPerWarp][2][2][2];  // [group j][word 2t+wi][k-step][register]
-  float sx[kMmaGroupsPerWarp];             // Σx of group j
-};
-
-// From x staged as 4-bit chunks (stage_norm / stage_rows): this warp's B fragments.
-__device__ __forceinline__ void build_xfrag(const float* xs, int warp, int lane, XFrag& f) {
-  constexpr int S = Chunk<4>::kStride;
-  const int t = lane % 4;
-#pragma unroll
-  for (int j = 0; j < kMmaGroupsPerWarp; ++j) {
-    const int gi = warp + j * kWarps;
-    float s = 0.f;
-#pragma unroll
-    for (int wi = 0; wi < 2; ++wi) {
-      const int wd = 2 * t + wi;  // word of the group: columns 8 wd .. 8 wd + 7
-      const float* src = xs + (2 * gi + wd / 4) * S + (wd % 4) * 8;
-      const float4 lo = *reinterpret_cast<const float4*>(src), hi = *reinterpret_cast<const float4*>(src + 4);
-      f.b[j][wi][0][0] = tc::pack_bf16(lo.x, hi.x);  // columns 0, 4 (x is bf16-exact: no rounding)
-      f.b[j][wi][0][1] = tc::pack_bf16(lo.y, hi.y);  // 1, 5
-      f.b[j][wi][1][0] = tc::pack_bf16(lo.z, hi.z);  // 2, 6
-      f.b[j][wi][1][1] = tc::pack_bf16(lo.w, hi.w);  // 3, 7
-      s += ((lo.x + lo.y) + (lo.z + lo.w)) + ((hi.x + hi.y) + (hi.z + hi.w));
-    }
-    s += __shfl_xor_sync(0xffffffffu, s, 1);
-    s += __shfl_xor_sync(0xffffffffu, s, 2);
-    f.sx[j] = s;
-  }
-}
-
-// One word of 8 columns for rows g (wa) and g+8 (wb): two k-steps of 16.
-__device__ __forceinline__ void mma_word(float (&c)[4], uint32_t wa, uint32_t wb, const uint32_t (&b)[2][2]) {
-  uint32_t pa[4], pb[4];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    pa[k] = ((wa >> (4 * k)) & 0x000F000Fu) | 0x43004300u;
-    pb[k] = ((wb >> (4 * k)) & 0x000F000Fu) | 0x43004300u;
-  }
-  const uint32_t a0[4] = {pa[0], pb[0], pa[1], pb[1]}, a1[4] = {pa[2], pb[2], pa[3], pb[3]};
-  tc::mma_bf16(c, a0, b[0][0], b[0][1]);
-  tc::mma_bf16(c, a1, b[1][0], b[1][1]);
-}
-
-// This warp's partial sums of the tile's 16 rows (its groups) into part[warp][row].
-__device__ __forceinline__ void mma_tile(const uint8_t* base, const XFrag& f, int warp, int lane,
-                                         float (*part)[kRowsIn]) {
-  const int g = lane / 4, t = lane % 4;
-  constexpr int J = kMmaGroupsPerWarp, GR = kHidden / kQuantGroup;
-  const bf16* sc = reinterpret_cast<const bf16*>(base + kMmaSc);
-  const bf16* bi = reinterpret_cast<const bf16*>(base + kMmaBi);
-  uint2 wa[J], wb[J];
-#pragma unroll
-  for (int j = 0; j < J; ++j) {
-    const uint8_t* p = base + g * kPitch + (warp + j * kWarps) * 32 + t * 8;
-    wa[j] = *reinterpret_cast<const uint2*>(p);
-    wb[j] = *reinterpret_cast<const uint2*>(p + 8 * kPitch);
-  }
-  float c[J][4];
-#pragma unroll
-  for (int j = 0; j < J; ++j) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.f;
-#pragma unroll
-  for (int wi = 0; wi < 2; ++wi)
-#pragma unroll
-    for (int j = 0; j < J; ++j) mma_word(c[j], wi ? wa[j].y : wa[j].x, wi ? wb[j].y : wb[j].x, f.b[j][wi]);
-  float ta = 0.f, tb = 0.f;
-#pragma unroll
-  for (int j = 0; j < J; ++j) {
-    const int gi = warp + j * kWarps;
-    const float sa = __bfloat162float(sc[g * GR + gi]), ba = __bfloat162float(bi[g * GR + gi]);
-    const float sb = __bfloat162float(sc[(g + 8) * GR + gi]), bb = __bfloat162float(bi[(g + 8) * GR + gi]);
-    ta += fmaf(sa, c[j][0], (ba - 128.f * sa) * f.sx[j]);
-    tb += fmaf(sb, c[j][2], (bb - 128.f * sb) * f.sx[j]);
-  }
-  if (t == 0) {
-    part[warp][g] = ta;
-    part[warp][g + 8] = tb;
-  }
-}
-
-// Row r of the tile from the warps' partials, in warp order.
-__device__ __forceinline__ float tile_row(const float (*part)[kRowsIn], int r) {
-  float y = 0.f;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) y += part[w][r];
-  return y;
-}
-
 // ---- the consumers, one function per product ----
 
 struct Consumer {
@@ -440,7 +322,6 @@ struct Consumer {
   float* xs;
   float* red;
   RouteSmem& rs;
-  float (*part)[kWarps][kRowsIn];  // [2]: the mma tiles' per-warp partials, double-buffered
   int warp, lane;
   unsigned p = 0;  // the product's index in the launch (profiling stamps)
 
@@ -456,9 +337,9 @@ struct Consumer {
     return base;
   }
 
-  // GDN in_proj with the input norm on tensor cores, then each row's conv / gate epilogue (rows w, w+8 of a
-  // tile in warp w).
+  // GDN in_proj with the input norm, then each row's conv / gate epilogue; 2 rows per warp.
   __device__ void gdn_in(const StepLayer& L) {
+    const DevLinear& W = L.gdn_in;
     const int nt = n_tiles(a, L, kGdnIn);
     if (int(blockIdx.x) >= nt) return;
     NormIn nz;
@@ -482,35 +363,36 @@ struct Consumer {
     G.beta = a.beta;
     G.g = a.g;
     const int K = a.conv_kernel;
-    XFrag f;
-    build_xfrag(xs, warp, lane, f);
-    int n = 0;
-    for (int i = blockIdx.x; i < nt; i += gridDim.x, ++n) {
+    const TileLayout t = tile_layout(kRowsIn, kHidden / 2, kHidden / kQuantGroup, K);
+    constexpr int R = kRowsIn / kWarps;
+    static_assert(R == 2);
+    const int lr[R] = {warp, warp + kWarps};
+    for (int i = blockIdx.x; i < nt; i += gridDim.x) {
       unsigned slot;
       const uint8_t* base = next_tile(slot, i == int(blockIdx.x), i + int(gridDim.x) >= nt);
-      const int r0 = i * kRowsIn;
-      // this warp's rows w and w+8: conv operands from the tile before it is handed back
-      const int lr[2] = {warp, warp + kWarps};
-      float w[2], in[2];
+      const float* cw = reinterpret_cast<const float*>(base + t.cw);
+      const bf16* win = reinterpret_cast<const bf16*>(base + t.win);
+      const int r0 = i * kRowsIn, rows = min(kRowsIn, W.out - r0);
+      float w[R], in[R], y[R];
 #pragma unroll
-      for (int k = 0; k < 2; ++k) {
+      for (int k = 0; k < R; ++k) {
         w[k] = in[k] = 0.f;
-        if (r0 < a.conv_dim) {
-          if (lane < K) w[k] = reinterpret_cast<const float*>(base + kMmaCw)[lr[k] * K + lane];
-          if (lane < K - 1)
-            in[k] = __bfloat162float(reinterpret_cast<const bf16*>(base + kMmaWin)[lane * kRowsIn + lr[k]]);
+        if (r0 + lr[k] < a.conv_dim) {
+          if (lane < K) w[k] = cw[lr[k] * K + lane];
+          if (lane < K - 1) in[k] = __bfloat162float(win[lane * kRowsIn + lr[k]]);
         }
       }
-      float(*pt)[kRowsIn] = part[n & 1];
-      mma_tile(base, f, warp, lane, pt);
-      ring_release(ring, slot, lane);
-      ConsumerSync{}();  // every warp's partials are in
+      dot_rows<4, kCprIn, R>(base, reinterpret_cast<const bf16*>(base + t.sc),
+                             reinterpret_cast<const bf16*>(base + t.bi), lr, xs, lane, y);
 #pragma unroll
-      for (int k = 0; k < 2; ++k) {
+      for (int k = 0; k < R; ++k) y[k] = group_sum<32>(y[k]);
+      ring_release(ring, slot, lane);
+#pragma unroll
+      for (int k = 0; k < R; ++k) {
+        if (lr[k] >= rows) break;  // uniform across the warp
         const int row = r0 + lr[k];
-        const float y = tile_row(pt, lr[k]);
-        if (lane == 0) a.proj[row] = __float2bfloat16(y);
-        gdn_in_epilogue(G, row, y, w[k], in[k], lane);
+        if (lane == 0) a.proj[row] = __float2bfloat16(y[k]);
+        gdn_in_epilogue(G, row, y[k], w[k], in[k], lane);
       }
     }
   }
@@ -628,21 +510,21 @@ struct Consumer {
     stage_rows<4>(a.xn, kHidden, 1, 1, kHidden, xs, kConsumers);
     ConsumerSync{}();
     staged();
+    const TileLayout t = tile_layout(2 * kPairsGu, kHidden / 2, kHidden / kQuantGroup, 0);
     constexpr int per_slot = kMoeInter / kPairsGu;
-    XFrag f;
-    build_xfrag(xs, warp, lane, f);
-    int n = 0;
-    for (int i = blockIdx.x; i < nt; i += gridDim.x, ++n) {
+    const int lr[2] = {2 * warp, 2 * warp + 1};
+    for (int i = blockIdx.x; i < nt; i += gridDim.x) {
       unsigned slot;
       const uint8_t* base = next_tile(slot, i == int(blockIdx.x), i + int(gridDim.x) >= nt);
-      float(*pt)[kRowsIn] = part[n & 1];
-      mma_tile(base, f, warp, lane, pt);
+      float y[2];
+      dot_rows<4, kCprIn, 2>(base, reinterpret_cast<const bf16*>(base + t.sc),
+                             reinterpret_cast<const bf16*>(base + t.bi), lr, xs, lane, y);
       ring_release(ring, slot, lane);
-      ConsumerSync{}();  // every warp's partials are in
-      if (lane == 0) {   // warp w: output pair w = rows 2w (gate), 2w+1 (up)
+      y[0] = group_sum<32>(y[0]);
+      y[1] = group_sum<32>(y[1]);
+      if (lane == 0) {
         const int j = i / per_slot, pr = (i % per_slot) * kPairsGu + warp;
-        a.act[int64_t(j) * kMoeInter + pr] =
-            __float2bfloat16(swiglu_bf16(tile_row(pt, 2 * warp), tile_row(pt, 2 * warp + 1)));
+        a.act[int64_t(j) * kMoeInter + pr] = __float2bfloat16(swiglu_bf16(y[0], y[1]));
       }
     }
   }
@@ -716,7 +598,6 @@ __global__ void __launch_bounds__(kStepThreads, 1) step_kernel(const __grid_cons
   __shared__ float red[kWarps];
   __shared__ RouteSmem rs;
   __shared__ gdn_unit::Smem gsm;
-  __shared__ float part[2][kWarps][kRowsIn];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kSlots; ++s) {
@@ -738,8 +619,7 @@ __global__ void __launch_bounds__(kStepThreads, 1) step_kernel(const __grid_cons
     return;
   }
   pdl_wait();
-  Consumer c{a,    ring, reinterpret_cast<float*>(smem + size_t(kSlots) * kSlotBytes), red, rs, part,
-             warp, lane};
+  Consumer c{a, ring, reinterpret_cast<float*>(smem + size_t(kSlots) * kSlotBytes), red, rs, warp, lane};
   unsigned p = 0;
   unsigned total = 0;
   for (int li = 0; li < a.n_layers; ++li) total += n_kinds(a.layer[li]);
@@ -801,8 +681,8 @@ bool step_supported(const StepLayer& L, const StepArgs& a, std::string* why) {
       return fail_why(why, "hidden size outside the step's 64..2048");
     if (a.conv_dim % kRowsIn != 0 || a.conv_kernel < 2 || a.conv_kernel > 32)
       return fail_why(why, "conv channels or taps outside the step's tiles");
-    if (L.gdn_in.out < a.conv_dim + a.value_dim + 2 * a.n_v_heads || L.gdn_in.out % kRowsIn != 0)
-      return fail_why(why, "GDN in_proj rows too few or not a multiple of 16");
+    if (L.gdn_in.out < a.conv_dim + a.value_dim + 2 * a.n_v_heads)
+      return fail_why(why, "GDN in_proj too small");
     if (L.gdn_out.in != a.value_dim || L.gdn_out.out != a.H) return fail_why(why, "GDN out_proj shape");
     if (uint32_t(kRowsOut * (a.value_dim / 2 + a.value_dim / 16)) > kSlotBytes ||
         size_t(a.value_dim / 32) * 36 * 4 > kXsBytes)
