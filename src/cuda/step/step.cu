@@ -194,17 +194,11 @@ __device__ __forceinline__ TileLayout tile_layout(int cap, int row_bytes, int gr
 
 // ---- the producer ----
 
-constexpr int kCopyPiece = 4096;
-
 template <int BITS>
 __device__ __forceinline__ void copy_rows(uint8_t* dst, const TileLayout& t, const DevLinear& W, int64_t r0,
                                           int rows, uint64_t* bar) {
   const int64_t rb = int64_t(W.in) * BITS / 8, groups = W.in / kQuantGroup;
-  // the codes in 4 KiB pieces: several requests in flight per tile (as the per-op kernels' copies)
-  const uint8_t* src = reinterpret_cast<const uint8_t*>(W.q) + r0 * rb;
-  const int64_t bytes = rows * rb;
-  for (int64_t o = 0; o < bytes; o += kCopyPiece)
-    bulk::copy(dst + o, src + o, unsigned(min(int64_t(kCopyPiece), bytes - o)), bar);
+  bulk::copy(dst, reinterpret_cast<const uint8_t*>(W.q) + r0 * rb, unsigned(rows * rb), bar);
   bulk::copy(dst + t.sc, W.scales + r0 * groups, unsigned(rows * groups * 2), bar);
   bulk::copy(dst + t.bi, W.biases + r0 * groups, unsigned(rows * groups * 2), bar);
 }
