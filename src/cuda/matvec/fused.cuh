@@ -90,6 +90,34 @@ __device__ __forceinline__ void gdn_in_epilogue(const GdnInEpilogue& G, int row,
   }
 }
 
+// gdn_in_epilogue for a 4-tap conv computed by one thread (no shuffles), with the same sums in
+// the same order: group_sum<32> over lanes 0..3 (the others 0) adds, for lane 0, +0 at the
+// strides 16, 8 and 4, then the pairs (0,2), (1,3), then the two. w: the row's taps, in: the
+// window's 3 inputs (oldest first); the token's projection is the 4th input.
+__device__ __forceinline__ void gdn_in_epilogue_k4(const GdnInEpilogue& G, int row, float y,
+                                                   const float (&w)[4], const float (&in)[3]) {
+  const float x = round_bf(y);
+  if (row < G.conv_dim) {
+    const float v[4] = {w[0] * in[0], w[1] * in[1], w[2] * in[2], w[3] * x};
+    float c[4];
+#pragma unroll
+    for (int l = 0; l < 4; ++l) c[l] = ((v[l] + 0.f) + 0.f) + 0.f;
+    const float conv = (c[0] + c[2]) + (c[1] + c[3]);
+    G.window[row] = __float2bfloat16(in[1]);
+    G.window[int64_t(G.conv_dim) + row] = __float2bfloat16(in[2]);
+    G.window[2 * int64_t(G.conv_dim) + row] = __float2bfloat16(x);
+    G.conv_out[row] = silu_fast(conv);
+    return;
+  }
+  const int j = row - G.conv_dim - G.value_dim;
+  if (j < 0) return;
+  if (j < G.n_v_heads) {
+    G.g[j] = gdn_log_decay(x, G.dt_bias[j], G.A_log[j]);
+  } else if (j < 2 * G.n_v_heads) {
+    G.beta[j - G.n_v_heads] = sigmoid(x);
+  }
+}
+
 // One ResidualOut part: the squares `sq` of the participating threads summed into *slot (warp
 // sums, then the warps in order).
 template <typename Sync>

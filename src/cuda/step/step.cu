@@ -373,26 +373,31 @@ struct Consumer {
       const float* cw = reinterpret_cast<const float*>(base + t.cw);
       const bf16* win = reinterpret_cast<const bf16*>(base + t.win);
       const int r0 = i * kRowsIn, rows = min(kRowsIn, W.out - r0);
-      float w[R], in[R], y[R];
-#pragma unroll
-      for (int k = 0; k < R; ++k) {
-        w[k] = in[k] = 0.f;
-        if (r0 + lr[k] < a.conv_dim) {
-          if (lane < K) w[k] = cw[lr[k] * K + lane];
-          if (lane < K - 1) in[k] = __bfloat162float(win[lane * kRowsIn + lr[k]]);
-        }
-      }
+      float y[R];
       dot_rows<4, kCprIn, R>(base, reinterpret_cast<const bf16*>(base + t.sc),
                              reinterpret_cast<const bf16*>(base + t.bi), lr, xs, lane, y);
 #pragma unroll
       for (int k = 0; k < R; ++k) y[k] = group_sum<32>(y[k]);
-      ring_release(ring, slot, lane);
+      // lane 0: the conv (4 taps, from the tile) or gate epilogue of the warp's rows
+      float w[R][4], in[R][3];
+      if (lane == 0) {
 #pragma unroll
-      for (int k = 0; k < R; ++k) {
-        if (lr[k] >= rows) break;  // uniform across the warp
-        const int row = r0 + lr[k];
-        if (lane == 0) a.proj[row] = __float2bfloat16(y[k]);
-        gdn_in_epilogue(G, row, y[k], w[k], in[k], lane);
+        for (int k = 0; k < R; ++k)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            w[k][q] = cw[lr[k] * 4 + q];
+            if (q < 3) in[k][q] = __bfloat162float(win[q * kRowsIn + lr[k]]);
+          }
+      }
+      ring_release(ring, slot, lane);
+      if (lane == 0) {
+#pragma unroll
+        for (int k = 0; k < R; ++k) {
+          if (lr[k] >= rows) break;
+          const int row = r0 + lr[k];
+          a.proj[row] = __float2bfloat16(y[k]);
+          gdn_in_epilogue_k4(G, row, y[k], w[k], in[k]);
+        }
       }
     }
   }
@@ -592,7 +597,9 @@ struct Consumer {
   }
 };
 
-__global__ void __launch_bounds__(kStepThreads, 1) step_kernel(const __grid_constant__ StepArgs a) {
+// One block of 288 threads per multiprocessor: up to 224 registers each (under __launch_bounds__ ptxas
+// stopped at 168 and spilled).
+__global__ void __maxnreg__(224) step_kernel(const __grid_constant__ StepArgs a) {
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ alignas(8) uint64_t full[kSlots], empty[kSlots];
   __shared__ float red[kWarps];
@@ -679,7 +686,7 @@ bool step_supported(const StepLayer& L, const StepArgs& a, std::string* why) {
     if (!q4(L.gdn_in) || !q4(L.gdn_out)) return fail_why(why, "GDN projections are not 4-bit");
     if (L.gdn_in.in != a.H || a.H > kFusedNormMaxDim || a.H % 64 != 0)
       return fail_why(why, "hidden size outside the step's 64..2048");
-    if (a.conv_dim % kRowsIn != 0 || a.conv_kernel < 2 || a.conv_kernel > 32)
+    if (a.conv_dim % kRowsIn != 0 || a.conv_kernel != 4)
       return fail_why(why, "conv channels or taps outside the step's tiles");
     if (L.gdn_in.out < a.conv_dim + a.value_dim + 2 * a.n_v_heads)
       return fail_why(why, "GDN in_proj too small");
