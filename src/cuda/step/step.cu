@@ -597,9 +597,8 @@ struct Consumer {
   }
 };
 
-// One block of 288 threads per multiprocessor: up to 224 registers each (under __launch_bounds__ ptxas
-// stopped at 168 and spilled).
-__global__ void __maxnreg__(224) step_kernel(const __grid_constant__ StepArgs a) {
+// 9 warps: three share one of the four register files (16K each), so 168 registers per thread at most.
+__global__ void __launch_bounds__(kStepThreads, 1) step_kernel(const __grid_constant__ StepArgs a) {
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ alignas(8) uint64_t full[kSlots], empty[kSlots];
   __shared__ float red[kWarps];
