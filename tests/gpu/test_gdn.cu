@@ -200,9 +200,14 @@ TEST(Gdn, InProjAndStep) {
 
 // ---- prefill ----
 
+enum class Form { kTwoKernel, kSingle };
+
 // The chunked delta rule over `pieces` (successive calls, each continuing from the state the
 // previous one left) against the token-by-token loop from the same random nonzero state.
-void check_gdn(int n_k, int n_v, const std::vector<int>& pieces, bool f32_out) {
+// `window` > 0 caps gdn_prefill's window of chunks (the boundaries where the state kernel of one
+// window hands its state to the next); kSingle runs the one-kernel form it replaced.
+void check_gdn(int n_k, int n_v, const std::vector<int>& pieces, bool f32_out, int window = 0,
+               Form form = Form::kTwoKernel) {
   constexpr int D = cuda::kGdnDim;
   const int n = std::accumulate(pieces.begin(), pieces.end(), 0);
   std::string label = "gdn_prefill heads " + str(n_k) + "/" + str(n_v) + " n=" + str(n);
@@ -212,6 +217,8 @@ void check_gdn(int n_k, int n_v, const std::vector<int>& pieces, bool f32_out) {
     label += ")";
   }
   label += f32_out ? " f32" : " bf16";
+  if (window > 0) label += " window " + str(window);
+  if (form == Form::kSingle) label += " (one-kernel form)";
   const int key_dim = n_k * D, conv_dim = 2 * key_dim + n_v * D;
   // The conv output layout [n, q | k | v], used in place.
   std::vector<float> y(size_t(n) * conv_dim);
@@ -258,7 +265,10 @@ void check_gdn(int n_k, int n_v, const std::vector<int>& pieces, bool f32_out) {
     a.o_f32 = f32_out ? o32.get() + size_t(start) * ldo : nullptr;
     a.o_bf16 = f32_out ? nullptr : o16.get() + size_t(start) * ldo;
     a.o_stride = ldo;
-    cuda::gdn_prefill(a, 0);
+    if (form == Form::kSingle)
+      cuda::gdn_prefill_single(a, 0);
+    else
+      cuda::gdn_prefill(a, 0, window);
     start += m;
   }
   const auto got_o =
@@ -283,12 +293,29 @@ void check_gdn(int n_k, int n_v, const std::vector<int>& pieces, bool f32_out) {
 }
 
 TEST(Gdn, Chunked) {
-  for (int n : {1, 2, 3, 63, 64, 65, 200}) check_gdn(16, 32, {n}, n % 2 == 1);  // real heads
+  for (int n : {1, 2, 3, 63, 64, 65, 127, 128, 129, 200}) check_gdn(16, 32, {n}, n % 2 == 1);  // real heads
   check_gdn(16, 32, {129}, false);
   check_gdn(2, 4, {4096}, true);  // long sequence (fewer heads keep the CPU loop short)
   check_gdn(2, 4, {1000}, false);
   check_gdn(4, 4, {130}, true);  // ratio 1
   check_gdn(1, 3, {70}, false);  // ratio 3
+}
+
+// Window boundaries (the state kernel of one window hands its f32 state to the next through
+// memory): windows of 1, 2 and 3 chunks, prompts ending just before, on and after a boundary, and
+// the real heads across the default 64-chunk window (4,096 tokens at 32 value heads).
+TEST(Gdn, ChunkedWindows) {
+  for (int n : {63, 64, 65, 127, 128, 129}) check_gdn(16, 32, {n}, n % 2 == 0, 1);
+  check_gdn(16, 32, {191, 2}, true, 2);
+  check_gdn(2, 4, {1000}, true, 3);
+  check_gdn(2, 4, {640, 1, 383}, false, 2);
+  check_gdn(16, 32, {4161}, true);
+}
+
+// The one-kernel form kept for the A/B timing stays correct too.
+TEST(Gdn, ChunkedSingleKernel) {
+  for (int n : {1, 64, 65, 200}) check_gdn(16, 32, {n}, true, 0, Form::kSingle);
+  check_gdn(2, 4, {1, 127, 300}, false, 0, Form::kSingle);
 }
 
 // Continuing from the state a previous call left: chunk boundaries that do not line up with the
@@ -332,6 +359,8 @@ TEST(Gdn, RejectsBadShapes) {
   a.q_stride = 256;
   a.n = 0;
   EXPECT_THROW(cuda::gdn_prefill(a, 0), Error);
+  a.n = 2;
+  EXPECT_THROW(cuda::gdn_prefill(a, 0, -1), Error);  // window of -1 chunks
 }
 
 }  // namespace

@@ -408,7 +408,9 @@ TEST(Timing, Gdn) {
     a.o_f32 = o.get();
     a.o_stride = nv * D;
     const double tc = median_ms([&] { cuda::gdn_prefill(a, 0); });
-    std::printf("  TIMING gdn n=%-6d gdn_prefill %9.1f us/layer\n", n, 1e3 * tc);
+    const double single = median_ms([&] { cuda::gdn_prefill_single(a, 0); });
+    std::printf("  TIMING gdn n=%-6d gdn_prefill %9.1f us/layer   one-kernel form %9.1f us/layer\n", n,
+                1e3 * tc, 1e3 * single);
   }
   CUDA_CHECK(cudaDeviceSynchronize());
 }

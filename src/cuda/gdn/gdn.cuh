@@ -72,14 +72,22 @@ struct GdnPrefillArgs {
 void gdn_recurrent(const GdnPrefillArgs& a, cudaStream_t stream);
 
 // The same chunked (chunk 64, §5.6) on tensor cores; the result equals looping the one-token update
-// (§5.5) over the n tokens. Work split: one block per (value head, 32-column slice of the value
-// dimension): columns of S are independent, so 32 heads x 4 slices = 128 blocks on the real model.
-// Each block walks the chunks in order; the value-independent per-chunk parts (K·Kᵀ, Q·Kᵀ, the
-// decay matrices) are recomputed by each slice of a head, which is cheaper than a second pass
-// through device memory at these sizes. Every product is an mma; the f32 operands (S, V', Aqk) go
-// in as bf16 hi + lo pairs, so the products keep ~16 mantissa bits, and the state stays f32 in
-// registers across chunks (gdn/prefill_tc.cu says why).
-void gdn_prefill(const GdnPrefillArgs& a, cudaStream_t stream);
+// (§5.5) over the n tokens. Two kernels per window of up to 64 chunks (at 32 heads; the window
+// bounds a 64 MiB workspace kept per (device, stream)): one block per (chunk, value head) computes
+// every chunk's state-independent parts at once (the Gram and decay matrices, T = (I + A)^{-1} by
+// forward substitution, Aqk); then one block per (value head, 32-column slice of the value
+// dimension), 32 heads x 4 slices = 128 blocks on the real model, walks the chunks in order with
+// only the state-dependent products (Q·S, K·S, T·R, Aqk·V', the state update) on the serial path.
+// Every product is an mma; the f32 operands (S, R, V', T, Aqk) go in as bf16 hi + lo pairs, so
+// the products keep ~16 mantissa bits, and the state stays f32 in registers across chunks
+// (gdn/prefill_tc.cu says why).
+// max_window_chunks > 0 caps the window below the workspace bound (tests: window boundaries at
+// small sizes).
+void gdn_prefill(const GdnPrefillArgs& a, cudaStream_t stream, int max_window_chunks = 0);
+
+// The one-kernel form gdn_prefill replaced (each (head, slice) block also computes its chunks'
+// Gram matrices and substitution in sequence), kept for the tests' comparison and A/B timing only.
+void gdn_prefill_single(const GdnPrefillArgs& a, cudaStream_t stream);
 
 // ---- decode (one token) ----
 
