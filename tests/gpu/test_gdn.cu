@@ -335,6 +335,52 @@ TEST(Gdn, ChunkedLong) {
   check_gdn(2, 4, {32768}, true);
 }
 
+// The prefill's gated RMSNorm (one warp per token and head) against cpu::rmsnorm_gated: strided
+// o, z and y as the prefill lays them out, token counts that leave the last block partly empty.
+TEST(Gdn, GatedNorm) {
+  constexpr int D = cuda::kGdnDim;
+  for (auto [n, heads] :
+       {std::pair{1, 32}, std::pair{3, 32}, std::pair{65, 32}, std::pair{4096, 32}, std::pair{7, 3}}) {
+    const int64_t ldo = int64_t(heads) * D + 4, ldz = int64_t(heads) * D + 2 * heads + 64,
+                  ldy = int64_t(heads) * D + 8;
+    auto o = randn(size_t(n) * ldo, 0.7f), z = randn(size_t(n) * ldz, 1.5f), w = randn(D, 0.2f, 1.f);
+    round_bf16_inplace(z);
+    DeviceBuffer<float> dout = to_device(o), dw = to_device(w);
+    auto dz = to_device_bf16(z);
+    DeviceBuffer<bf16> y(size_t(n) * ldy);
+    poison(y);
+    cuda::GdnGatedNormArgs a;
+    a.o = dout.get();
+    a.ldo = ldo;
+    a.z = dz.get();
+    a.ldz = ldz;
+    a.w = dw.get();
+    a.n = n;
+    a.n_heads = heads;
+    a.eps = 1e-6f;
+    a.y = y.get();
+    a.ldy = ldy;
+    cuda::gdn_gated_norm(a, 0);
+    std::vector<float> ref(size_t(n) * heads * D);
+    for (int t = 0; t < n; ++t)
+      for (int j = 0; j < heads; ++j)
+        cpu::rmsnorm_gated(&o[size_t(t) * ldo + size_t(j) * D], &z[size_t(t) * ldz + size_t(j) * D], w.data(),
+                           D, 1e-6f, &ref[(size_t(t) * heads + j) * D]);
+    std::vector<int> all(n);
+    std::iota(all.begin(), all.end(), 0);
+    const auto got = take_rows(from_device_bf16(y.get(), y.size()), ldy, heads * D, all);
+    EXPECT_REL(got, ref, kTolBf16, "gdn_gated_norm n=" + str(n) + " heads " + str(heads));
+    // the padding between rows keeps its poison (NaN): nothing is written past a row's heads
+    const auto raw = from_device_bf16(y.get(), y.size());
+    int written = 0;
+    for (int t = 0; t < n; ++t)
+      for (int64_t c = int64_t(heads) * D; c < ldy; ++c) written += !std::isnan(raw[size_t(t) * ldy + c]);
+    EXPECT_EQ(written, 0) << "gdn_gated_norm wrote padding, n=" << n;
+  }
+  cuda::GdnGatedNormArgs bad;
+  EXPECT_THROW(cuda::gdn_gated_norm(bad, 0), Error);
+}
+
 TEST(Gdn, RejectsBadShapes) {
   DeviceBuffer<bf16> x(64 * 1024);
   DeviceBuffer<float> f(64 * 128 * 128);

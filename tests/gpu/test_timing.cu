@@ -412,6 +412,35 @@ TEST(Timing, Gdn) {
     std::printf("  TIMING gdn n=%-6d gdn_prefill %9.1f us/layer   one-kernel form %9.1f us/layer\n", n,
                 1e3 * tc, 1e3 * single);
   }
+  {
+    // The gated RMSNorm after it, at the prefill's layout (z inside the in_proj rows).
+    constexpr int n = 4096, VD = nv * D;
+    const int64_t ldz = 2 * VD + conv + 2 * nv + 8;
+    DeviceBuffer<float> o(size_t(n) * VD), w(D);
+    DeviceBuffer<bf16> z(size_t(n) * ldz), y(size_t(n) * VD);
+    CUDA_CHECK(cudaMemset(o.get(), 0x3c, o.bytes()));
+    CUDA_CHECK(cudaMemset(w.get(), 0x3c, w.bytes()));
+    CUDA_CHECK(cudaMemset(z.get(), 0x3c, z.bytes()));
+    cuda::GdnGatedNormArgs na;
+    na.o = o.get();
+    na.ldo = VD;
+    na.z = z.get() + conv;
+    na.ldz = ldz;
+    na.w = w.get();
+    na.n = n;
+    na.n_heads = nv;
+    na.eps = 1e-6f;
+    na.y = y.get();
+    na.ldy = VD;
+    const double fused = median_ms([&] { cuda::gdn_gated_norm(na, 0); });
+    const double old = median_ms([&] {
+      cuda::gated_rmsnorm(o.get(), VD, z.get() + conv, ldz, w.get(), n, nv, D, 1e-6f, y.get(), VD, 0);
+    });
+    const double gb = (double(n) * VD * (4 + 2 + 2)) / 1e9;
+    std::printf(
+        "  TIMING gdn n=%-6d gdn_gated_norm %6.1f us/layer (%.0f GB/s)   norm/gated_rmsnorm %6.1f us/layer\n",
+        n, 1e3 * fused, gb / (fused * 1e-3), 1e3 * old);
+  }
   CUDA_CHECK(cudaDeviceSynchronize());
 }
 

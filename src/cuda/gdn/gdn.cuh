@@ -6,6 +6,7 @@
 //   matvec/matvec.cu     matvec_norm_gdn: in_proj with the conv and gates as its epilogue (decode)
 //   gdn/decode.cu        gdn_decode_step (decode), gdn_conv and gdn_recurrent (the GEMV prefill path)
 //   gdn/prefill_tc.cu    gdn_prefill: the chunked delta rule on tensor cores (prefill)
+//   gdn/prefill_norm.cu  gdn_gated_norm: the gated RMSNorm of several tokens (prefill)
 #pragma once
 #include <cstdint>
 
@@ -88,6 +89,24 @@ void gdn_prefill(const GdnPrefillArgs& a, cudaStream_t stream, int max_window_ch
 // The one-kernel form gdn_prefill replaced (each (head, slice) block also computes its chunks'
 // Gram matrices and substitution in sequence), kept for the tests' comparison and A/B timing only.
 void gdn_prefill_single(const GdnPrefillArgs& a, cudaStream_t stream);
+
+// ---- the gated RMSNorm of several tokens (gdn/prefill_norm.cu) ----
+
+// y[t, j*128 + d] = bf16(w[d] · o[t, j*128 + d] / rms(o[t, j*128 ..]) · silu(z[t, j*128 + d])) for
+// every token t < n and value head j < n_heads (cpu::rmsnorm_gated per head). o 16-byte aligned,
+// z, y 8-byte aligned, strides multiples of 4.
+struct GdnGatedNormArgs {
+  const float* o = nullptr;
+  int64_t ldo = 0;
+  const bf16* z = nullptr;
+  int64_t ldz = 0;
+  const float* w = nullptr;  // [128]
+  int n = 0, n_heads = 0;
+  float eps = 0.f;
+  bf16* y = nullptr;
+  int64_t ldy = 0;
+};
+void gdn_gated_norm(const GdnGatedNormArgs& a, cudaStream_t stream);
 
 // ---- decode (one token) ----
 
