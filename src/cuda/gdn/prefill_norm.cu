@@ -30,10 +30,10 @@ __global__ void __launch_bounds__(32 * kNormWarps) gdn_gated_norm_kernel(const G
   const float scale = rsqrtf(s / float(kGdnDim) + A.eps);
   const float2 z01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&zr.x));
   const float2 z23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&zr.y));
-  const __nv_bfloat162 y01 = __floats2bfloat162_rn(w.x * v.x * scale * silu_fast(z01.x),
-                                                   w.y * v.y * scale * silu_fast(z01.y));
-  const __nv_bfloat162 y23 = __floats2bfloat162_rn(w.z * v.z * scale * silu_fast(z23.x),
-                                                   w.w * v.w * scale * silu_fast(z23.y));
+  const __nv_bfloat162 y01 =
+      __floats2bfloat162_rn(w.x * v.x * scale * silu_fast(z01.x), w.y * v.y * scale * silu_fast(z01.y));
+  const __nv_bfloat162 y23 =
+      __floats2bfloat162_rn(w.z * v.z * scale * silu_fast(z23.x), w.w * v.w * scale * silu_fast(z23.y));
   uint2 out;
   out.x = *reinterpret_cast<const uint32_t*>(&y01);
   out.y = *reinterpret_cast<const uint32_t*>(&y23);
