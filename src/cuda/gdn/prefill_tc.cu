@@ -729,7 +729,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       sm.kdec[lane + 32] = expf(glast - b);
     }
     const int mt = warp % 4;  // Q·S / K·S row tile
-    float xs[4][4] = {};
+    // hi and lo parts into separate accumulators: two dependency chains of 8 mmas, not one of 16
+    float xs[4][4] = {}, xl[4][4] = {};
     {
       const __nv_bfloat16* X = warp < 4 ? sm.q : sm.k;
 #pragma unroll
@@ -743,11 +744,15 @@ __global__ void __launch_bounds__(kThreads, 1)
           tc::ldmatrix_x4_trans(bh, sm.s_hi + off);
           tc::ldmatrix_x4_trans(bl, sm.s_lo + off);
           tc::mma_bf16(xs[2 * np], a, bh[0], bh[1]);
-          tc::mma_bf16(xs[2 * np], a, bl[0], bl[1]);
+          tc::mma_bf16(xl[2 * np], a, bl[0], bl[1]);
           tc::mma_bf16(xs[2 * np + 1], a, bh[2], bh[3]);
-          tc::mma_bf16(xs[2 * np + 1], a, bl[2], bl[3]);
+          tc::mma_bf16(xl[2 * np + 1], a, bl[2], bl[3]);
         }
       }
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) xs[nt][e] += xl[nt][e];
     }
     __syncthreads();  // e^G visible
 #pragma unroll
@@ -773,7 +778,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // diagonal. Then the bf16 hi/lo copies of V' and e^{G_last-G} ⊙ V' for step 4. ----
     const int ot = warp / 2, n0 = 16 * (warp % 2);
     {
-      float vp[2][4] = {};
+      float vp[2][4] = {}, vq[2][4] = {}, vr[2][4] = {};  // hi·hi, hi·lo, lo·hi: three chains
       for (int kk = 0; kk <= ot; ++kk) {
         uint32_t ah[4], al[4];
 #pragma unroll
@@ -789,10 +794,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
           tc::mma_bf16(vp[nt], ah, bh[2 * nt], bh[2 * nt + 1]);
-          tc::mma_bf16(vp[nt], ah, bl[2 * nt], bl[2 * nt + 1]);
-          tc::mma_bf16(vp[nt], al, bh[2 * nt], bh[2 * nt + 1]);
+          tc::mma_bf16(vq[nt], ah, bl[2 * nt], bl[2 * nt + 1]);
+          tc::mma_bf16(vr[nt], al, bh[2 * nt], bh[2 * nt + 1]);
         }
       }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) vp[nt][e] += vq[nt][e] + vr[nt][e];
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -812,7 +821,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     // ---- 4a. O = e^G⊙(Q·S) + Aqk·V', the same warp tiles as step 3 ----
     {
-      float o[2][4];
+      float o[2][4], oq[2][4] = {}, orr[2][4] = {};  // hi·hi onto e^G⊙(Q·S), hi·lo, lo·hi
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -837,10 +846,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
           tc::mma_bf16(o[nt], ah, bh[2 * nt], bh[2 * nt + 1]);
-          tc::mma_bf16(o[nt], ah, bl[2 * nt], bl[2 * nt + 1]);
-          tc::mma_bf16(o[nt], al, bh[2 * nt], bh[2 * nt + 1]);
+          tc::mma_bf16(oq[nt], ah, bl[2 * nt], bl[2 * nt + 1]);
+          tc::mma_bf16(orr[nt], al, bh[2 * nt], bh[2 * nt + 1]);
         }
       }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[nt][e] += oq[nt][e] + orr[nt][e];
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         const int t = t0 + ot * 16 + g + 8 * hf;
@@ -859,6 +872,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // ---- 4b. S = e^{G_last} S + Kᵀ·(e^{G_last-G} ⊙ V'), as in the one-kernel form ----
     {
       const float eglast = sm.eg[C - 1];
+      float sl[4][4] = {};  // the lo parts' chain
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
@@ -875,11 +889,15 @@ __global__ void __launch_bounds__(kThreads, 1)
           tc::ldmatrix_x4_trans(bh, sm.vd_hi + off);
           tc::ldmatrix_x4_trans(bl, sm.vd_lo + off);
           tc::mma_bf16(s[2 * np], a, bh[0], bh[1]);
-          tc::mma_bf16(s[2 * np], a, bl[0], bl[1]);
+          tc::mma_bf16(sl[2 * np], a, bl[0], bl[1]);
           tc::mma_bf16(s[2 * np + 1], a, bh[2], bh[3]);
-          tc::mma_bf16(s[2 * np + 1], a, bl[2], bl[3]);
+          tc::mma_bf16(sl[2 * np + 1], a, bl[2], bl[3]);
         }
       }
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] += sl[nt][e];
       store_s_copies();
     }
     __syncthreads();  // every shared tile is free for the next chunk
