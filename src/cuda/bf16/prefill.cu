@@ -92,7 +92,7 @@ void CudaModel::gdn(DevLayer& L, CudaState::Layer& S, int m, bool tc) {
   ra.o_stride = VD;
   // chunked delta rule: per chunk of 64 and value head ~ (2 + 4 + 2) * 64 * 128 * 128 multiply-adds
   mark(tc ? "gdn.chunked delta rule" : "gdn.recurrence", 2.0 * NV * kGdnDim * kGdnDim * 4,
-       tc ? 2.0 * 8 * double(m) * NV * kGdnDim * kGdnDim : 0);
+       tc ? 2.0 * 8 * double(m) * NV * kGdnDim * kGdnDim : 0, tc ? gdn_prefill_launches(m, NV) : 1);
   if (tc)
     gdn_prefill(ra, stream_);
   else

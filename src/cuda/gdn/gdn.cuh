@@ -85,6 +85,8 @@ void gdn_recurrent(const GdnPrefillArgs& a, cudaStream_t stream);
 // max_window_chunks > 0 caps the window below the workspace bound (tests: window boundaries at
 // small sizes).
 void gdn_prefill(const GdnPrefillArgs& a, cudaStream_t stream, int max_window_chunks = 0);
+// Kernel launches gdn_prefill makes for n tokens at n_v_heads (for the prefill profile).
+int gdn_prefill_launches(int n, int n_v_heads);
 
 // The one-kernel form gdn_prefill replaced (each (head, slice) block also computes its chunks'
 // Gram matrices and substitution in sequence), kept for the tests' comparison and A/B timing only.

@@ -1,6 +1,8 @@
-// Chunked Gated DeltaNet prefill on tensor cores (gdn_prefill; docs/MODEL.md §5.6). One block = one
-// value head x 32 state columns, walking the chunks of 64 tokens in order. Per chunk (C = 64 rows,
-// zero-padded past n):
+// Chunked Gated DeltaNet prefill on tensor cores (docs/MODEL.md §5.6). Two forms: gdn_prefill (the
+// two-kernel form below, used by the prefill) and gdn_prefill_single (the one-kernel form this
+// comment describes first, kept for the tests' A/B). One-kernel form: one block = one value head x
+// 32 state columns, walking the chunks of 64 tokens in order. Per chunk (C = 64 rows, zero-padded
+// past n):
 //   G = cumsum(g);  A[i][j] = β_i (k_i·k_j) e^{G_i-G_j} (j < i);  Aqk[i][j] = (q_i·k_j) e^{G_i-G_j} (j <= i)
 //   V' = (I + A)^{-1} R,  R = β⊙(V - e^G⊙(K·S))      forward substitution over 32 columns
 //   O  = e^G ⊙ (Q·S) + Aqk·V'
@@ -935,6 +937,10 @@ void check_args(const GdnPrefillArgs& a, const char* who) {
       "{}: output rows must be aligned for 4-wide stores (stride {})", who, a.o_stride);
 }
 
+int window_chunks(int n_v_heads) {
+  return std::max(1, int(kWindowFloats / (size_t(std::max(1, n_v_heads)) * kPrepPerChunkHead)));
+}
+
 // T and Aqk of one window, per (device, stream) so that calls on different streams never share
 // one; grown on demand and kept for the life of the process.
 float* prep_workspace(size_t floats, cudaStream_t stream) {
@@ -967,8 +973,7 @@ void gdn_prefill(const GdnPrefillArgs& a, cudaStream_t stream, int max_window_ch
   TANSY_CHECK(attr_set, "gdn_prefill: cannot reserve {} bytes of shared memory per block", kStateSmem);
   const int n_chunks = (a.n + C - 1) / C;
   TANSY_CHECK(max_window_chunks >= 0, "gdn_prefill: window of {} chunks", max_window_chunks);
-  int window =
-      std::min(n_chunks, std::max(1, int(kWindowFloats / (size_t(a.n_v_heads) * kPrepPerChunkHead))));
+  int window = std::min(n_chunks, window_chunks(a.n_v_heads));
   if (max_window_chunks > 0) window = std::min(window, max_window_chunks);
   float* const ws = prep_workspace(size_t(window) * a.n_v_heads * kPrepPerChunkHead, stream);
   for (int c0 = 0; c0 < n_chunks; c0 += window) {
@@ -977,6 +982,11 @@ void gdn_prefill(const GdnPrefillArgs& a, cudaStream_t stream, int max_window_ch
     gdn_chunk_state_kernel<<<dim3(a.n_v_heads, kGdnDim / BV), kThreads, kStateSmem, stream>>>(a, c0, nc, ws);
   }
   launch_check("gdn_prefill");
+}
+
+int gdn_prefill_launches(int n, int n_v_heads) {
+  const int chunks = (std::max(1, n) + C - 1) / C, w = window_chunks(n_v_heads);
+  return 2 * ((chunks + w - 1) / w);
 }
 
 void gdn_prefill_single(const GdnPrefillArgs& a, cudaStream_t stream) {
