@@ -32,7 +32,8 @@ struct GdnSetup {
 
 TEST(Gdn, ConvAndRecurrence) {
   for (auto [NK, NV, n] :
-       {GdnSetup{16, 32, 1}, GdnSetup{16, 32, 40}, GdnSetup{2, 4, 3}, GdnSetup{2, 4, 65}}) {
+       {GdnSetup{16, 32, 1}, GdnSetup{16, 32, 16}, GdnSetup{16, 32, 17}, GdnSetup{16, 32, 40},
+        GdnSetup{16, 32, 200}, GdnSetup{2, 4, 3}, GdnSetup{2, 4, 65}}) {
     const int D = 128, KD = NK * D, VD = NV * D, C = 2 * KD + VD, Kc = 4;
     const int64_t ld = C + VD + 2 * NV + 8;  // proj rows: qkv | z | a | b
     auto proj = randn(size_t(n) * ld);
@@ -200,9 +201,14 @@ TEST(Gdn, InProjAndStep) {
 
 // ---- prefill ----
 
+enum class Form { kTwoKernel, kSingle };
+
 // The chunked delta rule over `pieces` (successive calls, each continuing from the state the
 // previous one left) against the token-by-token loop from the same random nonzero state.
-void check_gdn(int n_k, int n_v, const std::vector<int>& pieces, bool f32_out) {
+// `window` > 0 caps gdn_prefill's window of chunks (the boundaries where the state kernel of one
+// window hands its state to the next); kSingle runs the one-kernel form it replaced.
+void check_gdn(int n_k, int n_v, const std::vector<int>& pieces, bool f32_out, int window = 0,
+               Form form = Form::kTwoKernel) {
   constexpr int D = cuda::kGdnDim;
   const int n = std::accumulate(pieces.begin(), pieces.end(), 0);
   std::string label = "gdn_prefill heads " + str(n_k) + "/" + str(n_v) + " n=" + str(n);
@@ -212,6 +218,8 @@ void check_gdn(int n_k, int n_v, const std::vector<int>& pieces, bool f32_out) {
     label += ")";
   }
   label += f32_out ? " f32" : " bf16";
+  if (window > 0) label += " window " + str(window);
+  if (form == Form::kSingle) label += " (one-kernel form)";
   const int key_dim = n_k * D, conv_dim = 2 * key_dim + n_v * D;
   // The conv output layout [n, q | k | v], used in place.
   std::vector<float> y(size_t(n) * conv_dim);
@@ -258,7 +266,10 @@ void check_gdn(int n_k, int n_v, const std::vector<int>& pieces, bool f32_out) {
     a.o_f32 = f32_out ? o32.get() + size_t(start) * ldo : nullptr;
     a.o_bf16 = f32_out ? nullptr : o16.get() + size_t(start) * ldo;
     a.o_stride = ldo;
-    cuda::gdn_prefill(a, 0);
+    if (form == Form::kSingle)
+      cuda::gdn_prefill_single(a, 0);
+    else
+      cuda::gdn_prefill(a, 0, window);
     start += m;
   }
   const auto got_o =
@@ -283,12 +294,29 @@ void check_gdn(int n_k, int n_v, const std::vector<int>& pieces, bool f32_out) {
 }
 
 TEST(Gdn, Chunked) {
-  for (int n : {1, 2, 3, 63, 64, 65, 200}) check_gdn(16, 32, {n}, n % 2 == 1);  // real heads
+  for (int n : {1, 2, 3, 63, 64, 65, 127, 128, 129, 200}) check_gdn(16, 32, {n}, n % 2 == 1);  // real heads
   check_gdn(16, 32, {129}, false);
   check_gdn(2, 4, {4096}, true);  // long sequence (fewer heads keep the CPU loop short)
   check_gdn(2, 4, {1000}, false);
   check_gdn(4, 4, {130}, true);  // ratio 1
   check_gdn(1, 3, {70}, false);  // ratio 3
+}
+
+// Window boundaries (the state kernel of one window hands its f32 state to the next through
+// memory): windows of 1, 2 and 3 chunks, prompts ending just before, on and after a boundary, and
+// the real heads across the default 64-chunk window (4,096 tokens at 32 value heads).
+TEST(Gdn, ChunkedWindows) {
+  for (int n : {63, 64, 65, 127, 128, 129}) check_gdn(16, 32, {n}, n % 2 == 0, 1);
+  check_gdn(16, 32, {191, 2}, true, 2);
+  check_gdn(2, 4, {1000}, true, 3);
+  check_gdn(2, 4, {640, 1, 383}, false, 2);
+  check_gdn(16, 32, {4161}, true);
+}
+
+// The one-kernel form kept for the A/B timing stays correct too.
+TEST(Gdn, ChunkedSingleKernel) {
+  for (int n : {1, 64, 65, 200}) check_gdn(16, 32, {n}, true, 0, Form::kSingle);
+  check_gdn(2, 4, {1, 127, 300}, false, 0, Form::kSingle);
 }
 
 // Continuing from the state a previous call left: chunk boundaries that do not line up with the
@@ -306,6 +334,51 @@ TEST(Gdn, ChunkedLong) {
   check_gdn(16, 32, {4096}, true);
   check_gdn(2, 4, {5000, 3193}, true);
   check_gdn(2, 4, {32768}, true);
+}
+
+// The prefill's gated RMSNorm (one warp per token and head) against cpu::rmsnorm_gated: strided
+// o, z and y as the prefill lays them out, token counts that leave the last block partly empty.
+TEST(Gdn, GatedNorm) {
+  constexpr int D = cuda::kGdnDim;
+  for (auto [n, heads] :
+       {std::pair{1, 32}, std::pair{3, 32}, std::pair{65, 32}, std::pair{4096, 32}, std::pair{7, 3}}) {
+    const int64_t ldo = int64_t(heads) * D + 4, ldz = int64_t(heads) * D + 68, ldy = int64_t(heads) * D + 8;
+    auto o = randn(size_t(n) * ldo, 0.7f), z = randn(size_t(n) * ldz, 1.5f), w = randn(D, 0.2f, 1.f);
+    round_bf16_inplace(z);
+    DeviceBuffer<float> dout = to_device(o), dw = to_device(w);
+    auto dz = to_device_bf16(z);
+    DeviceBuffer<bf16> y(size_t(n) * ldy);
+    poison(y);
+    cuda::GdnGatedNormArgs a;
+    a.o = dout.get();
+    a.ldo = ldo;
+    a.z = dz.get();
+    a.ldz = ldz;
+    a.w = dw.get();
+    a.n = n;
+    a.n_heads = heads;
+    a.eps = 1e-6f;
+    a.y = y.get();
+    a.ldy = ldy;
+    cuda::gdn_gated_norm(a, 0);
+    std::vector<float> ref(size_t(n) * heads * D);
+    for (int t = 0; t < n; ++t)
+      for (int j = 0; j < heads; ++j)
+        cpu::rmsnorm_gated(&o[size_t(t) * ldo + size_t(j) * D], &z[size_t(t) * ldz + size_t(j) * D], w.data(),
+                           D, 1e-6f, &ref[(size_t(t) * heads + j) * D]);
+    std::vector<int> all(n);
+    std::iota(all.begin(), all.end(), 0);
+    const auto got = take_rows(from_device_bf16(y.get(), y.size()), ldy, heads * D, all);
+    EXPECT_REL(got, ref, kTolBf16, "gdn_gated_norm n=" + str(n) + " heads " + str(heads));
+    // the padding between rows keeps its poison (NaN): nothing is written past a row's heads
+    const auto raw = from_device_bf16(y.get(), y.size());
+    int written = 0;
+    for (int t = 0; t < n; ++t)
+      for (int64_t c = int64_t(heads) * D; c < ldy; ++c) written += !std::isnan(raw[size_t(t) * ldy + c]);
+    EXPECT_EQ(written, 0) << "gdn_gated_norm wrote padding, n=" << n;
+  }
+  cuda::GdnGatedNormArgs bad;
+  EXPECT_THROW(cuda::gdn_gated_norm(bad, 0), Error);
 }
 
 TEST(Gdn, RejectsBadShapes) {
@@ -332,6 +405,8 @@ TEST(Gdn, RejectsBadShapes) {
   a.q_stride = 256;
   a.n = 0;
   EXPECT_THROW(cuda::gdn_prefill(a, 0), Error);
+  a.n = 2;
+  EXPECT_THROW(cuda::gdn_prefill(a, 0, -1), Error);  // window of -1 chunks
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 // Kernel timings at the real shapes: not pass/fail, they print. Timing.DecodeRealShapes (µs and
 // GB/s per launch, back to back on one stream as in the decode graph) runs only with
 // TANSY_DECODE_TIMING=1; Timing.Prefill (median ms and TFLOP/s at n=4096) and Timing.Gdn (the
-// chunked delta rule, µs per layer at 4,096 and 32,768 tokens) are left out by
+// chunked delta rule, µs per layer at 4,096 and 32,768 tokens, beside the one-kernel form it
+// replaced; the gated norm beside norm/'s gated_rmsnorm and the conv at 4,096) are left out by
 // tools/device/gpu_tests.sh's filters. Each keeps its own helpers in its own namespace.
 #include <algorithm>
 #include <cstdio>
@@ -379,7 +380,7 @@ TEST(Timing, Prefill) {
 }
 
 // The chunked delta rule alone at the real heads (16 key, 32 value, d 128), f32 output as the
-// prefill path uses it: µs per layer.
+// prefill path uses it, then the gated norm and the conv: µs per layer.
 TEST(Timing, Gdn) {
   constexpr int D = cuda::kGdnDim, nk = 16, nv = 32, conv = 2 * nk * D + nv * D;
   std::printf("gdn chunked delta rule per layer (median of 15; heads %d/%d; random data)\n", nk, nv);
@@ -408,7 +409,69 @@ TEST(Timing, Gdn) {
     a.o_f32 = o.get();
     a.o_stride = nv * D;
     const double tc = median_ms([&] { cuda::gdn_prefill(a, 0); });
-    std::printf("  TIMING gdn n=%-6d gdn_prefill %9.1f us/layer\n", n, 1e3 * tc);
+    const double single = median_ms([&] { cuda::gdn_prefill_single(a, 0); });
+    std::printf("  TIMING gdn n=%-6d gdn_prefill %9.1f us/layer   one-kernel form %9.1f us/layer\n", n,
+                1e3 * tc, 1e3 * single);
+  }
+  {
+    // The gated RMSNorm after it, at the prefill's layout (z inside the in_proj rows).
+    constexpr int n = 4096, VD = nv * D;
+    const int64_t ldz = 2 * VD + conv + 2 * nv + 8;
+    DeviceBuffer<float> o(size_t(n) * VD), w(D);
+    DeviceBuffer<bf16> z(size_t(n) * ldz), y(size_t(n) * VD);
+    CUDA_CHECK(cudaMemset(o.get(), 0x3c, o.bytes()));
+    CUDA_CHECK(cudaMemset(w.get(), 0x3c, w.bytes()));
+    CUDA_CHECK(cudaMemset(z.get(), 0x3c, z.bytes()));
+    cuda::GdnGatedNormArgs na;
+    na.o = o.get();
+    na.ldo = VD;
+    na.z = z.get() + conv;
+    na.ldz = ldz;
+    na.w = w.get();
+    na.n = n;
+    na.n_heads = nv;
+    na.eps = 1e-6f;
+    na.y = y.get();
+    na.ldy = VD;
+    const double fused = median_ms([&] { cuda::gdn_gated_norm(na, 0); });
+    const double old = median_ms([&] {
+      cuda::gated_rmsnorm(o.get(), VD, z.get() + conv, ldz, w.get(), n, nv, D, 1e-6f, y.get(), VD, 0);
+    });
+    const double gb = (double(n) * VD * (4 + 2 + 2)) / 1e9;
+    std::printf(
+        "  TIMING gdn n=%-6d gdn_gated_norm %6.1f us/layer (%.0f GB/s)   norm/gated_rmsnorm %6.1f us/layer\n",
+        n, 1e3 * fused, gb / (fused * 1e-3), 1e3 * old);
+  }
+  {
+    // Conv + SiLU + q/k l2norm + gates before it (gdn_conv), at the prefill's layout.
+    constexpr int n = 4096, VD = nv * D, K = 4;
+    const int64_t ld = conv + VD + 2 * nv + 8;
+    DeviceBuffer<bf16> x(size_t(n) * ld), win(size_t(K - 1) * conv), y(size_t(n) * conv);
+    DeviceBuffer<float> w(size_t(conv) * K), A_log(nv), dt(nv), beta(size_t(n) * nv), g(size_t(n) * nv);
+    for (auto* b : {&x, &win}) CUDA_CHECK(cudaMemset(b->get(), 0x3c, b->bytes()));
+    for (auto* b : {&w, &A_log, &dt}) CUDA_CHECK(cudaMemset(b->get(), 0x3c, b->bytes()));
+    cuda::GdnConvArgs ca;
+    ca.x = x.get();
+    ca.ldx = ld;
+    ca.a = x.get() + conv + VD;
+    ca.b = x.get() + conv + VD + nv;
+    ca.ld_ab = ld;
+    ca.n = n;
+    ca.n_k_heads = nk;
+    ca.n_v_heads = nv;
+    ca.kernel = K;
+    ca.conv_w = w.get();
+    ca.window = win.get();
+    ca.A_log = A_log.get();
+    ca.dt_bias = dt.get();
+    ca.y = y.get();
+    ca.beta = beta.get();
+    ca.g = g.get();
+    const double ms = median_ms([&] { cuda::gdn_conv(ca, 0); });
+    const double gb = double(n) * conv * 2 * 2 / 1e9;
+    std::printf(
+        "  TIMING gdn n=%-6d gdn_conv (conv+gates) %6.1f us/layer (%.0f GB/s of x read + y written)\n", n,
+        1e3 * ms, gb / (ms * 1e-3));
   }
   CUDA_CHECK(cudaDeviceSynchronize());
 }

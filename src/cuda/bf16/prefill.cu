@@ -92,14 +92,24 @@ void CudaModel::gdn(DevLayer& L, CudaState::Layer& S, int m, bool tc) {
   ra.o_stride = VD;
   // chunked delta rule: per chunk of 64 and value head ~ (2 + 4 + 2) * 64 * 128 * 128 multiply-adds
   mark(tc ? "gdn.chunked delta rule" : "gdn.recurrence", 2.0 * NV * kGdnDim * kGdnDim * 4,
-       tc ? 2.0 * 8 * double(m) * NV * kGdnDim * kGdnDim : 0);
+       tc ? 2.0 * 8 * double(m) * NV * kGdnDim * kGdnDim : 0, tc ? gdn_prefill_launches(m, NV) : 1);
   if (tc)
     gdn_prefill(ra, stream_);
   else
     gdn_recurrent(ra, stream_);
   mark("gdn.gated_norm");
-  gated_rmsnorm(o_.get(), VD, P + C, proj_ld_, L.gnorm.get(), m, NV, kGdnDim, c.rms_eps, mix_.get(), VD,
-                stream_);
+  GdnGatedNormArgs na;
+  na.o = o_.get();
+  na.ldo = VD;
+  na.z = P + C;
+  na.ldz = proj_ld_;
+  na.w = L.gnorm.get();
+  na.n = m;
+  na.n_heads = NV;
+  na.eps = c.rms_eps;
+  na.y = mix_.get();
+  na.ldy = VD;
+  gdn_gated_norm(na, stream_);
   mark("gdn.out_proj", wbytes(L.gdn_out.view), wflops(L.gdn_out.view, m));
   project(L.gdn_out.view, mix_.get(), VD, m, r_.get(), false, H, tc);
 }

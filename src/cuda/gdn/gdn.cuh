@@ -6,6 +6,7 @@
 //   matvec/matvec.cu     matvec_norm_gdn: in_proj with the conv and gates as its epilogue (decode)
 //   gdn/decode.cu        gdn_decode_step (decode), gdn_conv and gdn_recurrent (the GEMV prefill path)
 //   gdn/prefill_tc.cu    gdn_prefill: the chunked delta rule on tensor cores (prefill)
+//   gdn/prefill_norm.cu  gdn_gated_norm: the gated RMSNorm of several tokens (prefill)
 #pragma once
 #include <cstdint>
 
@@ -72,14 +73,42 @@ struct GdnPrefillArgs {
 void gdn_recurrent(const GdnPrefillArgs& a, cudaStream_t stream);
 
 // The same chunked (chunk 64, §5.6) on tensor cores; the result equals looping the one-token update
-// (§5.5) over the n tokens. Work split: one block per (value head, 32-column slice of the value
-// dimension): columns of S are independent, so 32 heads x 4 slices = 128 blocks on the real model.
-// Each block walks the chunks in order; the value-independent per-chunk parts (K·Kᵀ, Q·Kᵀ, the
-// decay matrices) are recomputed by each slice of a head, which is cheaper than a second pass
-// through device memory at these sizes. Every product is an mma; the f32 operands (S, V', Aqk) go
-// in as bf16 hi + lo pairs, so the products keep ~16 mantissa bits, and the state stays f32 in
-// registers across chunks (gdn/prefill_tc.cu says why).
-void gdn_prefill(const GdnPrefillArgs& a, cudaStream_t stream);
+// (§5.5) over the n tokens. Two kernels per window of up to 64 chunks (at 32 heads; the window
+// bounds a 64 MiB workspace kept per (device, stream)): one block per (chunk, value head) computes
+// every chunk's state-independent parts at once (the Gram and decay matrices, T = (I + A)^{-1} by
+// forward substitution, Aqk); then one block per (value head, 32-column slice of the value
+// dimension), 32 heads x 4 slices = 128 blocks on the real model, walks the chunks in order with
+// only the state-dependent products (Q·S, K·S, T·R, Aqk·V', the state update) on the serial path.
+// Every product is an mma; the f32 operands (S, R, V', T, Aqk) go in as bf16 hi + lo pairs, so
+// the products keep ~16 mantissa bits, and the state stays f32 in registers across chunks
+// (gdn/prefill_tc.cu says why).
+// max_window_chunks > 0 caps the window below the workspace bound (tests: window boundaries at
+// small sizes).
+void gdn_prefill(const GdnPrefillArgs& a, cudaStream_t stream, int max_window_chunks = 0);
+// Kernel launches gdn_prefill makes for n tokens at n_v_heads (for the prefill profile).
+int gdn_prefill_launches(int n, int n_v_heads);
+
+// The one-kernel form gdn_prefill replaced (each (head, slice) block also computes its chunks'
+// Gram matrices and substitution in sequence), kept for the tests' comparison and A/B timing only.
+void gdn_prefill_single(const GdnPrefillArgs& a, cudaStream_t stream);
+
+// ---- the gated RMSNorm of several tokens (gdn/prefill_norm.cu) ----
+
+// y[t, j*128 + d] = bf16(w[d] · o[t, j*128 + d] / rms(o[t, j*128 ..]) · silu(z[t, j*128 + d])) for
+// every token t < n and value head j < n_heads (cpu::rmsnorm_gated per head). o 16-byte aligned,
+// z, y 8-byte aligned, strides multiples of 4.
+struct GdnGatedNormArgs {
+  const float* o = nullptr;
+  int64_t ldo = 0;
+  const bf16* z = nullptr;
+  int64_t ldz = 0;
+  const float* w = nullptr;  // [128]
+  int n = 0, n_heads = 0;
+  float eps = 0.f;
+  bf16* y = nullptr;
+  int64_t ldy = 0;
+};
+void gdn_gated_norm(const GdnGatedNormArgs& a, cudaStream_t stream);
 
 // ---- decode (one token) ----
 
