@@ -56,9 +56,9 @@ __device__ __forceinline__ uint4 dequant4(uint32_t w, __nv_bfloat162 s2, __nv_bf
 template <int BN, int kRows, int kThreads, int kCld>
 __device__ __forceinline__ void store_tile(const Params& p, const float* Cs, int row0, int row_end, int n0,
                                            int tid) {
-  constexpr int kPairs = BN / 2;                   // column pairs per row
+  constexpr int kPairs = BN / 2;  // column pairs per row
   constexpr int kRowsPerPass = kThreads / kPairs;
-  const int pc = n0 + 2 * (tid % kPairs);          // this thread's first column
+  const int pc = n0 + 2 * (tid % kPairs);  // this thread's first column
   if (pc >= p.out) return;
   const bool pair = pc + 1 < p.out;
 #pragma unroll 4

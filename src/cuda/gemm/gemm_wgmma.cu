@@ -57,8 +57,9 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], const uint32_t (
       "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
+        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+        "+f"(d[30]), "+f"(d[31])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1)
       : "memory");
 }
@@ -74,12 +75,13 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], const uint32_t 
       "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
+        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),
+        "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
+        "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]),
+        "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]),
+        "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1)
       : "memory");
 }
@@ -91,11 +93,17 @@ __device__ __forceinline__ void wgmma(float (&d)[64], const uint32_t (&a)[4], ui
   wgmma_m64n128k16(d, a, desc_b);
 }
 __device__ __forceinline__ void wgmma_arrive() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_wait0() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
 // Orders this thread's generic-proxy shared-memory writes (the cp.async copies) before the async
 // proxy's reads (wgmma's B operand).
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
 // Keeps the compiler from moving register accesses across the asynchronous wgmma window.
 template <int N>
 __device__ __forceinline__ void fence_regs(float (&r)[N]) {
@@ -112,7 +120,8 @@ __device__ __forceinline__ void fence_regs(uint32_t (&r)[4][4]) {
 // Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 bytes apart (the
 // leading offset is unused in this mode; 1 as CUTLASS sets it).
 __device__ __forceinline__ uint64_t desc_sw128(uint32_t addr) {
-  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) |
+         (uint64_t(1) << 62);
 }
 
 __device__ __forceinline__ uint4 lds128(const void* p) { return *reinterpret_cast<const uint4*>(p); }
@@ -127,8 +136,8 @@ __global__ void __launch_bounds__(128 * kWG, kWG == 2 ? 2 : 1) gemm_wgmma_kernel
   using L = WgLayout<kN, kWG>;
   constexpr int kThreads = 128 * kWG;
   constexpr int BN = L::BN;
-  constexpr int kNAcc = kN / 2;                          // f32 accumulators per thread
-  constexpr int kXChunks = kN * (BK / 8) / kThreads;     // 16-byte X chunks per thread per stage
+  constexpr int kNAcc = kN / 2;                           // f32 accumulators per thread
+  constexpr int kXChunks = kN * (BK / 8) / kThreads;      // 16-byte X chunks per thread per stage
   constexpr int kWChunks = BN * (kWRow / 16) / kThreads;  // ... of packed weights
   static_assert(kXChunks >= 1 && kXChunks * kThreads == kN * (BK / 8));
   static_assert(kWChunks >= 1 && kWChunks * kThreads == BN * (kWRow / 16));
@@ -193,7 +202,8 @@ __global__ void __launch_bounds__(128 * kWG, kWG == 2 ? 2 : 1) gemm_wgmma_kernel
   auto load_stage = [&](int kt, int stage) {
     unsigned char* xs = smem + stage * L::kX;
 #pragma unroll
-    for (int i = 0; i < kXChunks; ++i) tc::cp_async16(xs + x_dst[i], p.X + x_off[i] + uint32_t(kt) * BK, true);
+    for (int i = 0; i < kXChunks; ++i)
+      tc::cp_async16(xs + x_dst[i], p.X + x_off[i] + uint32_t(kt) * BK, true);
     unsigned char* ws = Ws + stage * L::kW;
 #pragma unroll
     for (int i = 0; i < kWChunks; ++i)
@@ -213,7 +223,7 @@ __global__ void __launch_bounds__(128 * kWG, kWG == 2 ? 2 : 1) gemm_wgmma_kernel
   };
   const uint32_t sel = uint32_t(t) | (uint32_t(t + 4) << 4);
   // A fragments [k16 step][reg] of one k-tile from stage `stage`.
-  auto dequant = [&](int stage, uint32_t (&a)[4][4]) {
+  auto dequant = [&](int stage, uint32_t(&a)[4][4]) {
     const unsigned char* ws = Ws + stage * L::kW;
     const uint4 r0a = lds128(ws + wr0 * kWRow), r0b = lds128(ws + wr0 * kWRow + 16);
     const uint4 r1a = lds128(ws + wr1 * kWRow), r1b = lds128(ws + wr1 * kWRow + 16);
@@ -225,7 +235,8 @@ __global__ void __launch_bounds__(128 * kWG, kWG == 2 ? 2 : 1) gemm_wgmma_kernel
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       a[2 * h][0] = d0[h].x, a[2 * h][1] = d1[h].x, a[2 * h][2] = d0[h].y, a[2 * h][3] = d1[h].y;
-      a[2 * h + 1][0] = d0[h].z, a[2 * h + 1][1] = d1[h].z, a[2 * h + 1][2] = d0[h].w, a[2 * h + 1][3] = d1[h].w;
+      a[2 * h + 1][0] = d0[h].z, a[2 * h + 1][1] = d1[h].z, a[2 * h + 1][2] = d0[h].w,
+                a[2 * h + 1][3] = d1[h].w;
     }
   };
 
@@ -295,8 +306,8 @@ void launch(const Params& p, long row_tiles, cudaStream_t stream) {
   }();
   if (!attr_set) fail("gemm (wgmma): cannot reserve {} bytes of shared memory per block", kSmem);
   const long col_tiles = (p.out + WgLayout<kN, kWG>::BN - 1) / WgLayout<kN, kWG>::BN;
-  TANSY_CHECK(col_tiles <= 65535 && row_tiles <= 0x7fffffffL, "gemm (wgmma): out {} or {} row tiles exceed the grid limit",
-              p.out, row_tiles);
+  TANSY_CHECK(col_tiles <= 65535 && row_tiles <= 0x7fffffffL,
+              "gemm (wgmma): out {} or {} row tiles exceed the grid limit", p.out, row_tiles);
   gemm_wgmma_kernel<kN, kWG><<<dim3(unsigned(row_tiles), unsigned(col_tiles)), 128 * kWG, kSmem, stream>>>(p);
   launch_check("gemm (wgmma)");
 }
