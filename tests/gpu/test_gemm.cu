@@ -12,6 +12,7 @@
 
 #include "cpu/ops.h"
 #include "cuda/gemm/gemm.cuh"
+#include "cuda/gemm/gemm_impl.cuh"
 #include "gpu_test_util.h"
 
 namespace tansy {
@@ -122,6 +123,34 @@ TEST(Gemm, Plain) {
 TEST(Gemm, PlainWgmma) {
   GemmKernelScope scope(cuda::GemmKernel::kWgmma);
   plain_cases();
+}
+
+// Every wgmma tile shape forced (the automatic choice never picks some of them at these sizes).
+TEST(Gemm, WgmmaTiles) {
+  GemmKernelScope scope(cuda::GemmKernel::kWgmma);
+  const GemmCase cases[] = {{WFormat::kAffine4, 300, 192, 1, "one row"},
+                            {WFormat::kAffine4, 1100, 128, 129, "partial tiles"},
+                            {WFormat::kAffine4, 2048, 2048, 300, "in_proj-like"}};
+  for (const auto& [rows, wg] : {std::pair{64, 2}, std::pair{64, 4}, std::pair{128, 2}, std::pair{128, 4}}) {
+    cuda::gemm_impl::set_wgmma_tiles(rows, wg);
+    for (const auto& c : cases) {
+      TestMatrix W = make_matrix(c.fmt, c.out, c.in);
+      auto x = randn(size_t(c.n) * c.in);
+      round_bf16_inplace(x);
+      auto dx = to_device_bf16(x);
+      std::vector<float> ref(size_t(c.n) * c.out);
+      cpu::matmul(W.exact(), x.data(), c.n, ref.data());
+      DeviceBuffer<float> y(size_t(c.n) * c.out);
+      poison(y);
+      cuda::gemm(W.dev, dx.get(), c.in, c.n,
+                 {y.get(), cuda::GemmOutType::kF32, c.out, cuda::GemmEpilogue::kStore}, 0);
+      EXPECT_REL(from_device(y.get(), y.size()), ref, kTolExact,
+                 std::string("gemm wgmma tiles ") + str(rows) + "x" + str(64 * wg) + " " + c.what +
+                     " n=" + str(c.n));
+    }
+  }
+  cuda::gemm_impl::set_wgmma_tiles(0, 0);
+  EXPECT_THROW(cuda::gemm_impl::set_wgmma_tiles(96, 2), Error);
 }
 
 void epilogue_cases() {

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cuda/gemm/gemm.cuh"
+#include "cuda/gemm/gemm_impl.cuh"
 #include "cuda/moe/moe.cuh"
 #include "gemm_v1.h"
 #include "gpu_test_util.h"
@@ -53,7 +54,7 @@ double median_ms(F&& fn, int reps = 21) {
 // prints all three, and checks the outputs agree (relative L2 distance, bf16 outputs: the f32 sums
 // differ only in order).
 template <typename Run>
-void compare(const char* what, double flop, DeviceBuffer<bf16>& y, Run&& run) {
+void compare(const char* what, double flop, DeviceBuffer<bf16>& y, bool grouped, Run&& run) {
   double ms[3];
   std::vector<float> out[3];
   for (int v = 0; v < 3; ++v) {
@@ -69,6 +70,23 @@ void compare(const char* what, double flop, DeviceBuffer<bf16>& y, Run&& run) {
       what, ms[0], tf(0), ms[1], tf(1), ms[2], tf(2), ms[0] / ms[2]);
   EXPECT_REL(out[1], out[0], kTolBf16, std::string(what) + ": mma kernel vs old");
   EXPECT_REL(out[2], out[0], kTolBf16, std::string(what) + ": wgmma kernel vs old");
+  // Each wgmma tile shape forced (grouped products always take 64-row tiles), for choosing the
+  // automatic rule in gemm_wgmma.cu's launch_wgmma.
+  std::printf("         %-40s wgmma tiles rows x cols:", "");
+  for (const auto& [rows, wg] : {std::pair{64, 2}, std::pair{64, 4}, std::pair{128, 2}, std::pair{128, 4}}) {
+    if (grouped && rows != 64) continue;
+    cuda::gemm_impl::set_wgmma_tiles(rows, wg);
+    run(2);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const auto o = from_device_bf16(y.get(), y.size());
+    const double t = median_ms([&] { run(2); });
+    cuda::gemm_impl::set_wgmma_tiles(0, 0);
+    std::printf(" %dx%d %.3f ms %.1f TF/s |", rows, 64 * wg, t, flop / (t * 1e-3) / 1e12);
+    EXPECT_REL(
+        o, out[0], kTolBf16,
+        std::string(what) + ": wgmma " + std::to_string(rows) + "x" + std::to_string(64 * wg) + " vs old");
+  }
+  std::printf("\n");
 }
 
 // Runs the current gemm entry points under the mma.sync (variant 1) or wgmma (2) kernel.
@@ -96,7 +114,7 @@ TEST(Timing, Gemm) {
   auto dense = [&](const char* what, int out, int in) {
     TestMatrix W = make_matrix(WFormat::kAffine4, out, in);
     DeviceBuffer<bf16> y(size_t(n) * out);
-    compare(what, 2.0 * n * out * in, y, [&](int v) {
+    compare(what, 2.0 * n * out * in, y, false, [&](int v) {
       const cuda::GemmOutput o{y.get(), cuda::GemmOutType::kBF16, out, cuda::GemmEpilogue::kStore};
       KernelScope scope(v);
       if (v > 0)
@@ -140,7 +158,7 @@ TEST(Timing, Gemm) {
     cuda::moe_route_sort(didx.get(), n, k, E, rv, 0);
     DeviceBuffer<bf16> act(size_t(n) * k * I), yd(size_t(n) * k * H);
     const std::string tag = skewed ? " (skewed)" : " (uniform)";
-    compare(("gemm_grouped gate|up swiglu" + tag).c_str(), 2.0 * n * k * 2 * I * H, act, [&](int v) {
+    compare(("gemm_grouped gate|up swiglu" + tag).c_str(), 2.0 * n * k * 2 * I * H, act, true, [&](int v) {
       const cuda::GemmOutput o{act.get(), cuda::GemmOutType::kBF16, I, cuda::GemmEpilogue::kSwiGlu};
       KernelScope scope(v);
       if (v > 0)
@@ -149,7 +167,7 @@ TEST(Timing, Gemm) {
         cuda::gemm_v1::gemm_grouped(GU.dev, E, dx.get(), H, true, n, k, rv, o, 0);
     });
     // down reads the SwiGLU activations of the (wgmma) gate|up run above
-    compare(("gemm_grouped down" + tag).c_str(), 2.0 * n * k * H * I, yd, [&](int v) {
+    compare(("gemm_grouped down" + tag).c_str(), 2.0 * n * k * H * I, yd, true, [&](int v) {
       const cuda::GemmOutput o{yd.get(), cuda::GemmOutType::kBF16, H, cuda::GemmEpilogue::kStore};
       KernelScope scope(v);
       if (v > 0)

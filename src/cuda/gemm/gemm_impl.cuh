@@ -110,5 +110,8 @@ __device__ __forceinline__ void store_tile(const Params& p, const float* Cs, int
 // The wgmma kernel's launcher (gemm_wgmma.cu): 4-bit weights only. `grouped`: p holds a tile schedule
 // and row tiles are kGroupedBM rows.
 void launch_wgmma(const Params& p, bool grouped, long row_tiles, cudaStream_t stream);
+// For tests and Timing.Gemm: every wgmma launch uses `rows` (64 or 128; grouped always 64) x
+// 64·`warpgroups` (2 or 4) tiles instead of the automatic choice; (0, 0) restores it.
+void set_wgmma_tiles(int rows, int warpgroups);
 
 }  // namespace tansy::cuda::gemm_impl

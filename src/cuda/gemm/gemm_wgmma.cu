@@ -312,14 +312,36 @@ void launch(const Params& p, long row_tiles, cudaStream_t stream) {
   launch_check("gemm (wgmma)");
 }
 
+int g_force_rows = 0, g_force_wg = 0;  // set_wgmma_tiles
+
+template <int kN>
+void launch_n(const Params& p, int wg, long row_tiles, cudaStream_t stream) {
+  if (wg == 4) return launch<kN, 4>(p, row_tiles, stream);
+  return launch<kN, 2>(p, row_tiles, stream);
+}
+
 }  // namespace
+
+void set_wgmma_tiles(int rows, int warpgroups) {
+  TANSY_CHECK(
+      (rows == 0 && warpgroups == 0) || ((rows == 64 || rows == 128) && (warpgroups == 2 || warpgroups == 4)),
+      "gemm (wgmma): tile {} rows x {} warpgroups is not built", rows, warpgroups);
+  g_force_rows = rows;
+  g_force_wg = warpgroups;
+}
 
 // Dense: 128-row tiles of 128 columns when they fill the machine, else 64-row tiles. Grouped (64-row
 // tiles, moe_route_sort's schedule): 256 columns when there are tiles enough, else 128.
 void launch_wgmma(const Params& p, bool grouped, long row_tiles, cudaStream_t stream) {
+  static_assert(kGroupedBM == 64);
   const long sms = sm_count();
+  if (g_force_rows) {
+    const int rows = grouped ? 64 : g_force_rows;
+    if (!grouped) row_tiles = (long(p.n_rows) + rows - 1) / rows;
+    if (rows == 128) return launch_n<128>(p, g_force_wg, row_tiles, stream);
+    return launch_n<64>(p, g_force_wg, row_tiles, stream);
+  }
   if (grouped) {
-    static_assert(kGroupedBM == 64);
     if (row_tiles * ((p.out + 255) / 256) >= 2 * sms) return launch<64, 4>(p, row_tiles, stream);
     return launch<64, 2>(p, row_tiles, stream);
   }
