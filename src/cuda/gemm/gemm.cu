@@ -24,6 +24,8 @@
 // accumulators (output columns by X rows) go through an f32 tile in the freed stage memory, so the
 // epilogue writes whole output rows.
 #include <algorithm>
+#include <cstdlib>
+#include <string_view>
 #include <type_traits>
 
 #include "core/error.h"
@@ -393,17 +395,29 @@ Params make_params(const DevLinear& W, int out, const __nv_bfloat16* X, int64_t 
   return p;
 }
 
-GemmKernel g_kernel = GemmKernel::kMma;
+// TANSY_GEMM_KERNEL=wgmma|mma picks the 4-bit kernel for a whole run (A/B of a full prefill
+// without a rebuild); unset: mma.
+GemmKernel initial_kernel() {
+  const char* v = std::getenv("TANSY_GEMM_KERNEL");
+  if (!v || std::string_view(v) == "mma") return GemmKernel::kMma;
+  if (std::string_view(v) == "wgmma") return GemmKernel::kWgmma;
+  fail("TANSY_GEMM_KERNEL must be mma or wgmma, got '{}'", v);
+}
+// Read at first use, so a bad value fails with its message rather than during static initialization.
+GemmKernel& kernel_state() {
+  static GemmKernel k = initial_kernel();
+  return k;
+}
 
 }  // namespace
 
-void gemm_set_kernel(GemmKernel k) { g_kernel = k; }
-GemmKernel gemm_kernel() { return g_kernel; }
+void gemm_set_kernel(GemmKernel k) { kernel_state() = k; }
+GemmKernel gemm_kernel() { return kernel_state(); }
 
 void gemm(const DevLinear& W, const __nv_bfloat16* X, int64_t ldx, int n, const GemmOutput& Y,
           cudaStream_t stream) {
   const Params p = make_params(W, W.out, X, ldx, n, n, Y, "gemm");
-  if (W.fmt == WFormat::kAffine4 && g_kernel == GemmKernel::kWgmma)
+  if (W.fmt == WFormat::kAffine4 && kernel_state() == GemmKernel::kWgmma)
     return gemm_impl::launch_wgmma(p, false, 0, stream);
   dispatch_tiles(p, W.fmt, (n + BM - 1) / BM, stream, "gemm");
 }
@@ -425,7 +439,7 @@ void gemm_grouped(const DevLinear& W, int n_experts, const __nv_bfloat16* X, int
   p.n_experts = n_experts;
   // Each expert's last tile may be partial: at most rows/BM full tiles plus one per non-empty expert.
   const long max_tiles = (rows + BM - 1) / BM + std::min<long>(n_experts, rows);
-  if (W.fmt == WFormat::kAffine4 && g_kernel == GemmKernel::kWgmma)
+  if (W.fmt == WFormat::kAffine4 && kernel_state() == GemmKernel::kWgmma)
     return gemm_impl::launch_wgmma(p, true, max_tiles, stream);
   dispatch_tiles(p, W.fmt, max_tiles, stream, "gemm_grouped");
 }

@@ -44,7 +44,8 @@ struct GemmOutput {
 
 // Which kernel runs the 4-bit products (other formats always take mma.sync): kMma, the mma.sync
 // kernel (gemm.cu), or kWgmma, the Hopper warpgroup kernel (gemm_wgmma.cu). Process-wide; the tests
-// and Timing.Gemm switch it to check and time both.
+// and Timing.Gemm switch it to check and time both. Starts as TANSY_GEMM_KERNEL says (mma or
+// wgmma; unset: mma).
 enum class GemmKernel { kMma, kWgmma };
 void gemm_set_kernel(GemmKernel k);
 GemmKernel gemm_kernel();
