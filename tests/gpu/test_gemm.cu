@@ -12,6 +12,7 @@
 
 #include "cpu/ops.h"
 #include "cuda/gemm/gemm.cuh"
+#include "cuda/gemm/gemm_impl.cuh"
 #include "gpu_test_util.h"
 
 namespace tansy {
@@ -29,7 +30,15 @@ struct GemmCase {
   const char* what;
 };
 
-TEST(Gemm, Plain) {
+// Runs cases under one prefill GEMM kernel (gemm_set_kernel), restoring the default after.
+struct GemmKernelScope {
+  cuda::GemmKernel saved = cuda::gemm_kernel();
+  explicit GemmKernelScope(cuda::GemmKernel k) { cuda::gemm_set_kernel(k); }
+  ~GemmKernelScope() { cuda::gemm_set_kernel(saved); }
+};
+const char* kernel_name() { return cuda::gemm_kernel() == cuda::GemmKernel::kWgmma ? "wgmma " : "mma "; }
+
+void plain_cases() {
   const GemmCase cases[] = {
       {WFormat::kAffine4, 8192, 2048, 1, "in_qkv"},
       {WFormat::kAffine4, 8192, 2048, 63, "in_qkv"},
@@ -54,6 +63,12 @@ TEST(Gemm, Plain) {
       {WFormat::kAffine4, 1100, 128, 4096, "partial tile"},
       {WFormat::kAffine8, 1300, 256, 4096, "8-bit wide"},
       {WFormat::kBF16, 2000, 512, 4096, "bf16 wide"},
+      // wgmma tiles: 128 rows x 128 columns (partial last row and column tiles), one and two k-tiles
+      {WFormat::kAffine4, 2048, 2048, 4000, "128-row tiles, partial"},
+      {WFormat::kAffine4, 1100, 64, 4033, "one k-tile"},
+      {WFormat::kAffine4, 300, 64, 70, "one k-tile, 64-row tiles"},
+      {WFormat::kAffine4, 2048, 4096, 127, "out_proj"},
+      {WFormat::kAffine4, 2048, 4096, 129, "out_proj"},
   };
   for (const auto& c : cases) {
     TestMatrix W = make_matrix(c.fmt, c.out, c.in);
@@ -68,8 +83,8 @@ TEST(Gemm, Plain) {
     std::vector<float> ref(rows.size() * c.out), ref_exact(rows.size() * c.out);
     cpu::matmul(W.host, xs.data(), int(rows.size()), ref.data());
     cpu::matmul(W.exact(), xs.data(), int(rows.size()), ref_exact.data());
-    const std::string label = std::string("gemm ") + c.what + " " + wformat_name(c.fmt) + " [" + str(c.out) +
-                              "x" + str(c.in) + "] n=" + str(c.n);
+    const std::string label = std::string("gemm ") + kernel_name() + c.what + " " + wformat_name(c.fmt) +
+                              " [" + str(c.out) + "x" + str(c.in) + "] n=" + str(c.n);
 
     // f32 output with padded rows (ld = out + 2, rounded up to even: the kernel stores pairs and
     // the launcher refuses an odd ld)
@@ -101,18 +116,57 @@ TEST(Gemm, Plain) {
   }
 }
 
-TEST(Gemm, Epilogues) {
+TEST(Gemm, Plain) {
+  GemmKernelScope scope(cuda::GemmKernel::kMma);
+  plain_cases();
+}
+TEST(Gemm, PlainWgmma) {
+  GemmKernelScope scope(cuda::GemmKernel::kWgmma);
+  plain_cases();
+}
+
+// Every wgmma tile shape forced (the automatic choice never picks some of them at these sizes).
+TEST(Gemm, WgmmaTiles) {
+  GemmKernelScope scope(cuda::GemmKernel::kWgmma);
+  const GemmCase cases[] = {{WFormat::kAffine4, 300, 192, 1, "one row"},
+                            {WFormat::kAffine4, 1100, 128, 129, "partial tiles"},
+                            {WFormat::kAffine4, 2048, 2048, 300, "in_proj-like"}};
+  for (const auto& [rows, wg] : {std::pair{64, 2}, std::pair{64, 4}, std::pair{128, 2}, std::pair{128, 4}}) {
+    cuda::gemm_impl::set_wgmma_tiles(rows, wg);
+    for (const auto& c : cases) {
+      TestMatrix W = make_matrix(c.fmt, c.out, c.in);
+      auto x = randn(size_t(c.n) * c.in);
+      round_bf16_inplace(x);
+      auto dx = to_device_bf16(x);
+      std::vector<float> ref(size_t(c.n) * c.out);
+      cpu::matmul(W.exact(), x.data(), c.n, ref.data());
+      DeviceBuffer<float> y(size_t(c.n) * c.out);
+      poison(y);
+      cuda::gemm(W.dev, dx.get(), c.in, c.n,
+                 {y.get(), cuda::GemmOutType::kF32, c.out, cuda::GemmEpilogue::kStore}, 0);
+      EXPECT_REL(from_device(y.get(), y.size()), ref, kTolExact,
+                 std::string("gemm wgmma tiles ") + str(rows) + "x" + str(64 * wg) + " " + c.what +
+                     " n=" + str(c.n));
+    }
+  }
+  cuda::gemm_impl::set_wgmma_tiles(0, 0);
+  EXPECT_THROW(cuda::gemm_impl::set_wgmma_tiles(96, 2), Error);
+}
+
+void epilogue_cases() {
   for (const GemmCase c :
        {GemmCase{WFormat::kAffine4, 1024, 2048, 100, "expert gate|up"},
         GemmCase{WFormat::kAffine4, 1024, 2048, 300, "shared gate|up"},
-        GemmCase{WFormat::kAffine8, 64, 256, 5, "8-bit"}, GemmCase{WFormat::kBF16, 256, 128, 70, "bf16"}}) {
+        GemmCase{WFormat::kAffine8, 64, 256, 5, "8-bit"}, GemmCase{WFormat::kBF16, 256, 128, 70, "bf16"},
+        GemmCase{WFormat::kAffine4, 4224, 128, 1030, "128-row tiles"}}) {
     TestMatrix W = make_matrix(c.fmt, c.out, c.in);
     auto x = randn(size_t(c.n) * c.in);
     round_bf16_inplace(x);
     auto dx = to_device_bf16(x);
     std::vector<float> ref(size_t(c.n) * c.out);
     cpu::matmul(W.exact(), x.data(), c.n, ref.data());
-    const std::string label = std::string(c.what) + " " + wformat_name(c.fmt) + " n=" + str(c.n);
+    const std::string label =
+        std::string(kernel_name()) + c.what + " " + wformat_name(c.fmt) + " n=" + str(c.n);
 
     // Accumulate into an existing f32 and bf16 Y (the residual add).
     auto y0 = randn(size_t(c.n) * c.out);
@@ -144,6 +198,15 @@ TEST(Gemm, Epilogues) {
       for (int i = 0; i < I; ++i) got[size_t(t) * I + i] = hs[size_t(t) * c.out + 2 + i];
     EXPECT_REL(got, sw, kTolBf16, "gemm swiglu " + label);
   }
+}
+
+TEST(Gemm, Epilogues) {
+  GemmKernelScope scope(cuda::GemmKernel::kMma);
+  epilogue_cases();
+}
+TEST(Gemm, EpiloguesWgmma) {
+  GemmKernelScope scope(cuda::GemmKernel::kWgmma);
+  epilogue_cases();
 }
 
 TEST(Gemm, RejectsBadShapes) {

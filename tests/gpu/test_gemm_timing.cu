@@ -1,9 +1,10 @@
 // Prefill GEMM timings, old kernel (gemm_v1.cu, ldmatrix on a dequantized shared tile) against the
-// current one (src/cuda/gemm/gemm.cu, codes dequantized into mma fragments), at the real model's
+// current ones (src/cuda/gemm/gemm.cu, mma.sync with codes dequantized into mma fragments, and
+// src/cuda/gemm/gemm_wgmma.cu, wgmma with codes dequantized into register A fragments), at the real model's
 // prefill shapes for 4,096 tokens: the grouped expert gate|up (SwiGLU) and down [256 x 1024x2048],
 // [256 x 2048x512] with uniform routing (~128 rows per expert) and with a skewed one, and the dense
 // GDN in_proj / out_proj and attention q|k|v. Not pass/fail beyond the
-// two kernels agreeing; runs only with TANSY_GEMM_TIMING=1 and prints median ms and TFLOP/s.
+// kernels agreeing; runs only with TANSY_GEMM_TIMING=1 and prints median ms and TFLOP/s.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "cuda/gemm/gemm.cuh"
+#include "cuda/gemm/gemm_impl.cuh"
 #include "cuda/moe/moe.cuh"
 #include "gemm_v1.h"
 #include "gpu_test_util.h"
@@ -48,22 +50,53 @@ double median_ms(F&& fn, int reps = 21) {
   return t[reps / 2];
 }
 
-// Times `run(use_new)` for both kernels, prints both, and checks the two outputs agree (relative
-// L2 distance, bf16 outputs: the f32 sums differ only in order).
+// Times `run(variant)` for the old kernel (0), the mma.sync kernel (1) and the wgmma kernel (2),
+// prints all three, and checks the outputs agree (relative L2 distance, bf16 outputs: the f32 sums
+// differ only in order).
 template <typename Run>
-void compare(const char* what, double flop, DeviceBuffer<bf16>& y, Run&& run) {
-  run(false);
-  CUDA_CHECK(cudaDeviceSynchronize());
-  const auto old_out = from_device_bf16(y.get(), y.size());
-  const double ms_old = median_ms([&] { run(false); });
-  run(true);
-  CUDA_CHECK(cudaDeviceSynchronize());
-  const auto new_out = from_device_bf16(y.get(), y.size());
-  const double ms_new = median_ms([&] { run(true); });
-  std::printf("  TIMING %-44s old %8.3f ms %6.1f TFLOP/s | new %8.3f ms %6.1f TFLOP/s | x%.2f\n", what,
-              ms_old, flop / (ms_old * 1e-3) / 1e12, ms_new, flop / (ms_new * 1e-3) / 1e12, ms_old / ms_new);
-  EXPECT_REL(new_out, old_out, kTolBf16, std::string(what) + ": new kernel vs old");
+void compare(const char* what, double flop, DeviceBuffer<bf16>& y, bool grouped, Run&& run) {
+  double ms[3];
+  std::vector<float> out[3];
+  for (int v = 0; v < 3; ++v) {
+    run(v);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    out[v] = from_device_bf16(y.get(), y.size());
+    ms[v] = median_ms([&] { run(v); });
+  }
+  auto tf = [&](int v) { return flop / (ms[v] * 1e-3) / 1e12; };
+  std::printf(
+      "  TIMING %-40s old %7.3f ms %5.1f TF/s | mma %7.3f ms %5.1f TF/s | wgmma %7.3f ms %5.1f TF/s | "
+      "wgmma/old x%.2f\n",
+      what, ms[0], tf(0), ms[1], tf(1), ms[2], tf(2), ms[0] / ms[2]);
+  EXPECT_REL(out[1], out[0], kTolBf16, std::string(what) + ": mma kernel vs old");
+  EXPECT_REL(out[2], out[0], kTolBf16, std::string(what) + ": wgmma kernel vs old");
+  // Each wgmma tile shape forced (grouped products always take 64-row tiles), for choosing the
+  // automatic rule in gemm_wgmma.cu's launch_wgmma.
+  std::printf("         %-40s wgmma tiles rows x cols:", "");
+  for (const auto& [rows, wg] : {std::pair{64, 2}, std::pair{64, 4}, std::pair{128, 2}, std::pair{128, 4}}) {
+    if (grouped && rows != 64) continue;
+    cuda::gemm_impl::set_wgmma_tiles(rows, wg);
+    run(2);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const auto o = from_device_bf16(y.get(), y.size());
+    const double t = median_ms([&] { run(2); });
+    cuda::gemm_impl::set_wgmma_tiles(0, 0);
+    std::printf(" %dx%d %.3f ms %.1f TF/s |", rows, 64 * wg, t, flop / (t * 1e-3) / 1e12);
+    EXPECT_REL(
+        o, out[0], kTolBf16,
+        std::string(what) + ": wgmma " + std::to_string(rows) + "x" + std::to_string(64 * wg) + " vs old");
+  }
+  std::printf("\n");
 }
+
+// Runs the current gemm entry points under the mma.sync (variant 1) or wgmma (2) kernel.
+struct KernelScope {
+  cuda::GemmKernel saved = cuda::gemm_kernel();
+  explicit KernelScope(int variant) {
+    cuda::gemm_set_kernel(variant == 2 ? cuda::GemmKernel::kWgmma : cuda::GemmKernel::kMma);
+  }
+  ~KernelScope() { cuda::gemm_set_kernel(saved); }
+};
 
 }  // namespace gemm_timing
 
@@ -71,16 +104,20 @@ TEST(Timing, Gemm) {
   if (!std::getenv("TANSY_GEMM_TIMING")) GTEST_SKIP() << "set TANSY_GEMM_TIMING=1";
   using namespace gemm_timing;
   constexpr int n = 4096;
-  std::printf("prefill GEMM timings at n=%d (median of 21; 4-bit weights; random data; old = gemm_v1)\n", n);
+  std::printf(
+      "prefill GEMM timings at n=%d (median of 21; 4-bit weights; random data; old = gemm_v1, mma = gemm.cu, "
+      "wgmma = gemm_wgmma.cu)\n",
+      n);
   auto x = randn(size_t(n) * 4096);
   round_bf16_inplace(x);
   auto dx = to_device_bf16(x);
   auto dense = [&](const char* what, int out, int in) {
     TestMatrix W = make_matrix(WFormat::kAffine4, out, in);
     DeviceBuffer<bf16> y(size_t(n) * out);
-    compare(what, 2.0 * n * out * in, y, [&](bool use_new) {
+    compare(what, 2.0 * n * out * in, y, false, [&](int v) {
       const cuda::GemmOutput o{y.get(), cuda::GemmOutType::kBF16, out, cuda::GemmEpilogue::kStore};
-      if (use_new)
+      KernelScope scope(v);
+      if (v > 0)
         cuda::gemm(W.dev, dx.get(), in, n, o, 0);
       else
         cuda::gemm_v1::gemm(W.dev, dx.get(), in, n, o, 0);
@@ -121,17 +158,19 @@ TEST(Timing, Gemm) {
     cuda::moe_route_sort(didx.get(), n, k, E, rv, 0);
     DeviceBuffer<bf16> act(size_t(n) * k * I), yd(size_t(n) * k * H);
     const std::string tag = skewed ? " (skewed)" : " (uniform)";
-    compare(("gemm_grouped gate|up swiglu" + tag).c_str(), 2.0 * n * k * 2 * I * H, act, [&](bool use_new) {
+    compare(("gemm_grouped gate|up swiglu" + tag).c_str(), 2.0 * n * k * 2 * I * H, act, true, [&](int v) {
       const cuda::GemmOutput o{act.get(), cuda::GemmOutType::kBF16, I, cuda::GemmEpilogue::kSwiGlu};
-      if (use_new)
+      KernelScope scope(v);
+      if (v > 0)
         cuda::gemm_grouped(GU.dev, E, dx.get(), H, true, n, k, rv, o, 0);
       else
         cuda::gemm_v1::gemm_grouped(GU.dev, E, dx.get(), H, true, n, k, rv, o, 0);
     });
-    // down reads the SwiGLU activations of the (new) gate|up run above
-    compare(("gemm_grouped down" + tag).c_str(), 2.0 * n * k * H * I, yd, [&](bool use_new) {
+    // down reads the SwiGLU activations of the (wgmma) gate|up run above
+    compare(("gemm_grouped down" + tag).c_str(), 2.0 * n * k * H * I, yd, true, [&](int v) {
       const cuda::GemmOutput o{yd.get(), cuda::GemmOutType::kBF16, H, cuda::GemmEpilogue::kStore};
-      if (use_new)
+      KernelScope scope(v);
+      if (v > 0)
         cuda::gemm_grouped(Dn.dev, E, act.get(), I, false, n, k, rv, o, 0);
       else
         cuda::gemm_v1::gemm_grouped(Dn.dev, E, act.get(), I, false, n, k, rv, o, 0);

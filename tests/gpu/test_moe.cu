@@ -206,8 +206,9 @@ TEST(Moe, Experts) {
 // `routing` (n*k expert choices, distinct per token) replaces the random uniform routing.
 void check_moe(WFormat fmt, int E, int H, int I, int k, int n, const std::vector<int>* routing = nullptr,
                const char* what = "") {
-  const std::string label = std::string("moe") + what + " E=" + str(E) + " H=" + str(H) + " I=" + str(I) +
-                            " k=" + str(k) + " n=" + str(n);
+  const std::string label =
+      std::string("moe") + what + (cuda::gemm_kernel() == cuda::GemmKernel::kWgmma ? " (wgmma)" : " (mma)") +
+      " E=" + str(E) + " H=" + str(H) + " I=" + str(I) + " k=" + str(k) + " n=" + str(n);
   TestMatrix GU = make_matrix(fmt, E * 2 * I, H);  // per expert: interleaved gate/up rows
   TestMatrix D = make_matrix(fmt, E * H, I);
   auto x = randn(size_t(n) * H);
@@ -304,7 +305,14 @@ void check_moe(WFormat fmt, int E, int H, int I, int k, int n, const std::vector
   EXPECT_REL(from_device_bf16(dres.get(), dres.size()), ref_out, kTolBf16, label + " combine");
 }
 
-TEST(Moe, Grouped) {
+// Runs the grouped cases under one prefill GEMM kernel (gemm_set_kernel), restoring the default after.
+struct GemmKernelScope {
+  cuda::GemmKernel saved = cuda::gemm_kernel();
+  explicit GemmKernelScope(cuda::GemmKernel k) { cuda::gemm_set_kernel(k); }
+  ~GemmKernelScope() { cuda::gemm_set_kernel(saved); }
+};
+
+void grouped_cases() {
   check_moe(WFormat::kAffine4, 256, 2048, 512, 8, 1);    // real shapes, one token
   check_moe(WFormat::kAffine4, 256, 2048, 512, 8, 200);  // real shapes, most experts 1 partial tile
   check_moe(WFormat::kAffine4, 8, 256, 128, 2, 300);     // ~75 rows per expert: 2 tiles each
@@ -317,9 +325,18 @@ TEST(Moe, Grouped) {
   check_moe(WFormat::kBF16, 16, 192, 64, 4, 33);
 }
 
+TEST(Moe, Grouped) {
+  GemmKernelScope scope(cuda::GemmKernel::kMma);
+  grouped_cases();
+}
+TEST(Moe, GroupedWgmma) {
+  GemmKernelScope scope(cuda::GemmKernel::kWgmma);
+  grouped_cases();
+}
+
 // Uneven loads: one expert takes every token (thousands of rows: tens of 64-row tiles), one takes a
 // single token, a third of the experts take none, the rest share the remaining choices at random.
-TEST(Moe, GroupedUnevenExperts) {
+void uneven_cases() {
   auto skewed = [](int n, int E, int k) {
     std::vector<int> idx(size_t(n) * k);
     std::vector<int> perm(E - 2 - E / 3);  // experts 2 .. E - E/3 - 1; the last E/3 get nothing
@@ -343,6 +360,15 @@ TEST(Moe, GroupedUnevenExperts) {
     const auto r = skewed(130, 9, 2);
     check_moe(WFormat::kBF16, 9, 192, 64, 2, 130, &r, " uneven");
   }
+}
+
+TEST(Moe, GroupedUnevenExperts) {
+  GemmKernelScope scope(cuda::GemmKernel::kMma);
+  uneven_cases();
+}
+TEST(Moe, GroupedUnevenExpertsWgmma) {
+  GemmKernelScope scope(cuda::GemmKernel::kWgmma);
+  uneven_cases();
 }
 
 TEST(Moe, RejectsBadShapes) {

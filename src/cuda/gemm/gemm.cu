@@ -24,16 +24,22 @@
 // accumulators (output columns by X rows) go through an f32 tile in the freed stage memory, so the
 // epilogue writes whole output rows.
 #include <algorithm>
+#include <cstdlib>
+#include <string_view>
 #include <type_traits>
 
 #include "core/error.h"
 #include "cuda/common/device_math.cuh"
 #include "cuda/common/tensor_core.cuh"
 #include "cuda/gemm/gemm.cuh"
+#include "cuda/gemm/gemm_impl.cuh"
 
 namespace tansy::cuda {
 namespace {
 
+using gemm_impl::dequant4;
+using gemm_impl::Params;
+using gemm_impl::store_tile;
 using tc::swz;
 
 constexpr int BM = 64;  // == kGroupedBM: moe_route_sort's tiles are this kernel's row tiles
@@ -58,47 +64,6 @@ struct Layout {
   static constexpr int kC = BM * kCld * 4;
   static constexpr int kTotal = kStages * (kA + kW) > kC ? kStages*(kA + kW) : kC;
 };
-
-struct Params {
-  const uint32_t* q;
-  const __nv_bfloat16* scales;
-  const __nv_bfloat16* biases;
-  const __nv_bfloat16* w;
-  int out, in;
-  const __nv_bfloat16* X;
-  int64_t ldx;
-  int n_rows;  // dense: n; grouped: n*k
-  void* Y;
-  int64_t ldy;
-  GemmOutType out_type;
-  GemmEpilogue epilogue;
-  // grouped only (tile_offsets == nullptr for dense)
-  const int* tile_offsets;
-  const int* expert_offsets;
-  const int* sorted_slot;  // non-null: gather X rows sorted_slot[r] / gather_k
-  int gather_k;
-  int n_experts;
-};
-
-// 8 4-bit codes (one u32, low nibble first) -> 8 bf16 values s·q + b, as 4 bf16 pairs in k order.
-// Codes become exact bf16 integers through the 128+c bit trick (exponent of 128, mantissa c),
-// then one subtraction and one fused multiply-add per pair (exact product, one rounding to bf16).
-__device__ __forceinline__ uint4 dequant4(uint32_t w, __nv_bfloat162 s2, __nv_bfloat162 b2) {
-  const uint32_t even = w & 0x0f0f0f0fu;               // c0 c2 c4 c6 in bytes 0..3
-  const uint32_t odd = (w >> 4) & 0x0f0f0f0fu;         // c1 c3 c5 c7
-  const uint32_t lo = __byte_perm(even, odd, 0x5140);  // bytes c0 c1 c2 c3
-  const uint32_t hi = __byte_perm(even, odd, 0x7362);  // bytes c4 c5 c6 c7
-  const __nv_bfloat162 k128 = __floats2bfloat162_rn(128.f, 128.f);
-  uint32_t r[4] = {__byte_perm(lo, 0x43u, 0x4140), __byte_perm(lo, 0x43u, 0x4342),
-                   __byte_perm(hi, 0x43u, 0x4140), __byte_perm(hi, 0x43u, 0x4342)};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    __nv_bfloat162 v = *reinterpret_cast<__nv_bfloat162*>(&r[i]);
-    v = __hfma2(__hsub2(v, k128), s2, b2);
-    r[i] = *reinterpret_cast<uint32_t*>(&v);
-  }
-  return make_uint4(r[0], r[1], r[2], r[3]);
-}
 
 // 2 words of 8-bit codes -> 8 bf16 values. 8-bit codes exceed bf16's exact-integer trick, so go
 // through f32 (only the router and shared-expert gate are 8-bit: tiny matrices).
@@ -333,55 +298,7 @@ __global__ void __launch_bounds__(32 * kWarps, 16 / kWarps) gemm_kernel(const Pa
         Cs[(nt * 8 + 2 * t + (r & 1)) * L::kCld + warp * 32 + mt * 16 + g + (r >> 1) * 8] = acc[mt][nt][r];
   __syncthreads();
 
-  constexpr int kPairs = BN / 2;                   // column pairs per row
-  constexpr int kRowsPerPass = kThreads / kPairs;  // 2
-  const int pc = n0 + 2 * (tid % kPairs);          // this thread's first column
-  if (pc >= p.out) return;
-  const bool pair = pc + 1 < p.out;
-#pragma unroll 4
-  for (int lr = tid / kPairs; lr < BM; lr += kRowsPerPass) {
-    const int row = row0 + lr;
-    if (row >= row_end) break;
-    const float2 v = *reinterpret_cast<const float2*>(Cs + lr * L::kCld + (pc - n0));
-    float v0 = v.x, v1 = v.y;
-    if (p.epilogue == GemmEpilogue::kSwiGlu) {
-      const size_t i = size_t(row) * p.ldy + pc / 2;  // (gate, up) = (pc, pc+1); out is even
-      const float y = silu_fast(v0) * v1;
-      if (p.out_type == GemmOutType::kF32)
-        static_cast<float*>(p.Y)[i] = y;
-      else
-        static_cast<__nv_bfloat16*>(p.Y)[i] = __float2bfloat16(y);
-      continue;
-    }
-    const size_t i = size_t(row) * p.ldy + pc;
-    if (p.out_type == GemmOutType::kF32) {
-      float* y = static_cast<float*>(p.Y) + i;
-      if (pair) {
-        if (p.epilogue == GemmEpilogue::kAccumulate) {
-          const float2 o = *reinterpret_cast<float2*>(y);
-          v0 += o.x;
-          v1 += o.y;
-        }
-        *reinterpret_cast<float2*>(y) = make_float2(v0, v1);
-      } else {
-        if (p.epilogue == GemmEpilogue::kAccumulate) v0 += *y;
-        *y = v0;
-      }
-    } else {
-      __nv_bfloat16* y = static_cast<__nv_bfloat16*>(p.Y) + i;
-      if (pair) {
-        if (p.epilogue == GemmEpilogue::kAccumulate) {
-          const float2 o = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(y));
-          v0 += o.x;
-          v1 += o.y;
-        }
-        *reinterpret_cast<__nv_bfloat162*>(y) = __floats2bfloat162_rn(v0, v1);
-      } else {
-        if (p.epilogue == GemmEpilogue::kAccumulate) v0 += __bfloat162float(*y);
-        *y = __float2bfloat16(v0);
-      }
-    }
-  }
+  store_tile<BN, BM, kThreads, L::kCld>(p, Cs, row0, row_end, n0, tid);
 }
 
 template <int kWarps, WFormat F>
@@ -478,11 +395,30 @@ Params make_params(const DevLinear& W, int out, const __nv_bfloat16* X, int64_t 
   return p;
 }
 
+// TANSY_GEMM_KERNEL=wgmma|mma picks the 4-bit kernel for a whole run (A/B of a full prefill
+// without a rebuild); unset: mma.
+GemmKernel initial_kernel() {
+  const char* v = std::getenv("TANSY_GEMM_KERNEL");
+  if (!v || std::string_view(v) == "mma") return GemmKernel::kMma;
+  if (std::string_view(v) == "wgmma") return GemmKernel::kWgmma;
+  fail("TANSY_GEMM_KERNEL must be mma or wgmma, got '{}'", v);
+}
+// Read at first use, so a bad value fails with its message rather than during static initialization.
+GemmKernel& kernel_state() {
+  static GemmKernel k = initial_kernel();
+  return k;
+}
+
 }  // namespace
+
+void gemm_set_kernel(GemmKernel k) { kernel_state() = k; }
+GemmKernel gemm_kernel() { return kernel_state(); }
 
 void gemm(const DevLinear& W, const __nv_bfloat16* X, int64_t ldx, int n, const GemmOutput& Y,
           cudaStream_t stream) {
   const Params p = make_params(W, W.out, X, ldx, n, n, Y, "gemm");
+  if (W.fmt == WFormat::kAffine4 && kernel_state() == GemmKernel::kWgmma)
+    return gemm_impl::launch_wgmma(p, false, 0, stream);
   dispatch_tiles(p, W.fmt, (n + BM - 1) / BM, stream, "gemm");
 }
 
@@ -503,6 +439,8 @@ void gemm_grouped(const DevLinear& W, int n_experts, const __nv_bfloat16* X, int
   p.n_experts = n_experts;
   // Each expert's last tile may be partial: at most rows/BM full tiles plus one per non-empty expert.
   const long max_tiles = (rows + BM - 1) / BM + std::min<long>(n_experts, rows);
+  if (W.fmt == WFormat::kAffine4 && kernel_state() == GemmKernel::kWgmma)
+    return gemm_impl::launch_wgmma(p, true, max_tiles, stream);
   dispatch_tiles(p, W.fmt, max_tiles, stream, "gemm_grouped");
 }
 

@@ -42,6 +42,14 @@ struct GemmOutput {
   GemmEpilogue epilogue = GemmEpilogue::kStore;
 };
 
+// Which kernel runs the 4-bit products (other formats always take mma.sync): kMma, the mma.sync
+// kernel (gemm.cu), or kWgmma, the Hopper warpgroup kernel (gemm_wgmma.cu). Process-wide; the tests
+// and Timing.Gemm switch it to check and time both. Starts as TANSY_GEMM_KERNEL says (mma or
+// wgmma; unset: mma).
+enum class GemmKernel { kMma, kWgmma };
+void gemm_set_kernel(GemmKernel k);
+GemmKernel gemm_kernel();
+
 // Y[r, :] for r < n. X: bf16 [n, in] rows `ldx` elements apart (ldx % 8 == 0, 16-byte aligned).
 // Any n >= 1 works (tiles are masked); small n is correct but runs at tile granularity.
 void gemm(const DevLinear& W, const __nv_bfloat16* X, int64_t ldx, int n, const GemmOutput& Y,

@@ -1,0 +1,117 @@
+// Internals shared by the prefill GEMM kernels (gemm.cu: mma.sync, gemm_wgmma.cu: wgmma): the
+// launch parameters, the 4-bit dequant and the epilogue that writes an f32 tile from shared memory.
+#pragma once
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "cuda/common/device_math.cuh"
+#include "cuda/gemm/gemm.cuh"
+
+namespace tansy::cuda::gemm_impl {
+
+struct Params {
+  const uint32_t* q;
+  const __nv_bfloat16* scales;
+  const __nv_bfloat16* biases;
+  const __nv_bfloat16* w;
+  int out, in;
+  const __nv_bfloat16* X;
+  int64_t ldx;
+  int n_rows;  // dense: n; grouped: n*k
+  void* Y;
+  int64_t ldy;
+  GemmOutType out_type;
+  GemmEpilogue epilogue;
+  // grouped only (tile_offsets == nullptr for dense)
+  const int* tile_offsets;
+  const int* expert_offsets;
+  const int* sorted_slot;  // non-null: gather X rows sorted_slot[r] / gather_k
+  int gather_k;
+  int n_experts;
+};
+
+// 8 4-bit codes (one u32, low nibble first) -> 8 bf16 values s·q + b, as 4 bf16 pairs in k order.
+// Codes become exact bf16 integers through the 128+c bit trick (exponent of 128, mantissa c),
+// then one subtraction and one fused multiply-add per pair (exact product, one rounding to bf16).
+__device__ __forceinline__ uint4 dequant4(uint32_t w, __nv_bfloat162 s2, __nv_bfloat162 b2) {
+  const uint32_t even = w & 0x0f0f0f0fu;               // c0 c2 c4 c6 in bytes 0..3
+  const uint32_t odd = (w >> 4) & 0x0f0f0f0fu;         // c1 c3 c5 c7
+  const uint32_t lo = __byte_perm(even, odd, 0x5140);  // bytes c0 c1 c2 c3
+  const uint32_t hi = __byte_perm(even, odd, 0x7362);  // bytes c4 c5 c6 c7
+  const __nv_bfloat162 k128 = __floats2bfloat162_rn(128.f, 128.f);
+  uint32_t r[4] = {__byte_perm(lo, 0x43u, 0x4140), __byte_perm(lo, 0x43u, 0x4342),
+                   __byte_perm(hi, 0x43u, 0x4140), __byte_perm(hi, 0x43u, 0x4342)};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    __nv_bfloat162 v = *reinterpret_cast<__nv_bfloat162*>(&r[i]);
+    v = __hfma2(__hsub2(v, k128), s2, b2);
+    r[i] = *reinterpret_cast<uint32_t*>(&v);
+  }
+  return make_uint4(r[0], r[1], r[2], r[3]);
+}
+
+// Writes rows row0.. (< row_end) of a kRows x BN f32 tile Cs (rows kCld floats apart, columns n0..) to
+// Y with p's epilogue; every thread of the block takes column pairs of whole rows.
+template <int BN, int kRows, int kThreads, int kCld>
+__device__ __forceinline__ void store_tile(const Params& p, const float* Cs, int row0, int row_end, int n0,
+                                           int tid) {
+  constexpr int kPairs = BN / 2;  // column pairs per row
+  constexpr int kRowsPerPass = kThreads / kPairs;
+  const int pc = n0 + 2 * (tid % kPairs);  // this thread's first column
+  if (pc >= p.out) return;
+  const bool pair = pc + 1 < p.out;
+#pragma unroll 4
+  for (int lr = tid / kPairs; lr < kRows; lr += kRowsPerPass) {
+    const int row = row0 + lr;
+    if (row >= row_end) break;
+    const float2 v = *reinterpret_cast<const float2*>(Cs + lr * kCld + (pc - n0));
+    float v0 = v.x, v1 = v.y;
+    if (p.epilogue == GemmEpilogue::kSwiGlu) {
+      const size_t i = size_t(row) * p.ldy + pc / 2;  // (gate, up) = (pc, pc+1); out is even
+      const float y = silu_fast(v0) * v1;
+      if (p.out_type == GemmOutType::kF32)
+        static_cast<float*>(p.Y)[i] = y;
+      else
+        static_cast<__nv_bfloat16*>(p.Y)[i] = __float2bfloat16(y);
+      continue;
+    }
+    const size_t i = size_t(row) * p.ldy + pc;
+    if (p.out_type == GemmOutType::kF32) {
+      float* y = static_cast<float*>(p.Y) + i;
+      if (pair) {
+        if (p.epilogue == GemmEpilogue::kAccumulate) {
+          const float2 o = *reinterpret_cast<float2*>(y);
+          v0 += o.x;
+          v1 += o.y;
+        }
+        *reinterpret_cast<float2*>(y) = make_float2(v0, v1);
+      } else {
+        if (p.epilogue == GemmEpilogue::kAccumulate) v0 += *y;
+        *y = v0;
+      }
+    } else {
+      __nv_bfloat16* y = static_cast<__nv_bfloat16*>(p.Y) + i;
+      if (pair) {
+        if (p.epilogue == GemmEpilogue::kAccumulate) {
+          const float2 o = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(y));
+          v0 += o.x;
+          v1 += o.y;
+        }
+        *reinterpret_cast<__nv_bfloat162*>(y) = __floats2bfloat162_rn(v0, v1);
+      } else {
+        if (p.epilogue == GemmEpilogue::kAccumulate) v0 += __bfloat162float(*y);
+        *y = __float2bfloat16(v0);
+      }
+    }
+  }
+}
+
+// The wgmma kernel's launcher (gemm_wgmma.cu): 4-bit weights only. `grouped`: p holds a tile schedule
+// and row tiles are kGroupedBM rows.
+void launch_wgmma(const Params& p, bool grouped, long row_tiles, cudaStream_t stream);
+// For tests and Timing.Gemm: every wgmma launch uses `rows` (64 or 128; grouped always 64) x
+// 64·`warpgroups` (2 or 4) tiles instead of the automatic choice; (0, 0) restores it.
+void set_wgmma_tiles(int rows, int warpgroups);
+
+}  // namespace tansy::cuda::gemm_impl

@@ -1,0 +1,353 @@
+// Prefill GEMM on Hopper's warpgroup tensor cores (wgmma), 4-bit affine weights.
+//
+// The product is computed transposed, as in gemm.cu: D[out column][token] = W · Xᵀ. A warpgroup (4
+// warps) owns 64 output columns (the wgmma M = 64) and all kN rows of the block's X tile (the wgmma
+// N); a block holds kWG warpgroups side by side, BN = 64·kWG columns. k-tile 64 = one quant group.
+//
+// A (weights) comes from registers: each lane dequantizes exactly the values of its own wgmma A
+// fragment, straight from the packed codes, so every weight is dequantized once and never stored
+// as bf16. The fragment is mma.m16n8k16's A per warp (warp w of the group holds rows 16w..16w+15):
+// lane (g, t) holds rows g and g+8 at k {2t, 2t+1} (regs 0/1) and {2t+8, 2t+9} (regs 2/3) of each
+// k16 step s. Codes 2t, 2t+1 of a packed word (8 codes, low nibble first) are byte t of the word,
+// and k16 step s reads words 2s and 2s+1; so byte t of words 0..3 (steps 0, 1) and of words 4..7
+// (steps 2, 3) are gathered into one word each and dequantized in k order by dequant4.
+//
+// B (X) is read by the tensor cores from shared memory through a matrix descriptor: X rows are 128
+// bytes (64 bf16) per k-tile, K-major, in the 128-byte swizzle (16-byte chunk c of row r at chunk
+// c ^ (r % 8), the tile 1024-aligned), rows 8 apart 1024 bytes apart (the descriptor's stride
+// offset); k16 step s starts 32·s bytes into the rows. The cp.async copies write that layout.
+//
+// Pipeline (4 stages of X and of packed weights): in k-tile kt the warpgroup issues the wgmmas of
+// kt, then, while they run, waits for stage kt+1, starts the copy of stage kt+3 (into the stage the
+// wgmmas of kt-1 read: every warp waited for them before the barrier) and dequantizes kt+1 into the
+// second A buffer, then waits for its wgmmas. The accumulators go through an f32 tile in the freed
+// stage memory to the shared epilogue (gemm_impl.cuh).
+#include <algorithm>
+
+#include "core/error.h"
+#include "cuda/common/cuda_util.h"
+#include "cuda/common/tensor_core.cuh"
+#include "cuda/gemm/gemm_impl.cuh"
+
+namespace tansy::cuda::gemm_impl {
+namespace {
+
+constexpr int BK = 64;
+constexpr int kStages = 4;
+constexpr int kWRow = BK / 2;  // bytes of one 4-bit weight row per k-tile
+
+template <int kN, int kWG>
+struct WgLayout {
+  static constexpr int BN = 64 * kWG;
+  static constexpr int kX = kN * BK * 2;  // one X stage (a multiple of 1024: swizzle atoms)
+  static constexpr int kW = BN * kWRow;   // one packed weight stage
+  static constexpr int kCld = BN + 4;     // f32 output tile row
+  static constexpr int kC = kN * kCld * 4;
+  static constexpr int kStageBytes = kStages * (kX + kW);
+  // + 1024: the dynamic shared memory is aligned up to 1024 bytes in the kernel
+  static constexpr int kTotal = (kStageBytes > kC ? kStageBytes : kC) + 1024;
+};
+
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
+        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+        "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1)
+      : "memory");
+}
+
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
+        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),
+        "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
+        "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]),
+        "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]),
+        "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1)
+      : "memory");
+}
+
+__device__ __forceinline__ void wgmma(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
+  wgmma_m64n64k16(d, a, desc_b);
+}
+__device__ __forceinline__ void wgmma(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
+  wgmma_m64n128k16(d, a, desc_b);
+}
+__device__ __forceinline__ void wgmma_arrive() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_wait0() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+// Orders this thread's generic-proxy shared-memory writes (the cp.async copies) before the async
+// proxy's reads (wgmma's B operand).
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// Keeps the compiler from moving register accesses across the asynchronous wgmma window.
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+__device__ __forceinline__ void fence_regs(uint32_t (&r)[4][4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
+}
+
+// Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 bytes apart (the
+// leading offset is unused in this mode; 1 as CUTLASS sets it).
+__device__ __forceinline__ uint64_t desc_sw128(uint32_t addr) {
+  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) |
+         (uint64_t(1) << 62);
+}
+
+__device__ __forceinline__ uint4 lds128(const void* p) { return *reinterpret_cast<const uint4*>(p); }
+
+// Byte t of each of 4 words, in word order.
+__device__ __forceinline__ uint32_t gather_byte(uint4 w, uint32_t sel) {
+  return __byte_perm(__byte_perm(w.x, w.y, sel), __byte_perm(w.z, w.w, sel), 0x5410);
+}
+
+template <int kN, int kWG>
+__global__ void __launch_bounds__(128 * kWG, kWG == 2 ? 2 : 1) gemm_wgmma_kernel(const Params p) {
+  using L = WgLayout<kN, kWG>;
+  constexpr int kThreads = 128 * kWG;
+  constexpr int BN = L::BN;
+  constexpr int kNAcc = kN / 2;                           // f32 accumulators per thread
+  constexpr int kXChunks = kN * (BK / 8) / kThreads;      // 16-byte X chunks per thread per stage
+  constexpr int kWChunks = BN * (kWRow / 16) / kThreads;  // ... of packed weights
+  static_assert(kXChunks >= 1 && kXChunks * kThreads == kN * (BK / 8));
+  static_assert(kWChunks >= 1 && kWChunks * kThreads == BN * (kWRow / 16));
+  static_assert(L::kX % 1024 == 0);
+
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw_addr = tc::smem_addr(smem_raw);
+  unsigned char* const smem = smem_raw + ((1024 - (raw_addr & 1023)) & 1023);
+  const uint32_t xs_addr = tc::smem_addr(smem);
+  unsigned char* const Ws = smem + kStages * L::kX;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane / 4, t = lane % 4;
+  const int n0 = blockIdx.y * BN;
+
+  int row0, row_end;
+  const uint32_t* q = p.q;
+  const __nv_bfloat16 *scales = p.scales, *biases = p.biases;
+  if (p.tile_offsets) {
+    const int tile = blockIdx.x;
+    if (tile >= p.tile_offsets[p.n_experts]) return;
+    int lo = 0, hi = p.n_experts - 1;  // last expert whose first tile is <= tile
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (p.tile_offsets[mid] <= tile)
+        lo = mid;
+      else
+        hi = mid - 1;
+    }
+    const int e = lo;
+    row0 = p.expert_offsets[e] + (tile - p.tile_offsets[e]) * kN;
+    row_end = p.expert_offsets[e + 1];
+    q += size_t(e) * size_t(p.out) * (size_t(p.in) / 8);
+    scales += size_t(e) * size_t(p.out) * (p.in / kQuantGroup);
+    biases += size_t(e) * size_t(p.out) * (p.in / kQuantGroup);
+  } else {
+    row0 = blockIdx.x * kN;
+    row_end = p.n_rows;
+  }
+
+  // Copies per stage, as 32-bit offsets fixed across k-tiles. Rows past the tile's end (X) or the
+  // matrix's (weights) copy a valid row: they only reach outputs that are never stored.
+  uint32_t x_off[kXChunks], x_dst[kXChunks];
+#pragma unroll
+  for (int i = 0; i < kXChunks; ++i) {
+    const int idx = tid + i * kThreads, r = idx / 8, c = idx % 8;
+    const int grow = row0 + r < row_end ? row0 + r : row0;
+    const int xrow = p.sorted_slot ? p.sorted_slot[grow] / p.gather_k : grow;
+    x_off[i] = uint32_t(xrow) * uint32_t(p.ldx) + uint32_t(c) * 8;
+    x_dst[i] = uint32_t(r * 128 + ((c ^ (r & 7)) << 4));
+  }
+  const unsigned char* const w_base = reinterpret_cast<const unsigned char*>(q);
+  uint32_t w_off[kWChunks], w_dst[kWChunks];
+  const uint32_t row_bytes = uint32_t(p.in) / 2;
+#pragma unroll
+  for (int i = 0; i < kWChunks; ++i) {
+    const int idx = tid + i * kThreads, r = idx / 2, c = idx % 2;
+    w_off[i] = uint32_t(min(n0 + r, p.out - 1)) * row_bytes + uint32_t(c) * 16;
+    w_dst[i] = uint32_t(r * kWRow + c * 16);
+  }
+  const int KT = p.in / BK;
+  auto load_stage = [&](int kt, int stage) {
+    unsigned char* xs = smem + stage * L::kX;
+#pragma unroll
+    for (int i = 0; i < kXChunks; ++i)
+      tc::cp_async16(xs + x_dst[i], p.X + x_off[i] + uint32_t(kt) * BK, true);
+    unsigned char* ws = Ws + stage * L::kW;
+#pragma unroll
+    for (int i = 0; i < kWChunks; ++i)
+      tc::cp_async16(ws + w_dst[i], w_base + w_off[i] + uint32_t(kt) * kWRow, true);
+  };
+
+  // The lane's two weight rows (block-local): rows g and g+8 of warp (warp % 4)'s 16 in warpgroup
+  // warp / 4's 64.
+  const int wr0 = (warp / 4) * 64 + (warp % 4) * 16 + g, wr1 = wr0 + 8;
+  const uint32_t sb0 = uint32_t(min(n0 + wr0, p.out - 1)) * uint32_t(p.in / kQuantGroup);
+  const uint32_t sb1 = uint32_t(min(n0 + wr1, p.out - 1)) * uint32_t(p.in / kQuantGroup);
+  __nv_bfloat162 sbn[2];  // (scale, bias) of rows wr0, wr1 for the next k-tile to dequantize
+  auto load_sb = [&](int kt) {
+    const uint32_t k = uint32_t(min(kt, KT - 1));
+    sbn[0] = __halves2bfloat162(scales[sb0 + k], biases[sb0 + k]);
+    sbn[1] = __halves2bfloat162(scales[sb1 + k], biases[sb1 + k]);
+  };
+  const uint32_t sel = uint32_t(t) | (uint32_t(t + 4) << 4);
+  // A fragments [k16 step][reg] of one k-tile from stage `stage`.
+  auto dequant = [&](int stage, uint32_t(&a)[4][4]) {
+    const unsigned char* ws = Ws + stage * L::kW;
+    const uint4 r0a = lds128(ws + wr0 * kWRow), r0b = lds128(ws + wr0 * kWRow + 16);
+    const uint4 r1a = lds128(ws + wr1 * kWRow), r1b = lds128(ws + wr1 * kWRow + 16);
+    const __nv_bfloat162 s0 = __low2bfloat162(sbn[0]), b0 = __high2bfloat162(sbn[0]);
+    const __nv_bfloat162 s1 = __low2bfloat162(sbn[1]), b1 = __high2bfloat162(sbn[1]);
+    // d.x, d.y: k {2t,2t+1}, {2t+8,2t+9} of step 2h; d.z, d.w: the same of step 2h+1
+    const uint4 d0[2] = {dequant4(gather_byte(r0a, sel), s0, b0), dequant4(gather_byte(r0b, sel), s0, b0)};
+    const uint4 d1[2] = {dequant4(gather_byte(r1a, sel), s1, b1), dequant4(gather_byte(r1b, sel), s1, b1)};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      a[2 * h][0] = d0[h].x, a[2 * h][1] = d1[h].x, a[2 * h][2] = d0[h].y, a[2 * h][3] = d1[h].y;
+      a[2 * h + 1][0] = d0[h].z, a[2 * h + 1][1] = d1[h].z, a[2 * h + 1][2] = d0[h].w,
+                a[2 * h + 1][3] = d1[h].w;
+    }
+  };
+
+  float acc[kNAcc];
+#pragma unroll
+  for (int i = 0; i < kNAcc; ++i) acc[i] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < KT) load_stage(s, s);
+    tc::cp_async_commit();
+  }
+  load_sb(0);
+  tc::cp_async_wait<kStages - 2>();
+  fence_proxy_async();
+  __syncthreads();
+  uint32_t a_cur[4][4];
+  dequant(0, a_cur);
+  load_sb(1);
+
+  for (int kt = 0; kt < KT; ++kt) {
+    const int stage = kt % kStages;
+    fence_regs(acc);
+    wgmma_arrive();
+    const uint64_t desc = desc_sw128(xs_addr + uint32_t(stage * L::kX));
+#pragma unroll
+    for (int s = 0; s < 4; ++s) wgmma(acc, a_cur[s], desc + uint64_t(2 * s));
+    wgmma_commit();
+
+    tc::cp_async_wait<kStages - 3>();  // stage kt+1 has landed (this thread's copies)
+    fence_proxy_async();
+    __syncthreads();  // ... everyone's; and every warp is done with the wgmmas of kt-1
+    if (kt + kStages - 1 < KT) load_stage(kt + kStages - 1, (kt + kStages - 1) % kStages);
+    tc::cp_async_commit();
+    uint32_t a_next[4][4] = {};
+    if (kt + 1 < KT) {
+      dequant((kt + 1) % kStages, a_next);
+      load_sb(kt + 2);
+    }
+    wgmma_wait0();
+    fence_regs(acc);
+    fence_regs(a_cur);
+#pragma unroll
+    for (int s = 0; s < 4; ++s)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) a_cur[s][r] = a_next[s][r];
+  }
+  tc::cp_async_wait<0>();
+  __syncthreads();  // stages free: reuse them for the output tile
+
+  // acc[4i + r]: output column wr0 + (r >> 1)·8, tile row (token) 8i + 2t + (r & 1).
+  float* const Cs = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int i = 0; i < kNAcc / 4; ++i)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) Cs[(8 * i + 2 * t + (r & 1)) * L::kCld + wr0 + (r >> 1) * 8] = acc[4 * i + r];
+  __syncthreads();
+  store_tile<BN, kN, kThreads, L::kCld>(p, Cs, row0, row_end, n0, tid);
+}
+
+template <int kN, int kWG>
+void launch(const Params& p, long row_tiles, cudaStream_t stream) {
+  constexpr int kSmem = WgLayout<kN, kWG>::kTotal;
+  static const bool attr_set = [] {
+    return cudaFuncSetAttribute(gemm_wgmma_kernel<kN, kWG>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                kSmem) == cudaSuccess;
+  }();
+  if (!attr_set) fail("gemm (wgmma): cannot reserve {} bytes of shared memory per block", kSmem);
+  const long col_tiles = (p.out + WgLayout<kN, kWG>::BN - 1) / WgLayout<kN, kWG>::BN;
+  TANSY_CHECK(col_tiles <= 65535 && row_tiles <= 0x7fffffffL,
+              "gemm (wgmma): out {} or {} row tiles exceed the grid limit", p.out, row_tiles);
+  gemm_wgmma_kernel<kN, kWG><<<dim3(unsigned(row_tiles), unsigned(col_tiles)), 128 * kWG, kSmem, stream>>>(p);
+  launch_check("gemm (wgmma)");
+}
+
+int g_force_rows = 0, g_force_wg = 0;  // set_wgmma_tiles
+
+template <int kN>
+void launch_n(const Params& p, int wg, long row_tiles, cudaStream_t stream) {
+  if (wg == 4) return launch<kN, 4>(p, row_tiles, stream);
+  return launch<kN, 2>(p, row_tiles, stream);
+}
+
+}  // namespace
+
+void set_wgmma_tiles(int rows, int warpgroups) {
+  TANSY_CHECK(
+      (rows == 0 && warpgroups == 0) || ((rows == 64 || rows == 128) && (warpgroups == 2 || warpgroups == 4)),
+      "gemm (wgmma): tile {} rows x {} warpgroups is not built", rows, warpgroups);
+  g_force_rows = rows;
+  g_force_wg = warpgroups;
+}
+
+// Dense: 128-row tiles of 128 columns when they fill the machine, else 64-row tiles. Grouped (64-row
+// tiles, moe_route_sort's schedule): 256 columns when there are tiles enough, else 128.
+void launch_wgmma(const Params& p, bool grouped, long row_tiles, cudaStream_t stream) {
+  static_assert(kGroupedBM == 64);
+  const long sms = sm_count();
+  if (g_force_rows) {
+    const int rows = grouped ? 64 : g_force_rows;
+    if (!grouped) row_tiles = (long(p.n_rows) + rows - 1) / rows;
+    if (rows == 128) return launch_n<128>(p, g_force_wg, row_tiles, stream);
+    return launch_n<64>(p, g_force_wg, row_tiles, stream);
+  }
+  if (grouped) {
+    if (row_tiles * ((p.out + 255) / 256) >= 2 * sms) return launch<64, 4>(p, row_tiles, stream);
+    return launch<64, 2>(p, row_tiles, stream);
+  }
+  const long tiles128 = (long(p.n_rows) + 127) / 128;
+  if (tiles128 * ((p.out + 127) / 128) >= 2 * sms) return launch<128, 2>(p, tiles128, stream);
+  return launch<64, 2>(p, (long(p.n_rows) + 63) / 64, stream);
+}
+
+}  // namespace tansy::cuda::gemm_impl
