@@ -8,9 +8,12 @@ namespace {
 
 constexpr BlockSync kSync;
 
+__device__ float sum128(float v, float* red) { return gdn_unit::sum128(v, red, kSync); }  // blockDim == 128
+
 // Blocks x < conv_dim/128: one head's 128 channels (thread = channel) for a run of tokens,
 // the window held in registers. Block x == conv_dim/128: the gates of the same tokens.
 __global__ void __launch_bounds__(kGdnDim) gdn_conv_kernel(GdnConvArgs A, int update_window) {
+  __shared__ float red[4];
   pdl_wait();
   pdl_launch_dependents();
   const int C = (2 * A.n_k_heads + A.n_v_heads) * kGdnDim;
@@ -40,56 +43,31 @@ __global__ void __launch_bounds__(kGdnDim) gdn_conv_kernel(GdnConvArgs A, int up
       prev[j] =
           __bfloat162float(tau >= 0 ? A.x[int64_t(tau) * A.ldx + c] : A.window[int64_t(tau + K - 1) * C + c]);
   }
-  // Every token's input first (kConvTokensPerBlock loads in flight per thread), then the conv
-  // over them, then one barrier for all the q/k head norms of the block.
-  float xin[kConvTokensPerBlock], y[kConvTokensPerBlock];
+  const float qscale = rsqrtf(float(kGdnDim));
+  for (int t = t0; t < t1; ++t) {
+    const float cur = __bfloat162float(A.x[int64_t(t) * A.ldx + c]);
+    float acc = 0.f;
 #pragma unroll
-  for (int i = 0; i < kConvTokensPerBlock; ++i) {
-    xin[i] = t0 + i < t1 ? __bfloat162float(A.x[int64_t(t0 + i) * A.ldx + c]) : 0.f;
-    y[i] = 0.f;
-  }
+    for (int j = 0; j < kMaxConvKernel - 1; ++j)
+      if (j < K - 1) acc = fmaf(w[j], prev[j], acc);
+        // tap K-1 multiplies the current token
 #pragma unroll
-  for (int i = 0; i < kConvTokensPerBlock; ++i) {
-    if (t0 + i < t1) {  // block-uniform
-      const float cur = xin[i];
-      float acc = 0.f;
+    for (int j = 0; j < kMaxConvKernel; ++j)
+      if (j == K - 1) acc = fmaf(w[j], cur, acc);
 #pragma unroll
-      for (int j = 0; j < kMaxConvKernel - 1; ++j)
-        if (j < K - 1) acc = fmaf(w[j], prev[j], acc);
-          // tap K-1 multiplies the current token
-#pragma unroll
-      for (int j = 0; j < kMaxConvKernel; ++j)
-        if (j == K - 1) acc = fmaf(w[j], cur, acc);
-#pragma unroll
-      for (int j = 0; j < kMaxConvKernel - 1; ++j) {
-        if (j < K - 2)
-          prev[j] = prev[j + 1];
-        else if (j == K - 2)
-          prev[j] = cur;
-      }
-      y[i] = silu_fast(acc);
+    for (int j = 0; j < kMaxConvKernel - 1; ++j) {
+      if (j < K - 2)
+        prev[j] = prev[j + 1];
+      else if (j == K - 2)
+        prev[j] = cur;
     }
-  }
-  if (is_q || is_k) {  // block-uniform; the sums in sum128's order
-    __shared__ float red_t[kConvTokensPerBlock][4];
-    const float scale = is_q ? rsqrtf(float(kGdnDim)) : 1.f;
-#pragma unroll
-    for (int i = 0; i < kConvTokensPerBlock; ++i) {
-      float v = y[i] * y[i];
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      if (threadIdx.x % 32 == 0) red_t[i][threadIdx.x / 32] = v;
+    float y = silu_fast(acc);
+    if (is_q || is_k) {
+      const float ss = sum128(y * y, red);
+      y *= rsqrtf(ss + 1e-6f) * (is_q ? qscale : 1.f);
     }
-    __syncthreads();
-#pragma unroll
-    for (int i = 0; i < kConvTokensPerBlock; ++i) {
-      const float ss = red_t[i][0] + red_t[i][1] + red_t[i][2] + red_t[i][3];
-      y[i] *= rsqrtf(ss + 1e-6f) * scale;
-    }
+    A.y[int64_t(t) * C + c] = __float2bfloat16(y);
   }
-#pragma unroll
-  for (int i = 0; i < kConvTokensPerBlock; ++i)
-    if (t0 + i < t1) A.y[int64_t(t0 + i) * C + c] = __float2bfloat16(y[i]);
   if (update_window) {
 #pragma unroll
     for (int j = 0; j < kMaxConvKernel - 1; ++j)

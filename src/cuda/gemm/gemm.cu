@@ -25,7 +25,6 @@
 // epilogue writes whole output rows.
 #include <algorithm>
 #include <cstdlib>
-#include <string_view>
 #include <type_traits>
 
 #include "core/error.h"
@@ -395,17 +394,8 @@ Params make_params(const DevLinear& W, int out, const __nv_bfloat16* X, int64_t 
   return p;
 }
 
-// TANSY_GEMM_KERNEL=wgmma|mma picks the 4-bit kernel for a whole run (A/B of a full prefill
-// without a rebuild); unset: mma.
-GemmKernel initial_kernel() {
-  const char* v = std::getenv("TANSY_GEMM_KERNEL");
-  if (!v || std::string_view(v) == "mma") return GemmKernel::kMma;
-  if (std::string_view(v) == "wgmma") return GemmKernel::kWgmma;
-  fail("TANSY_GEMM_KERNEL must be mma or wgmma, got '{}'", v);
-}
-// Read at first use, so a bad value fails with its message rather than during static initialization.
 GemmKernel& kernel_state() {
-  static GemmKernel k = initial_kernel();
+  static GemmKernel k = GemmKernel::kAuto;
   return k;
 }
 
@@ -417,7 +407,7 @@ GemmKernel gemm_kernel() { return kernel_state(); }
 void gemm(const DevLinear& W, const __nv_bfloat16* X, int64_t ldx, int n, const GemmOutput& Y,
           cudaStream_t stream) {
   const Params p = make_params(W, W.out, X, ldx, n, n, Y, "gemm");
-  if (W.fmt == WFormat::kAffine4 && kernel_state() == GemmKernel::kWgmma)
+  if (W.fmt == WFormat::kAffine4 && kernel_state() != GemmKernel::kMma)
     return gemm_impl::launch_wgmma(p, false, 0, stream);
   dispatch_tiles(p, W.fmt, (n + BM - 1) / BM, stream, "gemm");
 }
