@@ -1,7 +1,6 @@
 // Stage marks for `tansy bench --stages` (model/stage_profiler.h) and the trace hooks of the tests.
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <utility>
 
 #include "cuda/bf16/plan.h"
@@ -53,7 +52,8 @@ std::vector<StageTime> CudaModel::fold_step_profile(std::vector<StageTime> stage
   for (int k = 0; k < kStepKinds; ++k) kind[k] = StageTime{kNames[k], 0, 0, 0, 0};
   const int H = cfg_.hidden_size, I = cfg_.moe_intermediate, k1 = cfg_.experts_per_tok + 1;
   double in_kernel = 0;
-  const bool detail = std::getenv("TANSY_STEP_PROFILE_DETAIL") != nullptr;
+  // Inside each product kind (stderr, beside the stage table): staging, the first tile, the tiles,
+  // the rest, as means over the blocks that had tiles.
   double detail_ms[kStepKinds][4] = {};
   int detail_n[kStepKinds] = {};
   for (size_t l = 0; l < prof_launches_.size(); ++l) {
@@ -85,7 +85,7 @@ std::vector<StageTime> CudaModel::fold_step_profile(std::vector<StageTime> stage
                                     : k1 * wbytes(L->down.rows(0, H));
       kind[k].bytes += bytes;
       // mean over the blocks that had tiles: staging, wait for the first tile, the tiles, the rest
-      if (detail && k != 1) {
+      if (k != 1) {
         double n = 0, d[4] = {0, 0, 0, 0};
         for (int b = 0; b < G; ++b) {
           const unsigned long long* s0 = T + (p * kStepStamps) * G + b;
@@ -104,12 +104,11 @@ std::vector<StageTime> CudaModel::fold_step_profile(std::vector<StageTime> stage
       }
     }
   }
-  if (detail)
-    for (int k = 0; k < kStepKinds; ++k)
-      if (detail_n[k])
-        std::fprintf(
-            stderr, "step detail %-44s x %.4f  first tile %.4f  tiles %.4f  rest %.4f ms (%d products)\n",
-            kNames[k], detail_ms[k][0], detail_ms[k][1], detail_ms[k][2], detail_ms[k][3], detail_n[k]);
+  for (int k = 0; k < kStepKinds; ++k)
+    if (detail_n[k])
+      std::fprintf(
+          stderr, "step detail %-44s x %.4f  first tile %.4f  tiles %.4f  rest %.4f ms (%d products)\n",
+          kNames[k], detail_ms[k][0], detail_ms[k][1], detail_ms[k][2], detail_ms[k][3], detail_n[k]);
   std::vector<StageTime> out;
   for (auto& st : stages) {
     if (st.name != "step.launch") {
