@@ -201,14 +201,11 @@ TEST(Gdn, InProjAndStep) {
 
 // ---- prefill ----
 
-enum class Form { kTwoKernel, kSingle };
-
 // The chunked delta rule over `pieces` (successive calls, each continuing from the state the
 // previous one left) against the token-by-token loop from the same random nonzero state.
 // `window` > 0 caps gdn_prefill's window of chunks (the boundaries where the state kernel of one
-// window hands its state to the next); kSingle runs the one-kernel form it replaced.
-void check_gdn(int n_k, int n_v, const std::vector<int>& pieces, bool f32_out, int window = 0,
-               Form form = Form::kTwoKernel) {
+// window hands its state to the next).
+void check_gdn(int n_k, int n_v, const std::vector<int>& pieces, bool f32_out, int window = 0) {
   constexpr int D = cuda::kGdnDim;
   const int n = std::accumulate(pieces.begin(), pieces.end(), 0);
   std::string label = "gdn_prefill heads " + str(n_k) + "/" + str(n_v) + " n=" + str(n);
@@ -219,7 +216,6 @@ void check_gdn(int n_k, int n_v, const std::vector<int>& pieces, bool f32_out, i
   }
   label += f32_out ? " f32" : " bf16";
   if (window > 0) label += " window " + str(window);
-  if (form == Form::kSingle) label += " (one-kernel form)";
   const int key_dim = n_k * D, conv_dim = 2 * key_dim + n_v * D;
   // The conv output layout [n, q | k | v], used in place.
   std::vector<float> y(size_t(n) * conv_dim);
@@ -266,10 +262,7 @@ void check_gdn(int n_k, int n_v, const std::vector<int>& pieces, bool f32_out, i
     a.o_f32 = f32_out ? o32.get() + size_t(start) * ldo : nullptr;
     a.o_bf16 = f32_out ? nullptr : o16.get() + size_t(start) * ldo;
     a.o_stride = ldo;
-    if (form == Form::kSingle)
-      cuda::gdn_prefill_single(a, 0);
-    else
-      cuda::gdn_prefill(a, 0, window);
+    cuda::gdn_prefill(a, 0, window);
     start += m;
   }
   const auto got_o =
@@ -311,12 +304,6 @@ TEST(Gdn, ChunkedWindows) {
   check_gdn(2, 4, {1000}, true, 3);
   check_gdn(2, 4, {640, 1, 383}, false, 2);
   check_gdn(16, 32, {4161}, true);
-}
-
-// The one-kernel form kept for the A/B timing stays correct too.
-TEST(Gdn, ChunkedSingleKernel) {
-  for (int n : {1, 64, 65, 200}) check_gdn(16, 32, {n}, true, 0, Form::kSingle);
-  check_gdn(2, 4, {1, 127, 300}, false, 0, Form::kSingle);
 }
 
 // Continuing from the state a previous call left: chunk boundaries that do not line up with the

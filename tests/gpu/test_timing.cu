@@ -1,9 +1,9 @@
 // Kernel timings at the real shapes: not pass/fail, they print. Timing.DecodeRealShapes (µs and
 // GB/s per launch, back to back on one stream as in the decode graph) runs only with
 // TANSY_DECODE_TIMING=1; Timing.Prefill (median ms and TFLOP/s at n=4096) and Timing.Gdn (the
-// chunked delta rule, µs per layer at 4,096 and 32,768 tokens, beside the one-kernel form it
-// replaced; the gated norm beside norm/'s gated_rmsnorm and the conv at 4,096) are left out by
-// tools/device/gpu_tests.sh's filters. Each keeps its own helpers in its own namespace.
+// chunked delta rule, µs per layer at 4,096 and 32,768 tokens; the gated norm beside norm/'s gated_rmsnorm
+// and the conv at 4,096) are left out by tools/device/gpu_tests.sh's filters. Each keeps its own helpers in
+// its own namespace.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -409,9 +409,7 @@ TEST(Timing, Gdn) {
     a.o_f32 = o.get();
     a.o_stride = nv * D;
     const double tc = median_ms([&] { cuda::gdn_prefill(a, 0); });
-    const double single = median_ms([&] { cuda::gdn_prefill_single(a, 0); });
-    std::printf("  TIMING gdn n=%-6d gdn_prefill %9.1f us/layer   one-kernel form %9.1f us/layer\n", n,
-                1e3 * tc, 1e3 * single);
+    std::printf("  TIMING gdn n=%-6d gdn_prefill %9.1f us/layer\n", n, 1e3 * tc);
   }
   {
     // The gated RMSNorm after it, at the prefill's layout (z inside the in_proj rows).

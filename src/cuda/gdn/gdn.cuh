@@ -88,10 +88,6 @@ void gdn_prefill(const GdnPrefillArgs& a, cudaStream_t stream, int max_window_ch
 // Kernel launches gdn_prefill makes for n tokens at n_v_heads (for the prefill profile).
 int gdn_prefill_launches(int n, int n_v_heads);
 
-// The one-kernel form gdn_prefill replaced (each (head, slice) block also computes its chunks'
-// Gram matrices and substitution in sequence), kept for the tests' comparison and A/B timing only.
-void gdn_prefill_single(const GdnPrefillArgs& a, cudaStream_t stream);
-
 // ---- the gated RMSNorm of several tokens (gdn/prefill_norm.cu) ----
 
 // y[t, j*128 + d] = bf16(w[d] · o[t, j*128 + d] / rms(o[t, j*128 ..]) · silu(z[t, j*128 + d])) for

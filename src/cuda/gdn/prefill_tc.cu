@@ -1,16 +1,15 @@
-// Chunked Gated DeltaNet prefill on tensor cores (docs/MODEL.md §5.6). Two forms: gdn_prefill (the
-// two-kernel form below, used by the prefill) and gdn_prefill_single (the one-kernel form this
-// comment describes first, kept for the tests' A/B). One-kernel form: one block = one value head x
-// 32 state columns, walking the chunks of 64 tokens in order. Per chunk (C = 64 rows, zero-padded
-// past n):
+// Chunked Gated DeltaNet prefill on tensor cores (docs/MODEL.md §5.6), chunks of 64 tokens
+// (C = 64 rows, zero-padded past n). Per chunk:
 //   G = cumsum(g);  A[i][j] = β_i (k_i·k_j) e^{G_i-G_j} (j < i);  Aqk[i][j] = (q_i·k_j) e^{G_i-G_j} (j <= i)
-//   V' = (I + A)^{-1} R,  R = β⊙(V - e^G⊙(K·S))      forward substitution over 32 columns
+//   V' = (I + A)^{-1} R,  R = β⊙(V - e^G⊙(K·S))
 //   O  = e^G ⊙ (Q·S) + Aqk·V'
 //   S  = e^{G_last} S + Kᵀ·(e^{G_last-G} ⊙ V')
 // This is the WY form's V' = U - W·S, [U | W] = (I+A)^{-1} [β⊙V | β⊙e^G⊙K], with the inverse moved
 // past the product: (I+A)^{-1}(β⊙V) - (I+A)^{-1}(β⊙e^G⊙K)·S = (I+A)^{-1}(β⊙V - β⊙e^G⊙(K·S)), so the
-// substitution runs over the 32 value columns instead of 32 + 128, and K·S is a bf16-exact-operand
-// product like Q·S.
+// inverse applies to the 32 value columns instead of 32 + 128, and K·S is a bf16-exact-operand
+// product like Q·S. The state-independent parts (T = (I+A)^{-1}, Aqk) are computed for all chunks
+// in parallel, the chunk walk keeps only the state products (the two-kernel form below; a single
+// kernel walking everything measured 502 vs 409 µs per layer at 4,096 tokens, docs/PERFORMANCE.md).
 //
 // Every product is mma.sync m16n8k16 (bf16 in, f32 accumulate):
 //   Q·Kᵀ, K·Kᵀ              q̂, k̂ are bf16 already: one mma each, exact products.
@@ -26,8 +25,7 @@
 // tolerance, for 2-3x the mma count of a single pass, which is still small next to the CUDA-core
 // work it replaces. The state S itself never leaves f32: each warp keeps its 16 rows x 32 columns
 // in registers in the mma accumulator layout (the update accumulates onto e^{G_last}·S directly)
-// and writes the bf16 hi/lo copies the next chunk's Q·S and K·S read from shared memory. Only the
-// 64-step forward substitution stays on the CUDA cores.
+// and writes the bf16 hi/lo copies the next chunk's Q·S and K·S read from shared memory.
 //
 // Padded rows (t >= n: k = q = v = β = g = 0) give A, Aqk, R and V' rows of zero and leave G at the
 // last real token's value, so S and the stored outputs are exact.
@@ -58,16 +56,6 @@ constexpr int FP = BV + 4;  // f32 64x32 tiles (V, R, e^G⊙Q·S): float4 rows f
 constexpr int AP = C + 1;   // f32 A: the substitution reads a column, one row per lane
 constexpr int QP = C + 8;   // f32 Aqk: float2 fragment reads, half-warps conflict-free
 
-struct Smem {
-  __nv_bfloat16 k[C * KP], q[C * KP];
-  __nv_bfloat16 s_hi[DK * HP], s_lo[DK * HP];  // S (rows d, columns v)
-  __nv_bfloat16 v_hi[C * HP], v_lo[C * HP];    // V'
-  __nv_bfloat16 vd_hi[C * HP], vd_lo[C * HP];  // e^{G_last-G} ⊙ V'
-  float v[C * FP], r[C * FP], oqs[C * FP];
-  float a[C * AP], aqk[C * QP];
-  float beta[C], graw[C], eg[C], kdec[C], G[C];
-};
-
 __device__ __forceinline__ float2 bf2(uint32_t x) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x));
 }
@@ -87,348 +75,6 @@ __device__ __forceinline__ int b_trans_off(int lane, int k0, int n0, int pitch) 
   return (k0 + ((lane / 8) % 2) * 8 + lane % 8) * pitch + n0 + (lane / 16) * 8;
 }
 
-__global__ void __launch_bounds__(kThreads, 1) gdn_prefill_tc_kernel(const GdnPrefillArgs p) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int g = lane / 4, c2 = (lane % 4) * 2;  // mma fragment row group / column pair
-  const int h = blockIdx.x, v0 = blockIdx.y * BV;
-  const int kh = h / (p.n_v_heads / p.n_k_heads);
-  float* const state = p.state + size_t(h) * DK * DK;
-
-  // This warp's rows of S in the mma accumulator layout: s[nt][e] = S[d][v0 + col] with
-  // d = 16 warp + g + 8 (e / 2), col = 8 nt + c2 + e % 2.
-  const int d0 = 16 * warp + g;
-  float s[4][4];
-#pragma unroll
-  for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      const float2 x = *reinterpret_cast<const float2*>(state + (d0 + 8 * hf) * DK + v0 + 8 * nt + c2);
-      s[nt][2 * hf] = x.x;
-      s[nt][2 * hf + 1] = x.y;
-    }
-  auto store_s_copies = [&] {
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        uint32_t hi, lo;
-        split2(s[nt][2 * hf], s[nt][2 * hf + 1], hi, lo);
-        const int off = (d0 + 8 * hf) * HP + 8 * nt + c2;
-        *reinterpret_cast<uint32_t*>(sm.s_hi + off) = hi;
-        *reinterpret_cast<uint32_t*>(sm.s_lo + off) = lo;
-      }
-  };
-  store_s_copies();
-
-  // Next chunk's inputs, fetched into registers while the current one is processed.
-  uint4 kpre[4], qpre[4], vpre;
-  float bgpre = 0.f;
-  auto fetch = [&](int t0) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int idx = tid + i * kThreads, r = idx / 16, c = idx % 16, t = t0 + r;
-      const bool ok = t < p.n;
-      kpre[i] = ok ? *reinterpret_cast<const uint4*>(p.k + int64_t(t) * p.k_stride + kh * DK + c * 8)
-                   : make_uint4(0, 0, 0, 0);
-      qpre[i] = ok ? *reinterpret_cast<const uint4*>(p.q + int64_t(t) * p.q_stride + kh * DK + c * 8)
-                   : make_uint4(0, 0, 0, 0);
-    }
-    {
-      const int r = tid / 4, c = tid % 4, t = t0 + r;
-      vpre = t < p.n ? *reinterpret_cast<const uint4*>(p.v + int64_t(t) * p.v_stride + h * DK + v0 + c * 8)
-                     : make_uint4(0, 0, 0, 0);
-    }
-    if (tid < 2 * C) {
-      const int t = t0 + tid % C;
-      bgpre = t < p.n ? (tid < C ? p.beta : p.g)[int64_t(t) * p.n_v_heads + h] : 0.f;
-    }
-  };
-  fetch(0);
-
-  const int n_chunks = (p.n + C - 1) / C;
-  for (int ch = 0; ch < n_chunks; ++ch) {
-    const int t0 = ch * C;
-    // ---- 1. stage the chunk's inputs, start fetching the next ----
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int idx = tid + i * kThreads, r = idx / 16, c = idx % 16;
-      *reinterpret_cast<uint4*>(sm.k + r * KP + c * 8) = kpre[i];
-      *reinterpret_cast<uint4*>(sm.q + r * KP + c * 8) = qpre[i];
-    }
-    {
-      const int r = tid / 4, c = tid % 4;
-      const float2 f0 = bf2(vpre.x), f1 = bf2(vpre.y), f2 = bf2(vpre.z), f3 = bf2(vpre.w);
-      *reinterpret_cast<float4*>(sm.v + r * FP + c * 8) = make_float4(f0.x, f0.y, f1.x, f1.y);
-      *reinterpret_cast<float4*>(sm.v + r * FP + c * 8 + 4) = make_float4(f2.x, f2.y, f3.x, f3.y);
-    }
-    if (tid < C)
-      sm.beta[tid] = bgpre;
-    else if (tid < 2 * C)
-      sm.graw[tid - C] = bgpre;
-    if (ch + 1 < n_chunks) fetch(t0 + C);
-    __syncthreads();
-
-    // ---- 2. decay prefix sums (warp 0); the Gram matrices Q·Kᵀ, K·Kᵀ (warp: 16 x 32 of each);
-    // Q·S (warps 0-3) and K·S (warps 4-7), warp: 16 rows x 32 columns ----
-    if (warp == 0) {
-      float a = sm.graw[lane], b = sm.graw[lane + 32];
-#pragma unroll
-      for (int o = 1; o < 32; o *= 2) {
-        const float x = __shfl_up_sync(0xffffffffu, a, o), y = __shfl_up_sync(0xffffffffu, b, o);
-        if (lane >= o) {
-          a += x;
-          b += y;
-        }
-      }
-      b += __shfl_sync(0xffffffffu, a, 31);
-      const float glast = __shfl_sync(0xffffffffu, b, 31);
-      sm.G[lane] = a;
-      sm.G[lane + 32] = b;
-      sm.eg[lane] = expf(a);
-      sm.eg[lane + 32] = expf(b);
-      sm.kdec[lane] = expf(glast - a);
-      sm.kdec[lane + 32] = expf(glast - b);
-    }
-    const int rt = warp / 2, cbase = (warp % 2) * 32;
-    float ckk[4][4] = {}, cqk[4][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < DK / 16; ++kk) {
-      uint32_t ak[4], aq[4];
-      tc::ldmatrix_x4(ak, sm.k + (rt * 16 + lane % 16) * KP + kk * 16 + (lane / 16) * 8);
-      tc::ldmatrix_x4(aq, sm.q + (rt * 16 + lane % 16) * KP + kk * 16 + (lane / 16) * 8);
-#pragma unroll
-      for (int np = 0; np < 2; ++np) {
-        uint32_t b[4];
-        tc::ldmatrix_x4(
-            b, sm.k + (cbase + np * 16 + (lane / 16) * 8 + lane % 8) * KP + kk * 16 + ((lane / 8) % 2) * 8);
-        tc::mma_bf16(ckk[2 * np], ak, b[0], b[1]);
-        tc::mma_bf16(ckk[2 * np + 1], ak, b[2], b[3]);
-        tc::mma_bf16(cqk[2 * np], aq, b[0], b[1]);
-        tc::mma_bf16(cqk[2 * np + 1], aq, b[2], b[3]);
-      }
-    }
-    const int mt = warp % 4;  // Q·S / K·S row tile
-    float xs[4][4] = {};
-    {
-      const __nv_bfloat16* X = warp < 4 ? sm.q : sm.k;
-#pragma unroll
-      for (int kk = 0; kk < DK / 16; ++kk) {
-        uint32_t a[4];
-        tc::ldmatrix_x4(a, X + (mt * 16 + lane % 16) * KP + kk * 16 + (lane / 16) * 8);
-#pragma unroll
-        for (int np = 0; np < 2; ++np) {
-          uint32_t bh[4], bl[4];
-          const int off = b_trans_off(lane, kk * 16, np * 16, HP);
-          tc::ldmatrix_x4_trans(bh, sm.s_hi + off);
-          tc::ldmatrix_x4_trans(bl, sm.s_lo + off);
-          tc::mma_bf16(xs[2 * np], a, bh[0], bh[1]);
-          tc::mma_bf16(xs[2 * np], a, bl[0], bl[1]);
-          tc::mma_bf16(xs[2 * np + 1], a, bh[2], bh[3]);
-          tc::mma_bf16(xs[2 * np + 1], a, bl[2], bl[3]);
-        }
-      }
-    }
-    __syncthreads();  // G visible
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = rt * 16 + g + (e / 2) * 8, j = cbase + nt * 8 + c2 + (e & 1);
-        // e^{G_i-G_j} only where j <= i: above the diagonal it can overflow.
-        const float dec = j <= i ? expf(sm.G[i] - sm.G[j]) : 0.f;
-        sm.a[i * AP + j] = j < i ? sm.beta[i] * ckk[nt][e] * dec : 0.f;
-        sm.aqk[i * QP + j] = cqk[nt][e] * dec;
-      }
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int i = mt * 16 + g + 8 * hf, off = i * FP + nt * 8 + c2;
-        const float e = sm.eg[i], x0 = xs[nt][2 * hf], x1 = xs[nt][2 * hf + 1];
-        if (warp < 4) {
-          *reinterpret_cast<float2*>(sm.oqs + off) = make_float2(e * x0, e * x1);
-        } else {
-          const float2 vv = *reinterpret_cast<const float2*>(sm.v + off);
-          const float b = sm.beta[i];
-          *reinterpret_cast<float2*>(sm.r + off) = make_float2(b * (vv.x - e * x0), b * (vv.y - e * x1));
-        }
-      }
-    __syncthreads();
-
-    // ---- 3. V' = (I + A)^{-1} R: each warp owns 4 of the 32 columns, each lane rows lane and
-    // lane+32; right-looking substitution, finished rows broadcast by shuffle. Then the bf16 hi/lo
-    // copies of V' and e^{G_last-G} ⊙ V' for the mmas of step 4. ----
-    {
-      const int cb = 4 * warp;
-      float x[4][2];
-#pragma unroll
-      for (int sh = 0; sh < 2; ++sh) {
-        const float4 r = *reinterpret_cast<const float4*>(sm.r + (lane + 32 * sh) * FP + cb);
-        x[0][sh] = r.x;
-        x[1][sh] = r.y;
-        x[2][sh] = r.z;
-        x[3][sh] = r.w;
-      }
-      // Blocks of kSub rows: the block's kSub values (all earlier rows applied) come over by shuffle
-      // at once and every lane finishes them with the small triangle A[i..i+kSub)[i..i+kSub), so
-      // the serial chain is one shuffle per kSub rows. A is strictly lower triangular with explicit
-      // zeros, so rows < i are left unchanged and row i+u receives exactly its final value.
-      constexpr int kSub = 4;
-#pragma unroll 2
-      for (int i = 0; i < 32; i += kSub) {
-        float tri[kSub][kSub], a0[kSub], a1[kSub];
-#pragma unroll
-        for (int u = 0; u < kSub; ++u) {
-#pragma unroll
-          for (int w = 0; w < u; ++w) tri[u][w] = sm.a[(i + u) * AP + i + w];
-          a0[u] = sm.a[lane * AP + i + u];
-          a1[u] = sm.a[(lane + 32) * AP + i + u];
-        }
-#pragma unroll
-        for (int cc = 0; cc < 4; ++cc) {
-          float xb[kSub];
-#pragma unroll
-          for (int u = 0; u < kSub; ++u) xb[u] = __shfl_sync(0xffffffffu, x[cc][0], i + u);
-#pragma unroll
-          for (int u = 1; u < kSub; ++u)
-#pragma unroll
-            for (int w = 0; w < u; ++w) xb[u] -= tri[u][w] * xb[w];
-#pragma unroll
-          for (int w = 0; w < kSub; ++w) {
-            x[cc][0] -= a0[w] * xb[w];
-            x[cc][1] -= a1[w] * xb[w];
-          }
-        }
-      }
-#pragma unroll 2
-      for (int i = 32; i < C; i += kSub) {
-        float tri[kSub][kSub], a1[kSub];
-#pragma unroll
-        for (int u = 0; u < kSub; ++u) {
-#pragma unroll
-          for (int w = 0; w < u; ++w) tri[u][w] = sm.a[(i + u) * AP + i + w];
-          a1[u] = sm.a[(lane + 32) * AP + i + u];
-        }
-#pragma unroll
-        for (int cc = 0; cc < 4; ++cc) {
-          float xb[kSub];
-#pragma unroll
-          for (int u = 0; u < kSub; ++u) xb[u] = __shfl_sync(0xffffffffu, x[cc][1], i - 32 + u);
-#pragma unroll
-          for (int u = 1; u < kSub; ++u)
-#pragma unroll
-            for (int w = 0; w < u; ++w) xb[u] -= tri[u][w] * xb[w];
-#pragma unroll
-          for (int w = 0; w < kSub; ++w) x[cc][1] -= a1[w] * xb[w];
-        }
-      }
-#pragma unroll
-      for (int sh = 0; sh < 2; ++sh) {
-        const int row = lane + 32 * sh, off = row * HP + cb;
-        const float kd = sm.kdec[row];
-        uint32_t h01, l01, h23, l23;
-        split2(x[0][sh], x[1][sh], h01, l01);
-        split2(x[2][sh], x[3][sh], h23, l23);
-        *reinterpret_cast<uint2*>(sm.v_hi + off) = make_uint2(h01, h23);
-        *reinterpret_cast<uint2*>(sm.v_lo + off) = make_uint2(l01, l23);
-        split2(kd * x[0][sh], kd * x[1][sh], h01, l01);
-        split2(kd * x[2][sh], kd * x[3][sh], h23, l23);
-        *reinterpret_cast<uint2*>(sm.vd_hi + off) = make_uint2(h01, h23);
-        *reinterpret_cast<uint2*>(sm.vd_lo + off) = make_uint2(l01, l23);
-      }
-    }
-    __syncthreads();
-
-    // ---- 4a. O = e^G⊙(Q·S) + Aqk·V': warp = row tile warp/2 x columns 16 (warp%2) .. +16.
-    // Aqk is zero above the diagonal, so the k-steps past the row tile are skipped. ----
-    {
-      const int ot = warp / 2, n0 = 16 * (warp % 2);
-      float o[2][4];
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-          const float2 x =
-              *reinterpret_cast<const float2*>(sm.oqs + (ot * 16 + g + 8 * hf) * FP + n0 + 8 * nt + c2);
-          o[nt][2 * hf] = x.x;
-          o[nt][2 * hf + 1] = x.y;
-        }
-      for (int kk = 0; kk <= ot; ++kk) {
-        uint32_t ah[4], al[4];  // a_r: row g + 8 (r % 2), columns c2 + 8 (r / 2) of the 16 x 16 tile
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const float2 x = *reinterpret_cast<const float2*>(sm.aqk + (ot * 16 + g + 8 * (r % 2)) * QP +
-                                                            kk * 16 + c2 + 8 * (r / 2));
-          split2(x.x, x.y, ah[r], al[r]);
-        }
-        uint32_t bh[4], bl[4];
-        const int off = b_trans_off(lane, kk * 16, n0, HP);
-        tc::ldmatrix_x4_trans(bh, sm.v_hi + off);
-        tc::ldmatrix_x4_trans(bl, sm.v_lo + off);
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          tc::mma_bf16(o[nt], ah, bh[2 * nt], bh[2 * nt + 1]);
-          tc::mma_bf16(o[nt], ah, bl[2 * nt], bl[2 * nt + 1]);
-          tc::mma_bf16(o[nt], al, bh[2 * nt], bh[2 * nt + 1]);
-        }
-      }
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int t = t0 + ot * 16 + g + 8 * hf;
-        if (t >= p.n) continue;
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          const int64_t off = int64_t(t) * p.o_stride + h * DK + v0 + n0 + 8 * nt + c2;
-          if (p.o_f32)
-            *reinterpret_cast<float2*>(p.o_f32 + off) = make_float2(o[nt][2 * hf], o[nt][2 * hf + 1]);
-          else
-            *reinterpret_cast<uint32_t*>(p.o_bf16 + off) = tc::pack_bf16(o[nt][2 * hf], o[nt][2 * hf + 1]);
-        }
-      }
-    }
-
-    // ---- 4b. S = e^{G_last} S + Kᵀ·(e^{G_last-G} ⊙ V'), this warp's 16 rows in registers; Kᵀ's
-    // A fragments come from the row-major K tile through ldmatrix.trans. ----
-    {
-      const float eglast = sm.eg[C - 1];
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[nt][e] *= eglast;
-#pragma unroll
-      for (int kk = 0; kk < C / 16; ++kk) {
-        uint32_t a[4];
-        tc::ldmatrix_x4_trans(
-            a, sm.k + (kk * 16 + lane % 8 + (lane / 16) * 8) * KP + 16 * warp + ((lane / 8) % 2) * 8);
-#pragma unroll
-        for (int np = 0; np < 2; ++np) {
-          uint32_t bh[4], bl[4];
-          const int off = b_trans_off(lane, kk * 16, np * 16, HP);
-          tc::ldmatrix_x4_trans(bh, sm.vd_hi + off);
-          tc::ldmatrix_x4_trans(bl, sm.vd_lo + off);
-          tc::mma_bf16(s[2 * np], a, bh[0], bh[1]);
-          tc::mma_bf16(s[2 * np], a, bl[0], bl[1]);
-          tc::mma_bf16(s[2 * np + 1], a, bh[2], bh[3]);
-          tc::mma_bf16(s[2 * np + 1], a, bl[2], bl[3]);
-        }
-      }
-      // Every read of the S copies (step 2) is behind two barriers; the next chunk's step 2 reads
-      // these after its staging barrier.
-      store_s_copies();
-    }
-    __syncthreads();  // K, the f32 tiles and the V' copies are free for the next chunk
-  }
-
-#pragma unroll
-  for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf)
-      *reinterpret_cast<float2*>(state + (d0 + 8 * hf) * DK + v0 + 8 * nt + c2) =
-          make_float2(s[nt][2 * hf], s[nt][2 * hf + 1]);
-}
-
 // ---- The two-kernel form (gdn_prefill) ----
 // gdn_chunk_prep_kernel, one block per (chunk, value head), every chunk of a window at once: what
 // a chunk needs that does not depend on the carried state, T = (I + A)^{-1} and Aqk (64 x 64 f32
@@ -436,7 +82,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_prefill_tc_kernel(const GdnPr
 // state columns), walks the window's chunks in order with only the state-dependent products left
 // on its serial path:
 //   R = β⊙(V - e^G⊙(K·S)),  V' = T·R,  O = e^G⊙(Q·S) + Aqk·V',  S = e^{G_last} S + Kᵀ·(e^{G_last-G}⊙V').
-// V' = T·R is the forward substitution of the one-kernel form as a product (both operands f32:
+// V' = T·R is the forward substitution as a product (both operands f32:
 // three mmas, the same class as Aqk·V'); the Gram matrices, the decay matrices and the 64-step
 // substitution run in parallel over the chunks instead of once per chunk in sequence.
 
@@ -481,8 +127,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
 
-  // Decay prefix sums (warp 0) and the Gram matrices Q·Kᵀ, K·Kᵀ (warp: 16 x 32 of each), as in
-  // the one-kernel form.
+  // Decay prefix sums (warp 0) and the Gram matrices Q·Kᵀ, K·Kᵀ (warp: 16 x 32 of each).
   if (warp == 0) {
     float a = sm.graw[lane], b = sm.graw[lane + 32];
 #pragma unroll
@@ -535,7 +180,7 @@ __global__ void __launch_bounds__(kThreads)
     }
   __syncthreads();
 
-  // T = (I + A)^{-1}: the substitution of the one-kernel form on the identity, each warp 8 of the
+  // T = (I + A)^{-1}: the forward substitution on the identity, each warp 8 of the
   // 64 columns, each lane rows lane and lane+32.
   {
     const int cb = 8 * warp;
@@ -623,7 +268,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int kh = h / (p.n_v_heads / p.n_k_heads);
   float* const state = p.state + size_t(h) * DK * DK;
 
-  // This warp's rows of S in the mma accumulator layout, as in the one-kernel form.
+  // This warp's rows of S in the mma accumulator layout: s[nt][e] = S[d][v0 + col] with
+  // d = 16 warp + g + 8 (e / 2), col = 8 nt + c2 + e % 2.
   const int d0 = 16 * warp + g;
   float s[4][4];
 #pragma unroll
@@ -871,7 +517,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
 
-    // ---- 4b. S = e^{G_last} S + Kᵀ·(e^{G_last-G} ⊙ V'), as in the one-kernel form ----
+    // ---- 4b. S = e^{G_last} S + Kᵀ·(e^{G_last-G} ⊙ V') ----
     {
       const float eglast = sm.eg[C - 1];
       float sl[4][4] = {};  // the lo parts' chain
@@ -987,17 +633,6 @@ void gdn_prefill(const GdnPrefillArgs& a, cudaStream_t stream, int max_window_ch
 int gdn_prefill_launches(int n, int n_v_heads) {
   const int chunks = (std::max(1, n) + C - 1) / C, w = window_chunks(n_v_heads);
   return 2 * ((chunks + w - 1) / w);
-}
-
-void gdn_prefill_single(const GdnPrefillArgs& a, cudaStream_t stream) {
-  check_args(a, "gdn_prefill_single");
-  constexpr int kSmem = sizeof(Smem);
-  static const bool attr_set =
-      cudaFuncSetAttribute(gdn_prefill_tc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) ==
-      cudaSuccess;
-  TANSY_CHECK(attr_set, "gdn_prefill_single: cannot reserve {} bytes of shared memory per block", kSmem);
-  gdn_prefill_tc_kernel<<<dim3(a.n_v_heads, kGdnDim / BV), kThreads, kSmem, stream>>>(a);
-  launch_check("gdn_prefill_single");
 }
 
 }  // namespace tansy::cuda

@@ -110,15 +110,7 @@ __global__ void __launch_bounds__(32 * kWarps, 16 / kWarps) gemm_kernel(const Pa
   if (p.tile_offsets) {
     const int tile = blockIdx.x;
     if (tile >= p.tile_offsets[p.n_experts]) return;  // grid is an upper bound on the tile count
-    int lo = 0, hi = p.n_experts - 1;                 // last expert whose first tile is <= tile
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (p.tile_offsets[mid] <= tile)
-        lo = mid;
-      else
-        hi = mid - 1;
-    }
-    const int e = lo;
+    const int e = gemm_impl::tile_expert(p, tile);
     row0 = p.expert_offsets[e] + (tile - p.tile_offsets[e]) * BM;
     row_end = p.expert_offsets[e + 1];
     const size_t rows = size_t(p.out);

@@ -51,6 +51,20 @@ __device__ __forceinline__ uint4 dequant4(uint32_t w, __nv_bfloat162 s2, __nv_bf
   return make_uint4(r[0], r[1], r[2], r[3]);
 }
 
+// Grouped GEMM: the expert that owns tile `tile` (the last whose first tile is <= tile), given
+// tile < p.tile_offsets[p.n_experts].
+__device__ __forceinline__ int tile_expert(const Params& p, int tile) {
+  int lo = 0, hi = p.n_experts - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (p.tile_offsets[mid] <= tile)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
 // Writes rows row0.. (< row_end) of a kRows x BN f32 tile Cs (rows kCld floats apart, columns n0..) to
 // Y with p's epilogue; every thread of the block takes column pairs of whole rows.
 template <int BN, int kRows, int kThreads, int kCld>

@@ -158,16 +158,8 @@ __global__ void __launch_bounds__(128 * kWG, kWG == 2 ? 2 : 1) gemm_wgmma_kernel
   const __nv_bfloat16 *scales = p.scales, *biases = p.biases;
   if (p.tile_offsets) {
     const int tile = blockIdx.x;
-    if (tile >= p.tile_offsets[p.n_experts]) return;
-    int lo = 0, hi = p.n_experts - 1;  // last expert whose first tile is <= tile
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (p.tile_offsets[mid] <= tile)
-        lo = mid;
-      else
-        hi = mid - 1;
-    }
-    const int e = lo;
+    if (tile >= p.tile_offsets[p.n_experts]) return;  // grid is an upper bound on the tile count
+    const int e = gemm_impl::tile_expert(p, tile);
     row0 = p.expert_offsets[e] + (tile - p.tile_offsets[e]) * kN;
     row_end = p.expert_offsets[e + 1];
     q += size_t(e) * size_t(p.out) * (size_t(p.in) / 8);
