@@ -44,7 +44,6 @@ void CudaModel::run_decode_fused(CudaState& st, const int* ids, bool head) {
 void CudaModel::attention_mixer_decode(CudaState& st, int i) {
   const ModelConfig& c = cfg_;
   DevLayer& L = layers_[i];
-  CudaState::Layer& S = st.layers[i];
   auto ss = [&](int point) { return ss_parts_.get() + size_t(point) * kNormParts; };
   NormIn in;
   in.h = h_.get();
@@ -52,16 +51,22 @@ void CudaModel::attention_mixer_decode(CudaState& st, int i) {
   in.w = L.in_norm.get();
   in.eps = c.rms_eps;
   bf16* P = proj_.get();
-  const int QD = c.q_dim();
   mark("attn.in_proj+norm", wbytes(L.attn_in.view));
   matvec_norm(L.attn_in.view, in, MatvecOut{P, false, proj_ld_}, stream_);  // [q+gate | k | v]
-  QkvLayout lay{P, proj_ld_, c.num_heads, c.num_kv_heads};
+  attention_core_decode(st, i);
+  mark("attn.o_proj+residual", wbytes(L.attn_o.view));
+  matvec_residual(L.attn_o.view, mix_.get(), ResidualOut{h_.get(), ss(2 * i + 1)}, stream_);
+}
+
+void CudaModel::attention_core_decode(CudaState& st, int i) {
+  const ModelConfig& c = cfg_;
+  DevLayer& L = layers_[i];
+  CudaState::Layer& S = st.layers[i];
+  QkvLayout lay{proj_.get(), proj_ld_, c.num_heads, c.num_kv_heads};
   mark("attn.q/k norm+rope+cache+split, merge", 2.0 * (st.n + 1) * c.kv_dim() * 2, 0, 2);
   attention_decode_fused(lay, st.pos.get(), L.q_norm.get(), L.k_norm.get(), c.rms_eps, c.rotary_dim,
                          c.rope_theta, S.K.get(), S.V.get(), kFusedDecodeSplits, attn_scratch_.get(),
-                         mix_.get(), QD, stream_);
-  mark("attn.o_proj+residual", wbytes(L.attn_o.view));
-  matvec_residual(L.attn_o.view, mix_.get(), ResidualOut{h_.get(), ss(2 * i + 1)}, stream_);
+                         mix_.get(), c.q_dim(), stream_);
 }
 
 StepArgs CudaModel::step_args() {
@@ -97,15 +102,16 @@ StepArgs CudaModel::step_args() {
 
 namespace {
 
-// Layer i as the persistent step runs it: the GDN mixer and the MoE, or the MoE alone.
-StepLayer step_layer(DevLayer& L, CudaState::Layer* S, int index) {
+// Layer i as an entry of a persistent-step launch (StepMixer): a GDN layer, or an attention
+// layer's in_proj (before its core) or o_proj and MoE (after it).
+StepLayer step_layer(DevLayer& L, CudaState::Layer* S, int index, int mixer) {
   StepLayer s;
-  s.gdn = L.kind == LayerKind::kLinear ? 1 : 0;
+  s.mixer = mixer;
   s.index = index;
-  if (s.gdn) {
+  s.in_norm = L.in_norm.get();
+  if (mixer == kStepGdn) {
     s.gdn_in = L.gdn_in.view;
     s.gdn_out = L.gdn_out.view;
-    s.in_norm = L.in_norm.get();
     s.conv_w = L.conv_w.get();
     s.A_log = L.A_log.get();
     s.dt_bias = L.dt_bias.get();
@@ -114,6 +120,9 @@ StepLayer step_layer(DevLayer& L, CudaState::Layer* S, int index) {
       s.window = S->window.get();
       s.state = S->S.get();
     }
+  } else {
+    s.attn_in = L.attn_in.view;
+    s.attn_o = L.attn_o.view;
   }
   s.post_norm = L.post_norm.get();
   s.router = L.router.view;
@@ -124,8 +133,9 @@ StepLayer step_layer(DevLayer& L, CudaState::Layer* S, int index) {
 
 }  // namespace
 
-// Launches: a run of GDN layers (and the MoE of the attention layer before them) per launch, at
-// most kStepMaxLayers; `attn(i)` enqueues attention layer i's mixer, `launch(args)` a run.
+// Launches: the entries between two attention cores per launch (the o_proj and MoE of the
+// attention layer before, the GDN layers, the in_proj of the attention layer after), at most
+// kStepMaxLayers; `attn(i)` enqueues attention layer i's core, `launch(args)` a run.
 template <typename Attn, typename Launch>
 static void for_each_step_launch(std::vector<DevLayer>& layers, CudaState* st, StepArgs a, Attn&& attn,
                                  Launch&& launch) {
@@ -135,13 +145,18 @@ static void for_each_step_launch(std::vector<DevLayer>& layers, CudaState* st, S
     a.n_layers = 0;
   };
   for (int i = 0; i < int(layers.size()); ++i) {
-    if (layers[i].kind != LayerKind::kLinear) {
+    auto add = [&](int mixer) {
+      if (a.n_layers == kStepMaxLayers) flush();
+      a.layer[a.n_layers++] = step_layer(layers[i], st ? &st->layers[i] : nullptr, i, mixer);
+    };
+    if (layers[i].kind == LayerKind::kLinear) {
+      add(kStepGdn);
+    } else {
+      add(kStepAttnIn);
       flush();
       attn(i);
-    } else if (a.n_layers == kStepMaxLayers) {
-      flush();
+      add(kStepAttnOut);
     }
-    a.layer[a.n_layers++] = step_layer(layers[i], st ? &st->layers[i] : nullptr, i);
   }
   flush();
 }
@@ -162,7 +177,9 @@ void CudaModel::plan_decode_step(const CudaPlanOptions& opt) {
       step_why_ = "the shared expert is not shaped like a routed one";
       return;
     }
-    if (!step_supported(step_layer(layers_[i], nullptr, i), a, &step_why_)) return;
+    const bool gdn = layers_[i].kind == LayerKind::kLinear;
+    for (int mixer : {gdn ? kStepGdn : kStepAttnIn, gdn ? kStepGdn : kStepAttnOut})
+      if (!step_supported(step_layer(layers_[i], nullptr, i, mixer), a, &step_why_)) return;
   }
   int launches = 0;
   for_each_step_launch(
@@ -180,7 +197,7 @@ void CudaModel::run_decode_persistent(CudaState& st, const int* ids) {
   embed(embed_.view, ids, 1, h_.get(), stream_, ss_parts_.get());
   unsigned* barrier = step_barriers_.get();
   for_each_step_launch(
-      layers_, &st, step_args(), [&](int i) { attention_mixer_decode(st, i); },
+      layers_, &st, step_args(), [&](int i) { attention_core_decode(st, i); },
       [&](StepArgs a) {
         a.barrier = barrier++;
         if (profile_step_) {

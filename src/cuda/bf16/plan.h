@@ -240,7 +240,8 @@ class CudaModel final : public Model, public StageProfiler {
   void run_decode_persistent(CudaState& st, const int* ids);
   void run_decode_per_op(CudaState& st, const int* ids);
   // Attention layer i's mixer for one token: in_proj (+ norm), the fused attention, o_proj (+ residual).
-  void attention_mixer_decode(CudaState& st, int i);
+  void attention_mixer_decode(CudaState& st, int i);  // in_proj, core, o_proj
+  void attention_core_decode(CudaState& st, int i);   // q/k norm, RoPE, cache write, attention
   // Decides step_ok_ from the uploaded shapes (after upload).
   void plan_decode_step(const CudaPlanOptions& opt);
   // The model's dimensions and the plan's scratch for the persistent step (no layers).

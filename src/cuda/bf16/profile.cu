@@ -42,7 +42,8 @@ std::vector<StageTime> CudaModel::fold_step_profile(std::vector<StageTime> stage
   static const char* kNames[kStepKinds] = {
       "step: gdn.in_proj+norm+conv+gates",    "step: gdn.recurrence+norms",
       "step: gdn.out_proj+residual",          "step: moe.router+norm (+ routing)",
-      "step: moe.experts gate|up (k+shared)", "step: moe.experts down+combine+residual"};
+      "step: moe.experts gate|up (k+shared)", "step: moe.experts down+combine+residual",
+      "step: attn.o_proj+residual",           "step: attn.in_proj+norm"};
   const int G = sm_count();
   const size_t per = size_t(kStepMaxProducts) * kStepStamps * G;
   std::vector<unsigned long long> t(per * prof_launches_.size());
@@ -61,7 +62,8 @@ std::vector<StageTime> CudaModel::fold_step_profile(std::vector<StageTime> stage
     const unsigned long long* T = t.data() + l * per;
     std::vector<std::pair<int, const StepLayer*>> products;  // (kind, layer)
     for (int i = 0; i < a.n_layers; ++i)
-      for (int k = a.layer[i].gdn ? 0 : 3; k < kStepKinds; ++k) products.emplace_back(k, &a.layer[i]);
+      for (int j = 0; j < step_n_products(a.layer[i]); ++j)
+        products.emplace_back(step_product(a.layer[i], j), &a.layer[i]);
     auto lo = [&](size_t p, int w) {
       unsigned long long v = ~0ull;
       for (int b = 0; b < G; ++b) v = std::min(v, T[(p * kStepStamps + w) * G + b]);
@@ -77,15 +79,17 @@ std::vector<StageTime> CudaModel::fold_step_profile(std::vector<StageTime> stage
       const double ms = double(hi(p, 1) - lo(p, 0)) / 1e6;
       kind[k].ms += ms;
       in_kernel += ms;
-      const double bytes = k == 0   ? wbytes(L->gdn_in)
-                           : k == 1 ? 2.0 * cfg_.lin_num_v_heads * kGdnDim * kGdnDim * 4
-                           : k == 2 ? wbytes(L->gdn_out)
-                           : k == 3 ? wbytes(L->router)
-                           : k == 4 ? k1 * wbytes(L->gu.rows(0, 2 * I))
-                                    : k1 * wbytes(L->down.rows(0, H));
+      const double bytes = k == kGdnIn       ? wbytes(L->gdn_in)
+                           : k == kGdnRec    ? 2.0 * cfg_.lin_num_v_heads * kGdnDim * kGdnDim * 4
+                           : k == kGdnOut    ? wbytes(L->gdn_out)
+                           : k == kRouter    ? wbytes(L->router)
+                           : k == kExpertsGu ? k1 * wbytes(L->gu.rows(0, 2 * I))
+                           : k == kAttnOut   ? wbytes(L->attn_o)
+                           : k == kAttnIn    ? wbytes(L->attn_in)
+                                             : k1 * wbytes(L->down.rows(0, H));
       kind[k].bytes += bytes;
       // mean over the blocks that had tiles: staging, wait for the first tile, the tiles, the rest
-      if (k != 1) {
+      if (k != kGdnRec) {
         double n = 0, d[4] = {0, 0, 0, 0};
         for (int b = 0; b < G; ++b) {
           const unsigned long long* s0 = T + (p * kStepStamps) * G + b;

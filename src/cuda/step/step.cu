@@ -35,13 +35,11 @@ constexpr size_t kStepSmem = size_t(kSlots) * kSlotBytes + kXsBytes;
 using ConsumerSync = NamedSync<1, kConsumers>;
 using UnitSync = NamedSync<2, gdn_unit::kUnitThreads>;
 
-enum Kind : int { kGdnIn = 0, kGdnRec, kGdnOut, kRouter, kExpertsGu, kExpertsDown };
-
 // Tile geometry. The row-to-warp assignment is free for products without a residual (each row's
 // sum is the same wherever it is computed); out_proj and the experts' down keep the per-op
 // kernels' row blocks (8 and 16 rows) because each row block writes one partial sum of h².
-constexpr int kRowsIn = 16;      // in_proj: 2 rows per consumer warp
-constexpr int kRowsOut = 8;      // out_proj: 1 row per warp = one partial sum
+constexpr int kRowsIn = 16;      // in_proj (GDN, attention): 2 rows per consumer warp
+constexpr int kRowsOut = 8;      // out_proj, o_proj: 1 row per warp = one partial sum
 constexpr int kRowsRouter = 8;   // router: 1 row per warp
 constexpr int kPairsGu = 8;      // experts gate|up: one output pair (2 rows) per warp
 constexpr int kRowsDown = 16;    // experts down: 16 output rows x 16 lanes, all K+1 experts
@@ -57,7 +55,10 @@ __device__ __forceinline__ int n_tiles(const StepArgs& a, const StepLayer& L, in
   switch (kind) {
     case kGdnIn:
       return (L.gdn_in.out + kRowsIn - 1) / kRowsIn;
+    case kAttnIn:
+      return (L.attn_in.out + kRowsIn - 1) / kRowsIn;
     case kGdnOut:
+    case kAttnOut:
       return a.H / kRowsOut;
     case kRouter:
       return (L.router.out + kRowsRouter - 1) / kRowsRouter;
@@ -72,8 +73,6 @@ __device__ __forceinline__ int n_tiles(const StepArgs& a, const StepLayer& L, in
 __device__ __forceinline__ int down_tiles(const StepArgs& a) {
   return (a.K + 1 + kDownPerTile - 1) / kDownPerTile;
 }
-__device__ __forceinline__ int n_kinds(const StepLayer& L) { return L.gdn ? 6 : 3; }
-__device__ __forceinline__ int kind_at(const StepLayer& L, int j) { return L.gdn ? j : kRouter + j; }
 
 // ---- the ring ----
 
@@ -234,13 +233,15 @@ __device__ void produce(const StepArgs& a, const StepLayer& L, int kind, unsigne
   const int nt = n_tiles(a, L, kind);
   uint64_t* bar = nullptr;
   switch (kind) {
-    case kGdnIn: {
-      const DevLinear& W = L.gdn_in;
+    case kGdnIn:
+    case kAttnIn: {
+      const bool gdn = kind == kGdnIn;
+      const DevLinear& W = gdn ? L.gdn_in : L.attn_in;
       const int K = a.conv_kernel;
       const TileLayout t = tile_layout(kRowsIn, W.in / 2, W.in / kQuantGroup, K);
       for (int i = b; i < nt && lane == 0; i += G) {
         const int r0 = i * kRowsIn, rows = min(kRowsIn, W.out - r0);
-        const bool conv = r0 < a.conv_dim;  // conv_dim % 16 == 0: a tile is all conv rows or none
+        const bool conv = gdn && r0 < a.conv_dim;  // conv_dim % 16 == 0: a tile is all conv rows or none
         const unsigned bytes =
             rows_bytes<4>(W, rows) + (conv ? unsigned(rows * K * 4 + (K - 1) * rows * 2) : 0u);
         uint8_t* dst = ring_acquire(ring, bytes, bar);
@@ -255,12 +256,13 @@ __device__ void produce(const StepArgs& a, const StepLayer& L, int kind, unsigne
       break;
     }
     case kGdnOut:
+    case kAttnOut:
     case kRouter: {
-      const DevLinear& W = kind == kGdnOut ? L.gdn_out : L.router;
-      const int cap = kind == kGdnOut ? kRowsOut : kRowsRouter;
+      const DevLinear& W = kind == kGdnOut ? L.gdn_out : kind == kAttnOut ? L.attn_o : L.router;
+      const int cap = kind == kRouter ? kRowsRouter : kRowsOut;
       for (int i = b; i < nt && lane == 0; i += G) {
         const int r0 = i * cap, rows = min(cap, W.out - r0);
-        if (kind == kGdnOut) {
+        if (kind != kRouter) {
           const TileLayout t = tile_layout(cap, W.in / 2, W.in / kQuantGroup, 0);
           uint8_t* dst = ring_acquire(ring, rows_bytes<4>(W, rows), bar);
           copy_rows<4>(dst, t, W, r0, rows, bar);
@@ -337,10 +339,12 @@ struct Consumer {
     return base;
   }
 
-  // GDN in_proj with the input norm, then each row's conv / gate epilogue; 2 rows per warp.
-  __device__ void gdn_in(const StepLayer& L) {
-    const DevLinear& W = L.gdn_in;
-    const int nt = n_tiles(a, L, kGdnIn);
+  // GDN in_proj with the input norm, then each row's conv / gate epilogue (GDN), or the attention's
+  // in_proj with its input norm, the rows stored for the attention core; 2 rows per warp.
+  template <bool GDN>
+  __device__ void in_proj(const StepLayer& L) {
+    const DevLinear& W = GDN ? L.gdn_in : L.attn_in;
+    const int nt = n_tiles(a, L, GDN ? kGdnIn : kAttnIn);
     if (int(blockIdx.x) >= nt) return;
     NormIn nz;
     nz.h = a.h;
@@ -378,6 +382,14 @@ struct Consumer {
                              reinterpret_cast<const bf16*>(base + t.bi), lr, xs, lane, y);
 #pragma unroll
       for (int k = 0; k < R; ++k) y[k] = group_sum<32>(y[k]);
+      if constexpr (!GDN) {
+        ring_release(ring, slot, lane);
+        if (lane == 0)
+#pragma unroll
+          for (int k = 0; k < R; ++k)
+            if (lr[k] < rows) a.proj[r0 + lr[k]] = __float2bfloat16(y[k]);
+        continue;
+      }
       // lane 0: the conv (4 taps, from the tile) or gate epilogue of the warp's rows
       float w[R][4], in[R][3];
       if (lane == 0) {
@@ -440,9 +452,10 @@ struct Consumer {
     }
   }
 
-  // out_proj + residual: tile i = rows 8i..8i+7 = partial sum i of the next norm point.
-  __device__ void gdn_out(const StepLayer& L) {
-    const int nt = n_tiles(a, L, kGdnOut);
+  // GDN out_proj or attention o_proj + residual: tile i = rows 8i..8i+7 = partial sum i of the next
+  // norm point.
+  __device__ void out_proj(const StepLayer& L, int kind) {
+    const int nt = n_tiles(a, L, kind);
     if (int(blockIdx.x) >= nt) return;
     // h of this warp's row in the block's tile j, held by lane j (loaded before staging x)
     float hv = 0.f;
@@ -620,19 +633,19 @@ __global__ void __launch_bounds__(kStepThreads, 1) step_kernel(const __grid_cons
     // wait on the previous kernel.
     unsigned p = 0;
     for (int li = 0; li < a.n_layers; ++li)
-      for (int j = 0; j < n_kinds(a.layer[li]); ++j, ++p)
-        produce(a, a.layer[li], kind_at(a.layer[li], j), p * G, ring, rs, lane);
+      for (int j = 0; j < step_n_products(a.layer[li]); ++j, ++p)
+        produce(a, a.layer[li], step_product(a.layer[li], j), p * G, ring, rs, lane);
     return;
   }
   pdl_wait();
   Consumer c{a, ring, reinterpret_cast<float*>(smem + size_t(kSlots) * kSlotBytes), red, rs, warp, lane};
   unsigned p = 0;
   unsigned total = 0;
-  for (int li = 0; li < a.n_layers; ++li) total += n_kinds(a.layer[li]);
+  for (int li = 0; li < a.n_layers; ++li) total += step_n_products(a.layer[li]);
   for (int li = 0; li < a.n_layers; ++li) {
     const StepLayer& L = a.layer[li];
-    for (int j = 0; j < n_kinds(L); ++j, ++p) {
-      const int kind = kind_at(L, j);
+    for (int j = 0; j < step_n_products(L); ++j, ++p) {
+      const int kind = step_product(L, j);
       if (p > 0) {
         grid_arrive(a.barrier);
         stamp(a, p - 1, 1);
@@ -643,13 +656,17 @@ __global__ void __launch_bounds__(kStepThreads, 1) step_kernel(const __grid_cons
       if (p + 1 == total) pdl_launch_dependents();
       switch (kind) {
         case kGdnIn:
-          c.gdn_in(L);
+          c.in_proj<true>(L);
+          break;
+        case kAttnIn:
+          c.in_proj<false>(L);
           break;
         case kGdnRec:
           c.gdn_rec(L, p, gsm);
           break;
         case kGdnOut:
-          c.gdn_out(L);
+        case kAttnOut:
+          c.out_proj(L, kind);
           break;
         case kRouter:
           c.router(L);
@@ -678,10 +695,18 @@ bool fail_why(std::string* why, std::string msg) {
 
 bool step_supported(const StepLayer& L, const StepArgs& a, std::string* why) {
   auto q4 = [](const DevLinear& W) { return W.fmt == WFormat::kAffine4; };
-  if (a.H != kHidden || a.I != kMoeInter || a.K + 1 != kSlotsPerToken || (L.gdn && a.value_dim != kValueDim))
+  const bool gdn = L.mixer == kStepGdn;
+  if (a.H != kHidden || a.I != kMoeInter || a.K + 1 != kSlotsPerToken || (gdn && a.value_dim != kValueDim))
     return fail_why(
         why, "dimensions other than the real model's (hidden 2048, GDN values 4096, top-8 + shared of 512)");
-  if (L.gdn) {
+  if (L.mixer == kStepAttnIn) {
+    if (!q4(L.attn_in) || L.attn_in.in != a.H || L.attn_in.out % kRowsIn != 0)
+      return fail_why(why, "the attention in_proj is not a 4-bit [16n, hidden] matrix");
+    return true;  // no MoE in this entry
+  }
+  if (L.mixer == kStepAttnOut && (!q4(L.attn_o) || L.attn_o.in != kValueDim || L.attn_o.out != a.H))
+    return fail_why(why, "the attention o_proj is not a 4-bit [hidden, 4096] matrix");
+  if (gdn) {
     if (!q4(L.gdn_in) || !q4(L.gdn_out)) return fail_why(why, "GDN projections are not 4-bit");
     if (L.gdn_in.in != a.H || a.H > kFusedNormMaxDim || a.H % 64 != 0)
       return fail_why(why, "hidden size outside the step's 64..2048");

@@ -1,6 +1,7 @@
-// The persistent decode step: the GDN layers and every MoE block of a one-token decode step in
-// one launch per run of layers between two attention mixers (11 launches for the real model's
-// 40 layers instead of 240), one block per multiprocessor for the whole run.
+// The persistent decode step: every product of a one-token decode step but the attention itself
+// and the head (the GDN layers, the attention layers' in_proj and o_proj, every MoE block) in one
+// launch per run of layers between two attention cores (11 launches for the real model's 40
+// layers instead of 250), one block per multiprocessor for the whole run.
 //
 // Why: a decode step is ~250 dependent products of 5-14 MB, each paying a launch, a wait on its
 // predecessor and a cold start of its weight stream (docs/PERFORMANCE.md). Here the weights of
@@ -26,16 +27,41 @@
 
 namespace tansy::cuda {
 
-constexpr int kStepMaxLayers = 4;  // layers per launch (kernel parameter space)
+// A launch's entries: 3 GDN layers between two attention layers, the o_proj + MoE of the
+// attention layer before them and the in_proj of the one after (kernel parameter space).
+constexpr int kStepMaxLayers = 5;
+
+// What an entry of a launch computes.
+enum StepMixer : int {
+  kStepGdn = 0,      // a GDN layer: its mixer, then its MoE
+  kStepAttnOut = 1,  // an attention layer after its attention core: o_proj + residual, then its MoE
+  kStepAttnIn = 2,   // an attention layer's input norm + in_proj [q+gate | k | v] (the core runs next)
+};
+
+// The products, in the order a launch runs them.
+enum StepKind : int {
+  kGdnIn = 0,
+  kGdnRec,
+  kGdnOut,
+  kRouter,
+  kExpertsGu,
+  kExpertsDown,
+  kAttnOut,
+  kAttnIn,
+  kStepKinds
+};
 
 struct StepLayer {
-  int gdn = 0;    // 1: the GDN mixer and the MoE; 0: the MoE only (an attention layer's mixer ran before)
+  int mixer = kStepGdn;
   int index = 0;  // layer index in the model: norm points 2*index (mixer input), 2*index+1, 2*index+2
+  // attention projections (kStepAttnIn: attn_in; kStepAttnOut: attn_o)
+  DevLinear attn_in;  // [q_dim * 2 + 2 kv_dim, H] 4-bit
+  DevLinear attn_o;   // [H, q_dim] 4-bit
   // GDN mixer
-  DevLinear gdn_in;   // [conv_dim + value_dim + 2 n_v_heads, H] 4-bit: [qkv | z | a | b]
-  DevLinear gdn_out;  // [H, value_dim] 4-bit
-  const float* in_norm = nullptr;
-  const float* conv_w = nullptr;  // [conv_dim, kernel]
+  DevLinear gdn_in;                // [conv_dim + value_dim + 2 n_v_heads, H] 4-bit: [qkv | z | a | b]
+  DevLinear gdn_out;               // [H, value_dim] 4-bit
+  const float* in_norm = nullptr;  // the GDN's or the attention's input norm
+  const float* conv_w = nullptr;   // [conv_dim, kernel]
   const float* A_log = nullptr;
   const float* dt_bias = nullptr;
   const float* gnorm = nullptr;  // [128]
@@ -57,13 +83,13 @@ struct StepArgs {
   // scratch of the plan (CudaModel)
   float* h = nullptr;                // [H] residual stream
   float* ss = nullptr;               // [2 * layers + 1, kNormParts] partial sums of h² per norm point
-  bf16* proj = nullptr;              // [gdn_in.out] in_proj outputs (z read by the gated norm)
+  bf16* proj = nullptr;              // [gdn_in.out | attn_in.out] in_proj outputs (z read by the gated norm)
   float* conv_out = nullptr;         // [conv_dim]
   float* beta = nullptr;             // [n_v_heads]
   float* g = nullptr;                // [n_v_heads]
   float* o = nullptr;                // [value_dim]
   unsigned* gdn_counters = nullptr;  // [n_v_heads], zero (left zero)
-  bf16* mix = nullptr;               // [value_dim] gated-norm output, out_proj's input
+  bf16* mix = nullptr;               // [value_dim | q_dim] gated-norm / attention output, out_proj's input
   float* logits = nullptr;           // [router.out]
   int* topk_idx = nullptr;           // [K + 1]
   float* topk_w = nullptr;           // [K + 1]
@@ -74,14 +100,22 @@ struct StepArgs {
   // Profiling (null otherwise): %globaltimer (ns) at points of each product in each block,
   // [product p of this launch][kStepStamps][block]: 0 start (its inputs ready), 1 end, 2 x staged,
   // 3 first weight tile landed, 4 last tile landed (2-4: products with tiles, in blocks with tiles).
-  // Products in order, 6 per GDN layer (in_proj, recurrence, out_proj, router, experts gate|up,
-  // experts down), 3 per MoE-only layer.
+  // Products in launch order (step_product).
   unsigned long long* prof = nullptr;
 };
 
 constexpr int kStepStamps = 5;
-constexpr int kStepKinds = 6;  // the products above, in that order
-constexpr int kStepMaxProducts = kStepMaxLayers * kStepKinds;
+constexpr int kStepMaxProducts = kStepMaxLayers * 6;
+
+// The products of an entry: 6 for a GDN layer, 4 after an attention core, 1 before it.
+__host__ __device__ inline int step_n_products(const StepLayer& L) {
+  return L.mixer == kStepGdn ? 6 : L.mixer == kStepAttnOut ? 4 : 1;
+}
+__host__ __device__ inline int step_product(const StepLayer& L, int j) {
+  if (L.mixer == kStepGdn) return kGdnIn + j;
+  if (L.mixer == kStepAttnIn) return kAttnIn;
+  return j == 0 ? kAttnOut : kRouter + (j - 1);
+}
 
 // Whether the persistent step runs these shapes (else the reason, for the plan's log line).
 bool step_supported(const StepLayer& L, const StepArgs& a, std::string* why);
