@@ -70,6 +70,15 @@ __device__ __forceinline__ int n_tiles(const StepArgs& a, const StepLayer& L, in
       return 0;
   }
 }
+// Experts gate|up tile i -> expert slot j and first output pair p0: the shared expert's tiles
+// (slot K) first, so that a block's first tile needs no routing and is computed while the
+// producer routes and the routed experts' rows are on their way; then slots 0..K-1.
+__device__ __forceinline__ void gu_tile(const StepArgs& a, int i, int& j, int& p0) {
+  const int per_slot = a.I / kPairsGu;
+  const int r = i < per_slot ? i + a.K * per_slot : i - per_slot;
+  j = r / per_slot;
+  p0 = (r % per_slot) * kPairsGu;
+}
 __device__ __forceinline__ int down_tiles(const StepArgs& a) {
   return (a.K + 1 + kDownPerTile - 1) / kDownPerTile;
 }
@@ -275,16 +284,24 @@ __device__ void produce(const StepArgs& a, const StepLayer& L, int kind, unsigne
       break;
     }
     case kExpertsGu: {
-      route(a, L, phase_target, rs, lane);
       const DevLinear& W = L.gu;
       const TileLayout t = tile_layout(2 * kPairsGu, W.in / 2, W.in / kQuantGroup, 0);
-      const int per_slot = a.I / kPairsGu;
-      for (int i = b; i < nt && lane == 0; i += G) {
-        const int j = i / per_slot, p0 = (i % per_slot) * kPairsGu;
-        const int64_t r0 = int64_t(rs.idx[j]) * 2 * a.I + 2 * p0;
+      const int shared_tiles = a.I / kPairsGu;
+      auto issue = [&](int i, int expert) {
+        int j, p0;
+        gu_tile(a, i, j, p0);
+        const int64_t r0 = int64_t(expert) * 2 * a.I + 2 * p0;
         uint8_t* dst = ring_acquire(ring, rows_bytes<4>(W, 2 * kPairsGu), bar);
         copy_rows<4>(dst, t, W, r0, 2 * kPairsGu, bar);
-      }
+      };
+      for (int i = b; i < min(nt, shared_tiles) && lane == 0; i += G) issue(i, a.E);  // before the routing
+      route(a, L, phase_target, rs, lane);
+      for (int i = b; i < nt && lane == 0; i += G)
+        if (i >= shared_tiles) {
+          int j, p0;
+          gu_tile(a, i, j, p0);
+          issue(i, rs.idx[j]);
+        }
       break;
     }
     case kExpertsDown: {
@@ -521,7 +538,7 @@ struct Consumer {
     }
   }
 
-  // Experts gate|up with SwiGLU: tile i = slot i / (I/8), output pairs 8·(i % (I/8)) + warp.
+  // Experts gate|up with SwiGLU: tile i = (slot j, pairs p0..p0+7) by gu_tile, output pair p0 + warp.
   __device__ void experts_gu(const StepLayer& L) {
     const int nt = n_tiles(a, L, kExpertsGu);
     if (int(blockIdx.x) >= nt) return;
@@ -529,7 +546,6 @@ struct Consumer {
     ConsumerSync{}();
     staged();
     const TileLayout t = tile_layout(2 * kPairsGu, kHidden / 2, kHidden / kQuantGroup, 0);
-    constexpr int per_slot = kMoeInter / kPairsGu;
     const int lr[2] = {2 * warp, 2 * warp + 1};
     for (int i = blockIdx.x; i < nt; i += gridDim.x) {
       unsigned slot;
@@ -541,8 +557,9 @@ struct Consumer {
       y[0] = group_sum<32>(y[0]);
       y[1] = group_sum<32>(y[1]);
       if (lane == 0) {
-        const int j = i / per_slot, pr = (i % per_slot) * kPairsGu + warp;
-        a.act[int64_t(j) * kMoeInter + pr] = __float2bfloat16(swiglu_bf16(y[0], y[1]));
+        int j, p0;
+        gu_tile(a, i, j, p0);
+        a.act[int64_t(j) * kMoeInter + p0 + warp] = __float2bfloat16(swiglu_bf16(y[0], y[1]));
       }
     }
   }
@@ -610,6 +627,37 @@ struct Consumer {
   }
 };
 
+// Consumer thread tid's share of the small f32 weights product `kind` of layer N reads after its
+// barrier (the norm weights, the gates' A_log and dt_bias, the gated norm's weights), asked into L2
+// one product ahead: between two uses they are evicted by the weight stream, and from DRAM they
+// would lengthen the x staging (one L2 round trip for h and the partial sums otherwise).
+__device__ __forceinline__ void prefetch_small(const StepArgs& a, const StepLayer& N, int kind, int tid) {
+  constexpr int kLineFloats = 32;
+  auto lines = [&](const float* w, int n, int first) {
+    const int l = tid - first;
+    if (w && l >= 0 && l * kLineFloats < n) prefetch_l2(w + l * kLineFloats);
+    return first + (n + kLineFloats - 1) / kLineFloats;
+  };
+  switch (kind) {
+    case kGdnIn: {
+      const int t = lines(N.in_norm, a.H, 0);
+      lines(N.dt_bias, a.n_v_heads, lines(N.A_log, a.n_v_heads, t));
+      break;
+    }
+    case kAttnIn:
+      lines(N.in_norm, a.H, 0);
+      break;
+    case kRouter:
+      lines(N.post_norm, a.H, 0);
+      break;
+    case kGdnRec:
+      lines(N.gnorm, kGdnDim, 0);
+      break;
+    default:
+      break;
+  }
+}
+
 // 9 warps: three share one of the four register files (16K each), so 168 registers per thread at most.
 __global__ void __launch_bounds__(kStepThreads, 1) step_kernel(const __grid_constant__ StepArgs a) {
   extern __shared__ __align__(128) uint8_t smem[];
@@ -637,6 +685,7 @@ __global__ void __launch_bounds__(kStepThreads, 1) step_kernel(const __grid_cons
         produce(a, a.layer[li], step_product(a.layer[li], j), p * G, ring, rs, lane);
     return;
   }
+  prefetch_small(a, a.layer[0], step_product(a.layer[0], 0), threadIdx.x);
   pdl_wait();
   Consumer c{a, ring, reinterpret_cast<float*>(smem + size_t(kSlots) * kSlotBytes), red, rs, warp, lane};
   unsigned p = 0;
@@ -653,6 +702,10 @@ __global__ void __launch_bounds__(kStepThreads, 1) step_kernel(const __grid_cons
       }
       if (kind != kGdnRec) stamp(a, p, 0);
       c.p = p;
+      if (j + 1 < step_n_products(L))
+        prefetch_small(a, L, step_product(L, j + 1), threadIdx.x);
+      else if (li + 1 < a.n_layers)
+        prefetch_small(a, a.layer[li + 1], step_product(a.layer[li + 1], 0), threadIdx.x);
       if (p + 1 == total) pdl_launch_dependents();
       switch (kind) {
         case kGdnIn:
