@@ -36,6 +36,8 @@ class CudaTokenSampler final : public TokenSampler {
     fed_ = true;
   }
 
+  bool feed_is_async() const override { return true; }
+
   SampleChoice next(const uint32_t* allowed, int32_t forced) override {
     TANSY_CHECK(fed_, "sampler: next() before anything was fed");
     fed_ = false;
