@@ -261,29 +261,23 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
     }
     const bool last = ended || i + 1 == req.max_tokens;
     // A backend that only enqueues the step gets the token before the caller does, so the step
-    // runs while the caller formats and sends it (its time then costs nothing per token). The
-    // state and `fed` still agree when the caller cancels: both hold the token.
-    std::optional<Finish> halt;
-    bool fed_ahead = false;
-    if (!last && sampler && sampler->feed_is_async()) {
-      halt = stop_now();
-      if (!halt) {
-        sampler->feed(*state, std::span<const int32_t>(&tok, 1));
-        fed.push_back(tok);
-        fed_ahead = true;
-      }
+    // runs while the caller formats and sends it (that time then costs nothing per token). State
+    // and `fed` still agree when the caller cancels or time runs out: both hold the token.
+    const bool ahead = !last && sampler && sampler->feed_is_async();
+    if (ahead) {
+      sampler->feed(*state, std::span<const int32_t>(&tok, 1));
+      fed.push_back(tok);
     }
     if (!on_step(step)) {
       res.finish = Finish::kCancelled;
       break;
     }
     if (last) break;
-    if (!fed_ahead && !halt) halt = stop_now();
-    if (halt) {
-      res.finish = *halt;
+    if (auto f = stop_now()) {
+      res.finish = *f;
       break;
     }
-    if (fed_ahead) continue;
+    if (ahead) continue;
     if (sampler)
       sampler->feed(*state, std::span<const int32_t>(&tok, 1));
     else if (pending.empty())
