@@ -100,14 +100,16 @@ TEST(SampledDecode, DeviceSamplerMatchesTheHostSamplerOnTheModel) {
       host = decode(*m, *h, prompt, n);
     }
     EXPECT_EQ(dev.tokens, host.tokens);
-    EXPECT_NE(dev.tokens, argmax_chain.tokens) << "the setting never left the argmax: the test proves nothing";
+    EXPECT_NE(dev.tokens, argmax_chain.tokens)
+        << "the setting never left the argmax: the test proves nothing";
     ASSERT_EQ(dev.logprobs.size(), host.logprobs.size());
     for (size_t i = 0; i < dev.logprobs.size() && dev.tokens == host.tokens; ++i) {
       EXPECT_NEAR(dev.logprobs[i].logprob, host.logprobs[i].logprob,
                   1e-4 * std::max(1.f, std::fabs(host.logprobs[i].logprob)));
       ASSERT_EQ(dev.logprobs[i].top.size(), host.logprobs[i].top.size());
       for (size_t k = 0; k < host.logprobs[i].top.size(); ++k) {
-        EXPECT_EQ(dev.logprobs[i].top[k].id, host.logprobs[i].top[k].id) << "token " << i << " alternative " << k;
+        EXPECT_EQ(dev.logprobs[i].top[k].id, host.logprobs[i].top[k].id)
+            << "token " << i << " alternative " << k;
         EXPECT_NEAR(dev.logprobs[i].top[k].logprob, host.logprobs[i].top[k].logprob,
                     1e-4 * std::max(1.f, std::fabs(host.logprobs[i].top[k].logprob)));
       }

@@ -383,8 +383,8 @@ __device__ __forceinline__ u64 raw_key(float raw, int id) {
   return (u64(raw == raw ? sm::order_key(raw) : 0u) << 32) | (0xffffffffu - uint32_t(id));
 }
 
-// The largest of two 32-bit halves' key over the warp: keys are unique, so exactly one lane holds
-// a nonzero result.
+// The largest key over the warp, by its high then its low 32 bits (two reductions). Keys are
+// unique, so exactly one lane holds it (unless it is 0: no keys).
 __device__ __forceinline__ u64 warp_max_key(u64 v) {
   const unsigned hi = __reduce_max_sync(0xffffffffu, unsigned(v >> 32));
   const unsigned lo = __reduce_max_sync(0xffffffffu, unsigned(v >> 32) == hi ? unsigned(v) : 0u);
@@ -671,15 +671,17 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(Args a) {
   }
   __syncthreads();
   const int chosen = sh.chosen;
-  if (chosen < 0) return;  // another block decided
-
-  // ---- the deciding block: output and penalty state ----
   SampleOutput& o = *a.out;
+  // The last block reports the top_logprobs alternatives while the deciding block (usually block
+  // 0) finishes the choice; both compute the same normaliser.
+  const bool alternatives = a.n_logprobs > 0 && blockIdx.x == gridDim.x - 1;
+  if (chosen < 0 && !alternatives) return;  // another block decided
+  double lse = 0;
   if (want_lp) {
     float M = ninf;
     for (int b = threadIdx.x; b < int(gridDim.x); b += kThreads) M = fmaxf(M, __ldcg(&S.blk_raw_max[b]));
     M = block_reduce<float>(M, Max{}, sh.redf, ninf);
-    double lse = double(M);  // the reference's value when the maximum is not finite
+    lse = double(M);  // the reference's value when the maximum is not finite
     if (M > ninf && M < pinf) {
       double e = 0;
       for (int b = threadIdx.x; b < int(gridDim.x); b += kThreads)
@@ -687,23 +689,22 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(Args a) {
       e = block_reduce<double>(e, Sum{}, sh.redd);
       lse = double(M) + log(e);
     }
-    int n = 0;
-    if (a.n_logprobs > 0) {
-      merge_tops(S.blk_top_raw, a.n_logprobs, sh);
-      n = a.n_logprobs;
-      while (n > 0 && sh.top[n - 1] == 0) --n;
-    }
+  }
+  if (alternatives) {
+    merge_tops(S.blk_top_raw, a.n_logprobs, sh);
+    int n = a.n_logprobs;
+    while (n > 0 && sh.top[n - 1] == 0) --n;
     if (int(threadIdx.x) < n) {
       const int id = sm::rank_key_id(sh.top[threadIdx.x]);
       o.top_id[threadIdx.x] = id;
       o.top_logprob[threadIdx.x] = float(double(a.logits[id]) - lse);
     }
-    if (threadIdx.x == 0) {
-      o.logprob = float(double(a.logits[chosen]) - lse);
-      o.n_top = n;
-    }
+    if (threadIdx.x == 0) o.n_top = n;
   }
-  if (threadIdx.x == 0) {
+  // ---- the deciding block: output and penalty state ----
+  if (chosen >= 0 && threadIdx.x == 0) {
+    if (want_lp) o.logprob = float(double(a.logits[chosen]) - lse);
+    if (a.n_logprobs == 0) o.n_top = 0;
     o.token = chosen;
     if (a.token_out) *a.token_out = chosen;
     a.counts[chosen] += 1;

@@ -21,7 +21,8 @@
 //      the sorted masses, the draw over the kept ids); more: top_p by a radix select weighted by
 //      the integer masses, then the draw by block prefix sums of the kept masses.
 //   Ties at a selected key are broken by id with one more barrier, only when they matter.
-//   The deciding block merges the logprob lists and writes the output into mapped host memory.
+//   The deciding block writes the choice, and the last block the top_logprobs alternatives (at
+//   the same time), into mapped host memory.
 #pragma once
 #include <cstdint>
 #include <span>
