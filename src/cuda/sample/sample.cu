@@ -181,6 +181,8 @@ struct Shared {
   u64 top[kFastK];        // block_top's result
   u64 small_mass[32];     // finish_small: kept masses and ids in id order
   int small_id[32];
+  u64 p1_best[kWarps], p1_fin[kWarps];  // phase 1's per-warp maxima, finite counts, raw maxima
+  unsigned p1_valid[kWarps], p1_raw[kWarps];
 };
 
 // The slice of one block, in registers: element j of thread t is id base + j * kThreads + t.
@@ -538,13 +540,29 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(Args a) {
     s.k[j] = sm::order_key(l);
     s.in[j] = fin;
   }
-  best = block_reduce<u64>(best, Max{}, sh.red64);
-  best_fin = block_reduce<u64>(best_fin, Max{}, sh.red64);
-  valid = block_reduce<unsigned>(valid, Sum{}, sh.red32);
+  {  // the four block reductions at once: one exchange through shared memory
+    const int w = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int o = 16; o; o >>= 1) {
+      best = max(best, __shfl_xor_sync(0xffffffffu, best, o));
+      best_fin = max(best_fin, __shfl_xor_sync(0xffffffffu, best_fin, o));
+    }
+    valid = __reduce_add_sync(0xffffffffu, valid);
+    raw_max = __reduce_max_sync(0xffffffffu, raw_max);
+    if (lane == 0)
+      sh.p1_best[w] = best, sh.p1_fin[w] = best_fin, sh.p1_valid[w] = valid, sh.p1_raw[w] = raw_max;
+    __syncthreads();
+    best = best_fin = 0, valid = raw_max = 0;
+#pragma unroll
+    for (int i = 0; i < kWarps; ++i) {
+      best = max(best, sh.p1_best[i]);
+      best_fin = max(best_fin, sh.p1_fin[i]);
+      valid += sh.p1_valid[i];
+      raw_max = max(raw_max, sh.p1_raw[i]);
+    }
+  }
   if (want_lp) {
     // The block's share of the raw distribution's normaliser, relative to its own maximum (the
     // deciding block rescales: lse = M + log(sum_b e_b * exp(m_b - M))).
-    raw_max = block_reduce<unsigned>(raw_max, Max{}, sh.red32);
     const float mb = raw_max ? sm::key_value(raw_max) : ninf;
     double e = 0;
 #pragma unroll
