@@ -259,15 +259,25 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
         ended = document_done = true;
       }
     }
+    const bool last = ended || i + 1 == req.max_tokens;
+    // A backend that only enqueues the step gets the token before the caller does, so the step
+    // runs while the caller formats and sends it (that time then costs nothing per token). State
+    // and `fed` still agree when the caller cancels or time runs out: both hold the token.
+    const bool ahead = !last && sampler && sampler->feed_is_async();
+    if (ahead) {
+      sampler->feed(*state, std::span<const int32_t>(&tok, 1));
+      fed.push_back(tok);
+    }
     if (!on_step(step)) {
       res.finish = Finish::kCancelled;
       break;
     }
-    if (ended || i + 1 == req.max_tokens) break;
+    if (last) break;
     if (auto f = stop_now()) {
       res.finish = *f;
       break;
     }
+    if (ahead) continue;
     if (sampler)
       sampler->feed(*state, std::span<const int32_t>(&tok, 1));
     else if (pending.empty())

@@ -49,6 +49,9 @@ class TokenSampler {
   // [0, limit), bit i % 32 of word i / 32; null: all), or `forced` when >= 0. Either way it counts
   // for the penalties from now on, and the next choice is at the next position.
   virtual SampleChoice next(const uint32_t* allowed, int32_t forced) = 0;
+  // True when feed() only enqueues the step (CUDA): the engine then feeds a token before handing
+  // it to the caller, so that the step runs while the caller sends it out.
+  virtual bool feed_is_async() const { return false; }
 };
 
 class Model {

@@ -78,14 +78,56 @@ std::vector<Case> cases() {
       [](Case& c) { c.p.temperature = 0.7, c.p.top_p = 0.9, c.vocab = 1000, c.limit = 990, c.logprobs = 3; });
   add("Qwen3 tokenizer size 151936, limit 151669",
       [](Case& c) { c.p.temperature = 1.0, c.p.top_k = 50, c.vocab = 151936, c.limit = 151669; });
+  // top_k <= 32 and top_logprobs go through the blocks' lists of best keys (sample.cu).
+  add("top_k 1", [](Case& c) { c.p.temperature = 1.0, c.p.top_k = 1; });
+  add("top_k 32 top_p 0.9", [](Case& c) { c.p.temperature = 1.0, c.p.top_k = 32, c.p.top_p = 0.9; });
+  add("top_k 33 (the radix select)", [](Case& c) { c.p.temperature = 1.0, c.p.top_k = 33, c.p.top_p = 0.9; });
+  add("ties: steps of 1, top_k 20 top_p 0.95",
+      [](Case& c) { c.p.temperature = 0.6, c.p.top_k = 20, c.p.top_p = 0.95, c.quantum = 1.f; });
+  add("ties: steps of 4 (a few levels), top_k 32",
+      [](Case& c) { c.p.temperature = 1.0, c.p.top_k = 32, c.quantum = 4.f; });
+  add("top_k 20 min_p 0.1 top_p 0.95", [](Case& c) {
+    c.p.temperature = 1.0, c.p.top_k = 20, c.p.min_p = 0.1, c.p.top_p = 0.95, c.scale = 2.f;
+  });
+  add("top_k 20 min_p 0.5, sharp",
+      [](Case& c) { c.p.temperature = 0.7, c.p.top_k = 20, c.p.min_p = 0.5, c.scale = 6.f; });
+  add("top_k 20, mask of 3 ids (fewer candidates than top_k)",
+      [](Case& c) { c.p.temperature = 1.0, c.p.top_k = 20, c.allow = 3.0 / 248320; });
+  add("top_k 20, mask 10%, logprobs 5", [](Case& c) {
+    c.p.temperature = 0.6, c.p.top_k = 20, c.p.top_p = 0.95, c.allow = 0.1, c.logprobs = 5;
+  });
+  add("top_k 20 T 1e-3, logprobs 5",
+      [](Case& c) { c.p.temperature = 1e-3, c.p.top_k = 20, c.p.top_p = 0.95, c.logprobs = 5; });
+  add("top_k 20 T 100 top_p 0.95", [](Case& c) { c.p.temperature = 100, c.p.top_k = 20, c.p.top_p = 0.95; });
+  add("top_k 20 T 1e-40 (greedy by underflow), logprobs 1",
+      [](Case& c) { c.p.temperature = 1e-40, c.p.top_k = 20, c.logprobs = 1; });
+  add("penalties and bias, top_k 20, logprobs 5 (raw and penalised lists differ)", [](Case& c) {
+    c.p.temperature = 0.7, c.p.top_k = 20, c.p.top_p = 0.8, c.p.presence_penalty = 1.5;
+    c.p.repetition_penalty = 1.1, c.p.logit_bias = {{3, 20.0}, {100, 15.0}}, c.logprobs = 5;
+  });
+  add("logprobs 20, ties: steps of 1",
+      [](Case& c) { c.p.temperature = 1.0, c.quantum = 1.f, c.logprobs = 20; });
+  add("logprobs 5, greedy with penalties",
+      [](Case& c) { c.p.temperature = 0, c.p.frequency_penalty = 1.0, c.logprobs = 5; });
+  add("logprobs 5, T 1.0 top_p 0.9 (radix path)",
+      [](Case& c) { c.p.temperature = 1.0, c.p.top_p = 0.9, c.logprobs = 5; });
+  add("small vocabulary 1000, limit 990, top_k 20, logprobs 20 (empty blocks)", [](Case& c) {
+    c.p.temperature = 0.8, c.p.top_k = 20, c.p.top_p = 0.9, c.vocab = 1000, c.limit = 990, c.logprobs = 20;
+  });
+  add("vocabulary 40, top_k 32, logprobs 20",
+      [](Case& c) { c.p.temperature = 1.0, c.p.top_k = 32, c.vocab = 40, c.limit = 40, c.logprobs = 20; });
+  add("vocabulary 12, top_k 20, logprobs 20 (fewer ids than both)",
+      [](Case& c) { c.p.temperature = 1.0, c.p.top_k = 20, c.vocab = 12, c.limit = 12, c.logprobs = 20; });
   return v;
 }
 
-TEST(Sample, MatchesTheReference) {
+// lists: top_k <= 32 through the blocks' lists (the default) or, for the A/B, the radix select.
+void match_the_reference(bool lists) {
   std::mt19937 rng(1234);
   int mismatches = 0, steps_total = 0;
   for (const Case& c : cases()) {
     cuda::DeviceSampler ds(c.vocab);
+    ds.set_block_lists(lists);
     std::vector<int32_t> prompt;
     for (int i = 0; i < 50; ++i) prompt.push_back(int32_t(rng() % uint32_t(c.limit)));
     SamplingParams p = c.p;
@@ -137,10 +179,13 @@ TEST(Sample, MatchesTheReference) {
       }
       ref.accept(want);  // the device counted its own choice
     }
-    std::printf("  %-62s %d steps agree\n", c.name.c_str(), steps);
+    std::printf("  %-72s %d steps agree\n", c.name.c_str(), steps);
   }
   EXPECT_EQ(mismatches, 0) << "of " << steps_total << " steps";
 }
+
+TEST(Sample, MatchesTheReference) { match_the_reference(true); }
+TEST(Sample, MatchesTheReferenceRadixOnly) { match_the_reference(false); }
 
 // Forced tokens are counted for the penalties and reported with their logprobs; a seeded draw
 // is the same on every run.
@@ -181,29 +226,65 @@ TEST(Sample, ForcedTokensAndReproducibility) {
   }
 }
 
+// µs per choice, back to back (kernel only: the output is written into mapped host memory), for
+// every setting the HTTP check runs and the sampler's other paths; top_k <= 32 also through the
+// radix select (lists off), the before/after of the blocks' lists in one run.
 TEST(Sample, Timing) {
   const int V = 248320;
   std::vector<float> logits = randn(V, 3.f);
   DeviceBuffer<float> dl = to_device(logits);
   struct T {
-    const char* name;
+    std::string name;
     SamplingParams p;
-    int logprobs;
+    int logprobs = -1;
+    bool lists = true;
   };
-  std::vector<T> ts(5);
-  ts[0] = {"greedy", {}, -1};
-  ts[0].p.temperature = 0;
-  ts[1] = {"T 0.6 top_p 0.95 top_k 20", {}, -1};
-  ts[1].p.temperature = 0.6, ts[1].p.top_p = 0.95, ts[1].p.top_k = 20;
-  ts[2] = {"T 1.0 full vocabulary", {}, -1};
-  ts[3] = {"T 1.0 top_p 0.9", {}, -1};
-  ts[3].p.top_p = 0.9;
-  ts[4] = {"T 0.6 top_p 0.95 top_k 20 + top_logprobs 5", ts[1].p, 5};
+  SamplingParams greedy, qwen, t1;
+  greedy.temperature = 0;
+  qwen.temperature = 0.6, qwen.top_p = 0.95, qwen.top_k = 20;
+  t1.temperature = 1.0;
+  std::vector<T> ts;
+  auto add = [&](std::string name, SamplingParams p, int logprobs = -1) {
+    ts.push_back({name, p, logprobs, true});
+    if (p.top_k > 0 && p.top_k <= 32 && p.temperature > 0)
+      ts.push_back({name + " [radix]", p, logprobs, false});
+  };
+  add("greedy", greedy);
+  SamplingParams gp = greedy;
+  gp.repetition_penalty = 1.2, gp.frequency_penalty = 1.0;
+  add("greedy, repetition 1.2 frequency 1.0", gp);
+  add("greedy + logprobs 0", greedy, 0);
+  add("greedy + top_logprobs 5", greedy, 5);
+  add("qwen: T 0.6 top_p 0.95 top_k 20", qwen);
+  add("qwen + logprobs 0", qwen, 0);
+  add("qwen + top_logprobs 5", qwen, 5);
+  add("qwen + top_logprobs 20", qwen, 20);
+  SamplingParams qp = qwen;
+  qp.presence_penalty = 1.5;
+  add("qwen + presence 1.5", qp);
+  SamplingParams k1 = t1;
+  k1.top_k = 1;
+  add("T 1.0 top_k 1", k1);
+  SamplingParams k32 = t1;
+  k32.top_k = 32, k32.top_p = 0.9;
+  add("T 1.0 top_k 32 top_p 0.9", k32);
+  SamplingParams k50 = t1;
+  k50.top_k = 50;
+  add("T 1.0 top_k 50 (radix select)", k50);
+  add("T 1.0 full vocabulary", t1);
+  add("T 1.0 full vocabulary + top_logprobs 5", t1, 5);
+  SamplingParams tp = t1;
+  tp.top_p = 0.9;
+  add("T 1.0 top_p 0.9", tp);
+  SamplingParams mp = t1;
+  mp.min_p = 0.05;
+  add("T 1.0 min_p 0.05", mp);
   cudaEvent_t a, b;
   CUDA_CHECK(cudaEventCreate(&a));
   CUDA_CHECK(cudaEventCreate(&b));
   for (const T& t : ts) {
     cuda::DeviceSampler ds(V);
+    ds.set_block_lists(t.lists);
     ds.begin(t.p, {}, 0);
     for (int i = 0; i < 5; ++i) ds.enqueue(dl.get(), V, uint64_t(i), nullptr, -1, t.logprobs, 0);
     const int reps = 50;
@@ -213,8 +294,7 @@ TEST(Sample, Timing) {
     CUDA_CHECK(cudaEventSynchronize(b));
     float ms = 0;
     CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-    std::printf("  sampler %-44s %7.1f us per choice (kernel + 1 KB copy back)\n", t.name,
-                1000.0 * ms / reps);
+    std::printf("  sampler %-48s %7.1f us per choice\n", t.name.c_str(), 1000.0 * ms / reps);
   }
 }
 

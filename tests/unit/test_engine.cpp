@@ -27,6 +27,26 @@ using tansy::GenStep;
 using tansy::Model;
 using tansy::SequenceState;
 
+// The host sampler, saying that its feed only enqueues the step (as the CUDA plan's does), so the
+// engine feeds each token before handing it out; every feed is logged.
+class AsyncFeedSampler : public tansy::TokenSampler {
+ public:
+  AsyncFeedSampler(std::unique_ptr<tansy::TokenSampler> inner, std::vector<std::string>& log)
+      : inner_(std::move(inner)), log_(log) {}
+  void feed(SequenceState& state, std::span<const int32_t> ids) override {
+    log_.push_back("feed " + std::to_string(ids.size()));
+    inner_->feed(state, ids);
+  }
+  tansy::SampleChoice next(const uint32_t* allowed, int32_t forced) override {
+    return inner_->next(allowed, forced);
+  }
+  bool feed_is_async() const override { return true; }
+
+ private:
+  std::unique_ptr<tansy::TokenSampler> inner_;
+  std::vector<std::string>& log_;
+};
+
 constexpr int kTokIds = 400;          // ids the tokenizer defines (n_real)
 constexpr int kVocab = kTokIds + 24;  // embedding rows: the rest is padding
 
@@ -76,6 +96,11 @@ class FakeModel : public Model {
     ++forward_calls;
     fill(st.toks, logits);
   }
+  std::unique_ptr<tansy::TokenSampler> make_sampler(const tansy::SamplerSpec& spec) override {
+    auto s = make_host_sampler(spec);
+    if (!async_feed) return s;
+    return std::make_unique<AsyncFeedSampler>(std::move(s), log);
+  }
   int32_t greedy_step(SequenceState& state, std::span<const int32_t> ids, int limit) override {
     ++greedy_calls;
     limits.push_back(limit);
@@ -96,6 +121,8 @@ class FakeModel : public Model {
 
   int greedy_calls = 0, forward_calls = 0;
   std::vector<int> limits;
+  bool async_feed = false;       // make_sampler: an AsyncFeedSampler logging into `log`
+  std::vector<std::string> log;  // its feeds, and the harness's handed-out tokens
 
  private:
   tansy::ModelConfig cfg_;
@@ -150,6 +177,7 @@ struct Harness {
       if (s.token >= 0) {
         r.tokens.push_back(s.token);
         r.forced.push_back(s.forced);
+        model->log.push_back("token");
       }
       r.text += s.text;
       return stop_after < 0 || int(r.tokens.size()) < stop_after;
@@ -564,4 +592,69 @@ TEST(Engine, ConstraintMasksEverySampledStepAndEndsTheDocument) {
   EXPECT_EQ(o.tokens, std::vector<int32_t>(script.begin(), script.begin() + 4));
   EXPECT_EQ(c->masks, 2);
   EXPECT_EQ(o.res.finish, Finish::kLength);
+}
+
+// A backend whose feed only enqueues (CUDA) gets each token before the caller does, so the next
+// step runs while the caller sends it out: the same tokens, text and finish as feeding after,
+// the last token never fed, and on a cancel the state and the prefix cache still agree.
+TEST(Engine, AsyncFeedFeedsBeforeHandingOutAndChangesNothingElse) {
+  const auto prompt = prompt_of(17, 3);
+  std::vector<std::function<void(GenRequest&)>> variants = {
+      [](GenRequest& r) { r.sampling.temperature = 0.8, r.sampling.seed = 11; },
+      [](GenRequest& r) {
+        r.sampling.temperature = 0.6, r.sampling.top_k = 20, r.sampling.seed = 5, r.logprobs = 3;
+      },
+      [](GenRequest& r) { r.sampling.presence_penalty = 1.5; },
+  };
+  for (size_t i = 0; i < variants.size(); ++i) {
+    SCOPED_TRACE(i);
+    GenRequest req = greedy_request(prompt, 30);
+    req.ignore_eos = true;
+    variants[i](req);
+    Harness async(true), plain(true);
+    async.model->async_feed = true;
+    Outcome a = async.run(req), b = plain.run(req);
+    expect_same(a, b);
+    ASSERT_EQ(a.tokens.size(), 30u);
+    // The prompt's last piece, then each token but the last fed before it is handed out.
+    const std::vector<std::string>& log = async.model->log;
+    ASSERT_FALSE(log.empty());
+    EXPECT_EQ(log[0].rfind("feed ", 0), 0u);
+    std::vector<std::string> want;
+    for (int t = 0; t < 29; ++t) want.push_back("feed 1"), want.push_back("token");
+    want.push_back("token");
+    EXPECT_EQ(std::vector<std::string>(log.begin() + 1, log.end()), want);
+    // A stop string ends it as it does when feeding after.
+    std::string stop;
+    for (size_t k = b.text.size() / 2; k + 2 < b.text.size() && stop.empty(); ++k) {
+      std::string cand = b.text.substr(k, 2);
+      if (std::all_of(cand.begin(), cand.end(), [](char c) { return c > ' ' && c <= '~'; })) stop = cand;
+    }
+    if (!stop.empty()) {
+      GenRequest sr = req;
+      sr.stop = {stop};
+      Harness as(true), pl(true);
+      as.model->async_feed = true;
+      Outcome x = as.run(sr), y = pl.run(sr);
+      expect_same(x, y);
+      EXPECT_EQ(x.res.finish, Finish::kStop);
+    }
+    // The client leaves after 6 tokens: the 6th was already fed; the cached end state holds it,
+    // and a prompt extending the output resumes from that state to the same continuation as a
+    // fresh computation.
+    Harness ac(true), pc(true);
+    ac.model->async_feed = true;
+    Outcome c = ac.run(req, 6), d = pc.run(req, 6);
+    EXPECT_EQ(c.tokens, d.tokens);
+    EXPECT_EQ(c.res.finish, Finish::kCancelled);
+    std::vector<int32_t> ext = prompt;
+    ext.insert(ext.end(), c.tokens.begin(), c.tokens.end());
+    ext.push_back(42);
+    ext.push_back(7);
+    GenRequest next = greedy_request(ext, 10);
+    next.ignore_eos = true;
+    Outcome e = ac.run(next);
+    EXPECT_EQ(e.res.cached_tokens, int(prompt.size()) + 6);
+    EXPECT_EQ(e.tokens, oracle(ext, 10));
+  }
 }

@@ -146,9 +146,11 @@ class CudaModel final : public Model, public StageProfiler {
   // Sampling on the device (bf16/sampler.cu): one request's sampler at a time.
   std::unique_ptr<TokenSampler> make_sampler(const SamplerSpec& spec) override;
   // Feeds ids, leaving the logits after the last in device_logits() (one token: the decode
-  // graph); enqueued on stream(), not waited for.
-  void feed_device(CudaState& st, std::span<const int32_t> ids);
+  // graph); enqueued on stream(), not waited for. token_on_device: ids is one token that the
+  // stream has already written to device_token() (the device sampler's choice): no copy.
+  void feed_device(CudaState& st, std::span<const int32_t> ids, bool token_on_device = false);
   const float* device_logits() const { return d_logits_.get(); }
+  int32_t* device_token() { return d_tok_.get(); }  // the decode graph's input id
   cudaStream_t stream() const { return stream_; }
 
  private:

@@ -28,20 +28,26 @@ class CudaTokenSampler final : public TokenSampler {
 
   void feed(SequenceState& state, std::span<const int32_t> ids) override {
     auto& st = dynamic_cast<CudaState&>(state);
-    m_.feed_device(st, ids);
+    // The last choice already sits in the decode graph's input when it is what is fed.
+    const bool on_device = chosen_ >= 0 && ids.size() == 1 && ids[0] == chosen_;
+    chosen_ = -1;
+    m_.feed_device(st, ids, on_device);
     position_ = st.n;
     fed_ = true;
   }
+
+  bool feed_is_async() const override { return true; }
 
   SampleChoice next(const uint32_t* allowed, int32_t forced) override {
     TANSY_CHECK(fed_, "sampler: next() before anything was fed");
     fed_ = false;
     ds_.enqueue(m_.device_logits(), limit_, sample_math::draw_bits(seed_, position_), allowed, forced,
-                logprobs_, m_.stream());
+                logprobs_, m_.stream(), m_.device_token());
     CUDA_CHECK(cudaStreamSynchronize(m_.stream()));
     const SampleOutput& o = ds_.output();
     SampleChoice c;
     c.token = o.token;
+    chosen_ = o.token;
     if (logprobs_ >= 0) {
       LogprobInfo lp;
       lp.logprob = o.logprob;
@@ -59,6 +65,7 @@ class CudaTokenSampler final : public TokenSampler {
   int limit_, logprobs_;
   int64_t position_ = 0;
   bool fed_ = false;
+  int32_t chosen_ = -1;  // the last choice, also in m_.device_token() until the next feed
 };
 
 }  // namespace
@@ -70,11 +77,13 @@ std::unique_ptr<TokenSampler> CudaModel::make_sampler(const SamplerSpec& spec) {
   return std::make_unique<CudaTokenSampler>(*this, *device_sampler_, spec, sampler_busy_);
 }
 
-void CudaModel::feed_device(CudaState& st, std::span<const int32_t> ids) {
+void CudaModel::feed_device(CudaState& st, std::span<const int32_t> ids, bool token_on_device) {
   check_ids(st, ids);
   if (ids.size() == 1 && st.decode_graph) {
-    *h_tok_ = ids[0];
-    CUDA_CHECK(cudaMemcpyAsync(d_tok_.get(), h_tok_, sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+    if (!token_on_device) {
+      *h_tok_ = ids[0];
+      CUDA_CHECK(cudaMemcpyAsync(d_tok_.get(), h_tok_, sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+    }
     CUDA_CHECK(cudaGraphLaunch(st.decode_graph, stream_));
     st.n += 1;
     return;

@@ -9,13 +9,20 @@
 //
 // How (sample.cu): one block per multiprocessor, each owning a contiguous slice of the vocabulary
 // in registers; the blocks meet at grid barriers (counters in global memory) between phases:
-//   1. penalised logits, their maximum (the greedy choice) and the count of finite ones;
-//   2. when top_k or min_p cut the candidates: the n-th best by a 4-pass radix select over the
-//      logits' order-preserving keys (8 bits a pass, histograms in global memory);
+//   1. penalised logits, their maximum (the greedy choice) and the count of finite ones; with
+//      logprobs, each block's share of the normaliser (its maximum and sum of exponentials) and
+//      its best top_logprobs raw logits; with top_k <= 32, its best top_k candidates. Keys are
+//      unique (logit, then id), so the best K of the union of the blocks' best K are the best K.
+//   2. top_k <= 32: block 0 merges the blocks' lists and one warp finishes (min_p, top_p, the
+//      draw): one barrier in all. Otherwise, when top_k or min_p cut the candidates: the n-th
+//      best by a 4-pass radix select over the logits' order-preserving keys (8 bits a pass,
+//      histograms in global memory);
 //   3. at most kSampleGather candidates: gathered, sorted and finished by one block (top_p over
 //      the sorted masses, the draw over the kept ids); more: top_p by a radix select weighted by
 //      the integer masses, then the draw by block prefix sums of the kept masses.
 //   Ties at a selected key are broken by id with one more barrier, only when they matter.
+//   The deciding block writes the choice, and the last block the top_logprobs alternatives (at
+//   the same time), into mapped host memory.
 #pragma once
 #include <cstdint>
 #include <span>
@@ -53,25 +60,31 @@ class DeviceSampler {
   // (sample_math::draw_bits(seed, position)). allowed: a host bitmask over the vocabulary (bit i % 32
   // of word i / 32), or null; copied with the launch. forced >= 0: that token is taken without a
   // draw (only its logprobs and the penalty counts are computed). n_logprobs: -1 none, else the
-  // chosen token's logprob and that many alternatives (<= kMaxTopLogprobs).
+  // chosen token's logprob and that many alternatives (<= kMaxTopLogprobs). token_out: null, or a
+  // device int the chosen token is also written to (the decode graph's input).
   void enqueue(const float* logits, int limit, uint64_t R, const uint32_t* allowed, int32_t forced,
-               int n_logprobs, cudaStream_t stream);
+               int n_logprobs, cudaStream_t stream, int32_t* token_out = nullptr);
 
-  // The result of the last enqueue, once the stream has synchronised.
+  // The result of the last enqueue, once the stream has synchronised (written by the kernel
+  // into mapped host memory).
   const SampleOutput& output() const { return *out_host_; }
+
+  // Tests (A/B): false sends top_k <= 32 through the radix select instead of the blocks' lists.
+  void set_block_lists(bool on) { block_lists_ = on; }
 
  private:
   int vocab_ = 0, blocks_ = 0;
   SamplingParams p_;
   bool has_bias_ = false;
+  bool block_lists_ = true;
   int parity_ = 0;
   DeviceBuffer<int> counts_;        // [vocab] times each id was generated
   DeviceBuffer<uint32_t> seen_;     // [vocab / 32] repetition penalty: prompt and generated ids
   DeviceBuffer<float> bias_;        // [vocab] logit_bias (only read when there is one)
   DeviceBuffer<uint32_t> allowed_;  // [vocab / 32] the step's mask
   DeviceBuffer<unsigned char> scratch_;
-  DeviceBuffer<SampleOutput> out_;
-  SampleOutput* out_host_ = nullptr;  // pinned
+  SampleOutput* out_host_ = nullptr;  // pinned, mapped
+  SampleOutput* out_dev_ = nullptr;   // its device address
   uint32_t* mask_host_ = nullptr;     // pinned staging for the mask
 };
 
