@@ -7,13 +7,6 @@
 // chunk padded by 16 bytes so that the lanes of a warp, which read chunks 144/80/48 bytes apart,
 // hit distinct banks. The pad slot holds the chunk's Σx, which turns the affine dequant into one
 // multiply-add per chunk: Σ(s·q+b)x = s·Σqx + b·Σx.
-//
-// 4-bit chunks: one mask per code word pair gives nibbles k and k+4 as the bf16 pair (128+q_lo,
-// 128+q_hi); the low value is moved into an f32 by a shift, the high one is used as the f32 the
-// whole word spells, 128 + q_hi + (0x4300 + q_lo)·2^-16. Its extra q_lo·x_hi·2^-16 is cancelled
-// exactly by staging the low columns as x_lo − x_hi·2^-16 (lo column 8j+k pairs with hi column
-// 8j+4+k), which leaves a known 0.259765625·x_hi per high column: the second pad slot holds Σx_hi
-// and chunk_dot subtracts it with the 128 offset. 19 instead of 23 instructions per code word.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -32,8 +25,6 @@ struct Chunk {
   static constexpr int kCols = BITS == 4 ? 32 : BITS == 8 ? 16 : 8;  // columns per 16-byte chunk
   static constexpr int kStride = kCols + 4;                          // f32 slots per chunk in smem
 };
-constexpr float kLoFix = 1.f / 65536.f;      // 4-bit: x_lo is staged as x_lo - x_hi * kLoFix
-constexpr float kHiOffset = 0.259765625f;  // 4-bit: (0x4300 - 128) / 65536, per unit of x_hi
 
 __device__ __forceinline__ float bf_lo(uint32_t v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float bf_hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
@@ -81,11 +72,10 @@ __device__ __forceinline__ float chunk_dot(uint4 wv, const float* xs, float s, f
       const float xl[4] = {xa.x, xa.y, xa.z, xa.w}, xh[4] = {xb.x, xb.y, xb.z, xb.w};
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        // Nibbles k and k+4 of the word become bf16 128+q in the two halves; the word itself is
-        // the high value plus the term the staged low column cancels (see the top).
+        // Nibbles k and k+4 of the word become bf16 128+q in the two halves.
         const uint32_t v = ((wd[j] >> (4 * k)) & 0x000F000Fu) | 0x43004300u;
         raw = fmaf(bf_lo(v), xl[k], raw);
-        raw = fmaf(__uint_as_float(v), xh[k], raw);
+        raw = fmaf(bf_hi(v), xh[k], raw);
       }
     }
   } else if constexpr (BITS == 8) {
@@ -111,12 +101,8 @@ __device__ __forceinline__ float chunk_dot(uint4 wv, const float* xs, float s, f
     return raw;
   } else {
     const float sum = xs[Chunk<BITS>::kCols];
-    // 4-bit codes were read as 128+q (and the high ones with kHiOffset): fold the offsets into
-    // the bias term.
-    if constexpr (BITS == 4)
-      return fmaf(s, raw, fmaf(-kHiOffset * s, xs[Chunk<BITS>::kCols + 1], (b - 128.f * s) * sum));
-    else
-      return fmaf(s, raw, b * sum);
+    // 4-bit codes were read as 128+q: fold the offset into the bias term.
+    return BITS == 4 ? fmaf(s, raw, (b - 128.f * s) * sum) : fmaf(s, raw, b * sum);
   }
 }
 
@@ -151,24 +137,17 @@ __device__ __forceinline__ void stage_chunk(const bf16* src, bool valid, float* 
 #pragma unroll
   for (int v = 0; v < C / 8; ++v)
     raw[v] = valid ? __ldcg(reinterpret_cast<const uint4*>(src + v * 8)) : make_uint4(0, 0, 0, 0);
-  float sum = 0.f, sum_hi = 0.f;
+  float sum = 0.f;
 #pragma unroll
   for (int v = 0; v < C / 8; ++v) {
-    float f[8] = {bf_lo(raw[v].x), bf_hi(raw[v].x), bf_lo(raw[v].y), bf_hi(raw[v].y),
-                  bf_lo(raw[v].z), bf_hi(raw[v].z), bf_lo(raw[v].w), bf_hi(raw[v].w)};
+    const float f[8] = {bf_lo(raw[v].x), bf_hi(raw[v].x), bf_lo(raw[v].y), bf_hi(raw[v].y),
+                        bf_lo(raw[v].z), bf_hi(raw[v].z), bf_lo(raw[v].w), bf_hi(raw[v].w)};
 #pragma unroll
     for (int e = 0; e < 8; ++e) sum += f[e];
-    if constexpr (BITS == 4) {
-#pragma unroll
-      for (int e = 4; e < 8; ++e) sum_hi += f[e];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) f[e] = fmaf(-kLoFix, f[e + 4], f[e]);
-    }
     reinterpret_cast<float4*>(dst)[2 * v] = make_float4(f[0], f[1], f[2], f[3]);
     reinterpret_cast<float4*>(dst)[2 * v + 1] = make_float4(f[4], f[5], f[6], f[7]);
   }
   dst[C] = sum;
-  if constexpr (BITS == 4) dst[C + 1] = sum_hi;
 }
 
 // Stages `rows` rows of X (`ldx` apart, `in` columns) into smem chunks, row j at xs + j*cpr*kStride;

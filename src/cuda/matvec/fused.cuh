@@ -50,26 +50,11 @@ __device__ void stage_norm(const NormIn& nz, int in, float* xs, float* red, bool
       x[1] = round_bf(hv[j].y * scale * wv[j].y);
       x[2] = round_bf(hv[j].z * scale * wv[j].z);
       x[3] = round_bf(hv[j].w * scale * wv[j].w);
+      *reinterpret_cast<float4*>(xs + c * S + e0) = make_float4(x[0], x[1], x[2], x[3]);
       if (writer)
         for (int e = 0; e < 4; ++e) nz.xn_out[i + e] = __float2bfloat16(x[e]);
     }
     float sum = (x[0] + x[1]) + (x[2] + x[3]);
-    float st[4] = {x[0], x[1], x[2], x[3]};
-    if constexpr (BITS == 4) {
-      // columns 8m..8m+3 (even lanes) are staged as x_lo - x_hi·kLoFix, with x_hi from the
-      // next lane (chunk.cuh); the odd lanes' sum is Σx_hi
-      const bool lo = (e0 & 4) == 0;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float hi = __shfl_down_sync(0xffffffffu, x[e], 1);
-        if (lo) st[e] = fmaf(-kLoFix, hi, x[e]);
-      }
-      float sum_hi = lo ? 0.f : sum;
-#pragma unroll
-      for (int o = 1; o < C / 4; o <<= 1) sum_hi += __shfl_xor_sync(0xffffffffu, sum_hi, o);
-      if (valid && e0 == 0) xs[c * S + C + 1] = sum_hi;
-    }
-    if (valid) *reinterpret_cast<float4*>(xs + c * S + e0) = make_float4(st[0], st[1], st[2], st[3]);
 #pragma unroll
     for (int o = 1; o < C / 4; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
     if (valid && e0 == 0) xs[c * S + C] = sum;
