@@ -2,33 +2,34 @@
 //
 // Same product and fragment scheme as gemm_wgmma.cu (D[out column][token] = W_e · Xᵀ, the codes
 // dequantized by each lane straight into its wgmma A fragment, X the B operand through a
-// 128-byte-swizzle descriptor, k-tile 64 = one quant group), with the three things the grouped
-// shapes need (at 4,096 tokens each of 256 experts gets ~128 rows):
+// 128-byte-swizzle descriptor, k-tile 64 = one quant group; 2 warpgroups of 64 output columns per
+// block), with what the grouped shapes need (at 4,096 tokens each of 256 experts gets ~117-139 rows):
 //
-// - Tiles sized to the expert: expert e's c_e rows are split into t_e = ceil(c_e / 128) tiles of
-//   balanced size (floor/ceil of c_e / t_e, so never more than 128), and each tile runs the wgmma
-//   with N = its row count rounded up to 8 (wgmma_rs<8..128>, chosen per tile). With 64-row tiles
-//   and a fixed N an expert of 130 rows took three tiles (192 rows of tensor work) and dequantized
-//   its weights three times; here it takes two tiles of 65 (N = 72).
-// - Persistent blocks over a tile list: one block of 4 warpgroups (256 output columns) per
-//   multiprocessor walks the work items (tile, column tile) blockIdx.x, + gridDim.x, ... The
-//   cp.async pipeline (4 stages of X and packed weights) runs across item boundaries, so the next
-//   item's first stages load while the current one finishes and stores: with in = 512 (down_proj)
-//   an item is only 8 k-tiles, and a non-persistent block paid its pipeline fill and its epilogue
-//   unoverlapped each time.
-// - Heavy experts first: every block sorts the experts by row count (descending, ties by index)
-//   from expert_offsets and numbers the tiles in that order, column tile fastest (the 256-column
-//   items of one row tile run side by side and share its X rows in L2; the row tiles of one expert
-//   follow each other and share its weights). The small tiles of rarely chosen experts come last
-//   and fill the tail. Experts with no rows have no tiles.
+// - Tiles sized to the experts: the token dimension is the wgmma N, so a tile of kN rows (64, 96,
+//   128, 144, 192 or 256, picked per launch by grouped_wgmma_rows from the mean rows per expert)
+//   costs kN rows of tensor work. Expert e's c_e rows form ceil(c_e / kN) tiles of balanced size.
+//   At 4,096 tokens kN = 144: one tile per expert (its weights dequantized once), 11% padding; the
+//   first wgmma kernel's 64-row tiles took 2-3 tiles per expert (25% padding, the weights
+//   dequantized 2-3 times, N = 64 wgmmas). kN is a compile-time choice: picking the instruction per
+//   tile at run time makes ptxas serialize the kernel's wgmmas (wgmma.cuh).
+// - Persistent blocks over a tile list: one block per multiprocessor walks the work items (tile,
+//   128-column tile) blockIdx.x, + gridDim.x, ... The cp.async pipeline (4 stages of X and packed
+//   weights) runs across item boundaries, so the next item's first stages load while the current one
+//   finishes and stores: with in = 512 (down_proj) an item is only 8 k-tiles, and a non-persistent
+//   block paid its pipeline fill and its epilogue unoverlapped each time.
+// - Heavy experts first: every block ranks the experts by row count (descending, ties by index)
+//   from expert_offsets and numbers the tiles in that order, column tile fastest (the column tiles
+//   of one row tile run side by side and share its X rows in L2; the row tiles of one expert follow
+//   each other and share its weights). The small tiles of rarely chosen experts come last and fill
+//   the tail. Experts with no rows have no tiles.
 //
 // Per k-tile step: issue the wgmmas of step s; wait for stage s+1, barrier; start the copy of step
 // s+3 (into the stage of step s-1, whose wgmmas every warp waited for); dequantize step s+1 into the
-// second A buffer and fetch the (scale, bias) of step s+2; wait for the wgmmas. Three cursors walk the
-// item list a few steps apart (copies at s+3, scales at s+2, products at s); each decodes its item
-// from the shared tile list when it reaches the item's first k-tile. At an item's last k-tile the
-// accumulators go through an f32 tile of 64 rows (its own shared memory, the stages keep loading)
-// to the shared epilogue (gemm_impl.cuh store_tile), in two halves of 64 rows.
+// second A buffer and fetch the (scale, bias) of step s+2; wait for the wgmmas. Two cursors walk the
+// item list ahead of the products (copies at s+3, scales at s+2); each decodes its item from the
+// shared tile list when it reaches the item's first k-tile. At an item's last k-tile the
+// accumulators go, 64 rows at a time, through an f32 tile in shared memory of its own (the stages
+// keep loading) to the shared epilogue (gemm_impl.cuh store_tile): same stores, same rounding.
 #include <algorithm>
 #include <cmath>
 #include <iterator>
@@ -42,13 +43,12 @@
 namespace tansy::cuda::gemm_impl {
 namespace {
 
-
 constexpr int BK = 64;
 constexpr int kStages = 4;
 constexpr int kWRow = BK / 2;  // bytes of one 4-bit weight row per k-tile
 constexpr int kWG = 2;         // warpgroups per block
 constexpr int kThreads = 128 * kWG;
-constexpr int BN = 64 * kWG;  // output columns per item
+constexpr int BN = 64 * kWG;    // output columns per item
 constexpr int kW = BN * kWRow;  // one packed weight stage
 constexpr int kPass = 64;       // tile rows per epilogue pass
 constexpr int kCld = BN + 4;    // f32 output tile row
@@ -58,8 +58,8 @@ constexpr int kSchedInts = 3 * kGroupedMaxExperts + 2;  // offsets [E+1], order 
 // The tile row counts it is built for (wgmma N; gemm_impl.cuh kGroupedWgmmaRows).
 template <int kN>
 struct Shape {
-  static constexpr int kX = kN * BK * 2;  // one X stage
-  static constexpr int kAcc = kN / 2;     // f32 accumulators per thread
+  static constexpr int kX = kN * BK * 2;                                      // one X stage
+  static constexpr int kAcc = kN / 2;                                         // f32 accumulators per thread
   static constexpr int kXChunks = (kN * (BK / 8) + kThreads - 1) / kThreads;  // 16-byte X copies per thread
   static constexpr int kSmem = kStages * (kX + kW) + kC + kSchedInts * 4 + 1024;  // + 1024: aligned up
   static_assert(kN % 16 == 0 && kN <= 256 && kX % 1024 == 0 && kSmem <= 227 * 1024);
@@ -75,8 +75,8 @@ struct Item {
 // then the wait. The descriptors are computed before the fence: ptxas serializes the wgmmas when it
 // has to move one into a uniform register inside the window.
 template <int kN, typename F>
-__device__ __forceinline__ void ktile(float (&acc)[kN / 2], const uint32_t (&a)[4][4], const uint64_t (&desc)[4],
-                                      F&& overlap) {
+__device__ __forceinline__ void ktile(float (&acc)[kN / 2], const uint32_t (&a)[4][4],
+                                      const uint64_t (&desc)[4], F&& overlap) {
   wg::wgmma_arrive();
 #pragma unroll
   for (int s = 0; s < 4; ++s) wg::wgmma_rs<kN>(acc, a[s], desc[s]);
@@ -98,8 +98,8 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_grouped_wgmma_kernel(const P
   unsigned char* const Ws = smem + kStages * kX;
   float* const Cs = reinterpret_cast<float*>(Ws + kStages * kW);
   int* const s_off = reinterpret_cast<int*>(Ws + kStages * kW + kC);  // expert_offsets
-  int* const s_order = s_off + kGroupedMaxExperts + 1;                 // expert of each rank
-  int* const s_tstart = s_order + kGroupedMaxExperts;                  // first tile of each rank
+  int* const s_order = s_off + kGroupedMaxExperts + 1;                // expert of each rank
+  int* const s_tstart = s_order + kGroupedMaxExperts;                 // first tile of each rank
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane / 4, t = lane % 4;
@@ -227,7 +227,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_grouped_wgmma_kernel(const P
   const int wr0 = (warp / 4) * 64 + (warp % 4) * 16 + g, wr1 = wr0 + 8;
   const int groups = p.in / kQuantGroup;
   int sb_j = 0, sb_kt = 0;
-  uint32_t sb0 = 0, sb1 = 0;  // (scale, bias) index of the rows' first group
+  uint32_t sb0 = 0, sb1 = 0;   // (scale, bias) index of the rows' first group
   __nv_bfloat162 sbn[2] = {};  // (scale, bias) of rows wr0, wr1 for the next step to dequantize
   auto load_sb_next = [&] {
     if (sb_j >= my_items) return;
@@ -253,8 +253,10 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_grouped_wgmma_kernel(const P
     const uint4 r1a = wg::lds128(ws + wr1 * kWRow), r1b = wg::lds128(ws + wr1 * kWRow + 16);
     const __nv_bfloat162 s0 = __low2bfloat162(sbn[0]), b0 = __high2bfloat162(sbn[0]);
     const __nv_bfloat162 s1 = __low2bfloat162(sbn[1]), b1 = __high2bfloat162(sbn[1]);
-    const uint4 d0[2] = {dequant4(wg::gather_byte(r0a, sel), s0, b0), dequant4(wg::gather_byte(r0b, sel), s0, b0)};
-    const uint4 d1[2] = {dequant4(wg::gather_byte(r1a, sel), s1, b1), dequant4(wg::gather_byte(r1b, sel), s1, b1)};
+    const uint4 d0[2] = {dequant4(wg::gather_byte(r0a, sel), s0, b0),
+                         dequant4(wg::gather_byte(r0b, sel), s0, b0)};
+    const uint4 d1[2] = {dequant4(wg::gather_byte(r1a, sel), s1, b1),
+                         dequant4(wg::gather_byte(r1b, sel), s1, b1)};
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       a[2 * h][0] = d0[h].x, a[2 * h][1] = d1[h].x, a[2 * h][2] = d0[h].y, a[2 * h][3] = d1[h].y;
@@ -288,7 +290,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_grouped_wgmma_kernel(const P
     const uint64_t desc0 = wg::desc_sw128(xs_addr + uint32_t(stage * kX));
     const uint64_t desc[4] = {desc0, desc0 + 2, desc0 + 4, desc0 + 6};  // k16 steps: 32 bytes apart
     wg::fence_regs(acc);
-    ktile<kN>(acc, a_cur, desc, [&] {  // while the wgmmas run
+    ktile<kN>(acc, a_cur, desc, [&] {    // while the wgmmas run
       tc::cp_async_wait<kStages - 3>();  // step s+1 has landed (this thread's copies)
       wg::fence_proxy_async();
       __syncthreads();  // ... everyone's; and every warp is done with the wgmmas of step s-1
@@ -382,22 +384,30 @@ void set_grouped_wgmma_rows(int rows) {
   g_force_rows = rows;
 }
 
-int grouped_wgmma_rows(long rows, int experts) { return g_force_rows ? g_force_rows : choose_rows(rows, experts); }
+int grouped_wgmma_rows(long rows, int experts) {
+  return g_force_rows ? g_force_rows : choose_rows(rows, experts);
+}
 
 void launch_wgmma_grouped(const Params& p, cudaStream_t stream) {
   TANSY_CHECK(p.expert_offsets && p.n_experts >= 1 && p.n_experts <= kGroupedMaxExperts,
               "gemm_grouped (wgmma): bad expert schedule ({} experts)", p.n_experts);
   TANSY_CHECK(double(p.n_experts) * p.out * p.in / 2 < 4294967296.0,
-              "gemm_grouped (wgmma): {} stacked experts of [{}, {}] exceed 32-bit offsets", p.n_experts, p.out,
-              p.in);
+              "gemm_grouped (wgmma): {} stacked experts of [{}, {}] exceed 32-bit offsets", p.n_experts,
+              p.out, p.in);
   static_assert(sizeof(kGroupedWgmmaRows) / sizeof(int) == 6);
   switch (grouped_wgmma_rows(p.n_rows, p.n_experts)) {
-    case 64: return launch<64>(p, stream);
-    case 96: return launch<96>(p, stream);
-    case 128: return launch<128>(p, stream);
-    case 144: return launch<144>(p, stream);
-    case 192: return launch<192>(p, stream);
-    default: return launch<256>(p, stream);
+    case 64:
+      return launch<64>(p, stream);
+    case 96:
+      return launch<96>(p, stream);
+    case 128:
+      return launch<128>(p, stream);
+    case 144:
+      return launch<144>(p, stream);
+    case 192:
+      return launch<192>(p, stream);
+    default:
+      return launch<256>(p, stream);
   }
 }
 
