@@ -9,7 +9,8 @@
 //
 // Numerics: bf16 operands, f32 accumulation (mma.sync m16n8k16), dequant w = s·q + b in f32 then
 // rounded to bf16 (the same rounding a bf16 matmul on dequantized weights would see).
-// CPU reference: cpu::matmul. GPU tests: tests/gpu/test_gemm.cu (the grouped GEMM: tests/gpu/test_moe.cu).
+// CPU reference: cpu::matmul. GPU tests: tests/gpu/test_gemm.cu (the grouped GEMM: tests/gpu/test_moe.cu
+// and Gemm.GroupedWgmma).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
