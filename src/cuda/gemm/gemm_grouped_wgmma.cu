@@ -62,7 +62,11 @@ struct Shape {
   static constexpr int kAcc = kN / 2;                                         // f32 accumulators per thread
   static constexpr int kXChunks = (kN * (BK / 8) + kThreads - 1) / kThreads;  // 16-byte X copies per thread
   static constexpr int kSmem = kStages * (kX + kW) + kC + kSchedInts * 4 + 1024;  // + 1024: aligned up
+  // 64-row tiles fit two blocks per multiprocessor (128 registers, 95 KB): one's epilogue overlaps
+  // the other's products. Larger tiles need more registers than that.
+  static constexpr int kBlocksPerSm = kN <= 64 ? 2 : 1;
   static_assert(kN % 16 == 0 && kN <= 256 && kX % 1024 == 0 && kSmem <= 227 * 1024);
+  static_assert(kN > 64 || 2 * kSmem <= 228 * 1024);
 };
 static_assert(kW % 1024 == 0 && kC % 16 == 0 && BN * (kWRow / 16) == kThreads);
 
@@ -87,7 +91,8 @@ __device__ __forceinline__ void ktile(float (&acc)[kN / 2], const uint32_t (&a)[
 }
 
 template <int kN>
-__global__ void __launch_bounds__(kThreads, 1) gemm_grouped_wgmma_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, Shape<kN>::kBlocksPerSm)
+    gemm_grouped_wgmma_kernel(const Params p) {
   using S = Shape<kN>;
   constexpr int kX = S::kX, kAcc = S::kAcc, kXChunks = S::kXChunks;
   extern __shared__ unsigned char smem_raw[];
@@ -341,7 +346,7 @@ void launch(const Params& p, cudaStream_t stream) {
   const long rows = p.n_rows;
   const long tiles = (rows + kN - 1) / kN + std::min<long>(p.n_experts, rows);
   const long items = tiles * ((p.out + BN - 1) / BN);
-  const int grid = int(std::min<long>(items, sm_count()));
+  const int grid = int(std::min<long>(items, long(Shape<kN>::kBlocksPerSm) * sm_count()));
   gemm_grouped_wgmma_kernel<kN><<<grid, kThreads, kSmem, stream>>>(p);
   launch_check("gemm_grouped (wgmma)");
 }
