@@ -190,8 +190,8 @@ __global__ void __launch_bounds__(kThreads, Shape<kN>::kBlocksPerSm)
     return it;
   };
 
-  // ---- copy cursor: step (ld_j, ld_kt), into stage ld_stage ----
-  // X chunk i of this thread: tile row tid/8 + 64i, 16-byte chunk tid%8; weight chunk: row tid/2,
+  // ---- copy cursor: step (ld_j, ld_kt) of the items, into stage ld_stage ----
+  // X chunk i of this thread: tile row tid/8 + 32i, 16-byte chunk tid%8; weight chunk: row tid/2,
   // half tid%2. Rows past the tile's end copy its first row and rows past the matrix its last (they
   // reach only outputs never stored); rows past the tile's N are not copied (wgmma does not read them).
   // (The launcher checks that every expert's codes and (scale, bias) arrays take 32-bit offsets.)
