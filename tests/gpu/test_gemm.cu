@@ -6,6 +6,9 @@
 // mistake shows up at O(1); kTolBf16 (gpu_test_util.h) against the plain f32 reference. Outputs are
 // poisoned with NaN bytes first; rows of very large cases are sampled (rows_to_check), and the
 // unsampled rows are still checked for being written.
+#include <algorithm>
+#include <cmath>
+#include <functional>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -13,6 +16,7 @@
 #include "cpu/ops.h"
 #include "cuda/gemm/gemm.cuh"
 #include "cuda/gemm/gemm_impl.cuh"
+#include "cuda/moe/moe.cuh"
 #include "gpu_test_util.h"
 
 namespace tansy {
@@ -36,7 +40,16 @@ struct GemmKernelScope {
   explicit GemmKernelScope(cuda::GemmKernel k) { cuda::gemm_set_kernel(k); }
   ~GemmKernelScope() { cuda::gemm_set_kernel(saved); }
 };
-const char* kernel_name() { return cuda::gemm_kernel() == cuda::GemmKernel::kWgmma ? "wgmma " : "mma "; }
+const char* kernel_name() {
+  switch (cuda::gemm_kernel()) {
+    case cuda::GemmKernel::kWgmma:
+      return "wgmma ";
+    case cuda::GemmKernel::kWgmmaGrouped:
+      return "wgmma-grouped ";
+    default:
+      return "mma ";
+  }
+}
 
 void plain_cases() {
   const GemmCase cases[] = {
@@ -207,6 +220,205 @@ TEST(Gemm, Epilogues) {
 TEST(Gemm, EpiloguesWgmma) {
   GemmKernelScope scope(cuda::GemmKernel::kWgmma);
   epilogue_cases();
+}
+
+// ---- grouped (per-expert) GEMM on the persistent warpgroup kernel (GemmKernel::kWgmmaGrouped) ----
+//
+// At the real shapes (256 experts, gate|up [1024 x 2048] per expert gathered from the token rows,
+// down [2048 x 512] over sorted rows), with uniform routing (~128 rows per expert at 4,096 tokens),
+// with power-law popularity (the first experts take hundreds of rows, the last few or none) and with
+// one expert pinned to 0 rows and one to exactly 1, under the automatic tile size and every built
+// one. Reference: cpu::matmul per expert on the bf16-rounded dequantized weights (kTolExact for f32
+// outputs, kTolBf16 for bf16 ones); every output row is checked for being written (NaN poison).
+
+// Each token's k distinct experts drawn with probability ~ (rank+1)^-alpha (Gumbel top-k; alpha 0:
+// uniform).
+std::vector<int> power_law_routing(int n, int E, int k, double alpha) {
+  std::vector<std::pair<double, int>> key(E);
+  std::uniform_real_distribution<double> u(1e-12, 1.0);
+  std::vector<int> idx(size_t(n) * k);
+  for (int t = 0; t < n; ++t) {
+    for (int e = 0; e < E; ++e)
+      key[size_t(e)] = {-alpha * std::log(e + 1.0) - std::log(-std::log(u(rng()))), e};
+    std::partial_sort(key.begin(), key.begin() + k, key.end(), std::greater<>());
+    for (int j = 0; j < k; ++j) idx[size_t(t) * k + j] = key[size_t(j)].second;
+  }
+  return idx;
+}
+
+// Moves choices so that expert `zero` has no rows and expert `one` exactly one (the first token that
+// chose it keeps it; if none did, token 0 takes it). Replacements are experts the token has not chosen.
+void pin_counts(std::vector<int>& idx, int n, int E, int k, int zero, int one) {
+  std::uniform_int_distribution<int> ue(0, E - 1);
+  bool kept = false;
+  for (int t = 0; t < n; ++t)
+    for (int j = 0; j < k; ++j) {
+      int& e = idx[size_t(t) * k + j];
+      if (e == one && !kept) {
+        kept = true;
+        continue;
+      }
+      if (e != zero && e != one) continue;
+      for (;;) {
+        const int c = ue(rng());
+        if (c == zero || c == one) continue;
+        if (std::find(idx.begin() + size_t(t) * k, idx.begin() + size_t(t + 1) * k, c) !=
+            idx.begin() + size_t(t + 1) * k)
+          continue;
+        e = c;
+        break;
+      }
+    }
+  if (!kept) {
+    int& e = idx[0];  // token 0's first choice (not `one`, not `zero` after the loop) becomes `one`
+    e = one;
+  }
+}
+
+// The sorted rows of expert e to compare: all of them up to 48, else the first two, the middle, the
+// last two and 40 at random (every tile of an expert holds at least a third of its rows).
+std::vector<int> expert_rows_to_check(int c) {
+  std::vector<int> r;
+  if (c <= 48) {
+    r.resize(size_t(c));
+    std::iota(r.begin(), r.end(), 0);
+    return r;
+  }
+  for (int x : {0, 1, c / 2, c - 2, c - 1}) r.push_back(x);
+  std::uniform_int_distribution<int> u(0, c - 1);
+  for (int i = 0; i < 40; ++i) r.push_back(u(rng()));
+  std::sort(r.begin(), r.end());
+  r.erase(std::unique(r.begin(), r.end()), r.end());
+  return r;
+}
+
+// One grouped product (W stacks E experts of `out` rows) checked against the reference on the experts
+// `check`, under every tile size in `sizes` (0: the automatic choice).
+void check_grouped(const std::string& what, TestMatrix& W, int E, int n, int k, const std::vector<int>& idx,
+                   bool gather, const std::vector<int>& check, const std::vector<int>& sizes) {
+  const int out = W.dev.out / E, in = W.dev.in, rows = n * k;
+  auto x = randn(size_t(gather ? n : rows) * in);
+  round_bf16_inplace(x);
+  auto dx = to_device_bf16(x);
+  auto didx = to_device(idx);
+  DeviceRouting R;
+  const cuda::MoeRouting rv = R.view(E, rows);
+  cuda::moe_route_sort(didx.get(), n, k, E, rv, 0);
+  const auto off = from_device(R.offsets.get(), E + 1), sorted = from_device(R.sorted.get(), rows);
+  std::vector<int> count(E, 0);
+  for (int e : idx) ++count[size_t(e)];
+  for (int e = 0; e < E; ++e)
+    ASSERT_EQ(off[e + 1] - off[e], count[e]) << what << ": routing sort, expert " << e;
+
+  // References, once per expert: rows ref_rows[e] (sorted-row indices), values [row][out] (f32 sums on
+  // the bf16-rounded weights) and their SwiGLU.
+  std::vector<std::vector<int>> ref_rows(E);
+  std::vector<std::vector<float>> ref(E), ref_sw(E);
+  for (int e : check) {
+    const int c = count[size_t(e)];
+    if (c == 0 || !ref_rows[e].empty()) continue;
+    for (int r : expert_rows_to_check(c)) ref_rows[e].push_back(off[e] + r);
+    const Linear We = W.host.rows(e * out, out);
+    std::vector<uint16_t> rounded(size_t(out) * in);
+    std::vector<float> row(in);
+    for (int j = 0; j < out; ++j) {
+      We.row(j, row.data());
+      for (int i = 0; i < in; ++i) rounded[size_t(j) * in + i] = f32_to_bf16(row[i]);
+    }
+    Linear ex = We;
+    ex.fmt = WFormat::kBF16;
+    ex.q = nullptr;
+    ex.scales = ex.biases = nullptr;
+    ex.bf16 = rounded.data();
+    std::vector<float> xs;
+    for (int r : ref_rows[e]) {
+      const int xr = gather ? sorted[r] / k : r;
+      xs.insert(xs.end(), x.begin() + size_t(xr) * in, x.begin() + size_t(xr + 1) * in);
+    }
+    const int nr = int(ref_rows[e].size());
+    ref[e].resize(size_t(nr) * out);
+    cpu::matmul(ex, xs.data(), nr, ref[e].data());
+    ref_sw[e].resize(size_t(nr) * (out / 2));
+    for (int i = 0; i < nr; ++i)
+      for (int j = 0; j < out / 2; ++j)
+        ref_sw[e][size_t(i) * (out / 2) + j] =
+            silu(ref[e][size_t(i) * out + 2 * j]) * ref[e][size_t(i) * out + 2 * j + 1];
+  }
+
+  DeviceBuffer<float> y32(size_t(rows) * out);
+  DeviceBuffer<bf16> y16(size_t(rows) * out);
+  for (const int size : sizes) {
+    cuda::gemm_impl::set_grouped_wgmma_rows(size);
+    const std::string label =
+        what + " tiles " + (size ? str(size) : "auto " + str(cuda::gemm_impl::grouped_wgmma_rows(rows, E))) +
+        " rows, n=" + str(n);
+    // f32 store (exact against the reference), then the product's bf16 output: SwiGLU for gate|up
+    // (out/2 columns), a plain store for down.
+    poison(y32);
+    cuda::gemm_grouped(W.dev, E, dx.get(), in, gather, n, k, rv,
+                       {y32.get(), cuda::GemmOutType::kF32, out, cuda::GemmEpilogue::kStore}, 0);
+    const auto h32 = from_device(y32.get(), y32.size());
+    const bool swiglu = gather;
+    const int cols16 = swiglu ? out / 2 : out;
+    poison(y16);
+    cuda::gemm_grouped(W.dev, E, dx.get(), in, gather, n, k, rv,
+                       {y16.get(), cuda::GemmOutType::kBF16, cols16,
+                        swiglu ? cuda::GemmEpilogue::kSwiGlu : cuda::GemmEpilogue::kStore},
+                       0);
+    const auto h16 = from_device_bf16(y16.get(), size_t(rows) * cols16);
+    EXPECT_TRUE(all_finite(h32)) << label << ": f32 output: unwritten or non-finite rows";
+    EXPECT_TRUE(all_finite(h16)) << label << ": bf16 output: unwritten or non-finite rows";
+    for (int e : check) {
+      if (ref_rows[e].empty()) continue;
+      const std::string le = label + " expert " + str(e) + " (" + str(count[size_t(e)]) + " rows)";
+      EXPECT_REL(take_rows(h32, out, out, ref_rows[e]), ref[e], kTolExact, le + " f32");
+      EXPECT_REL(take_rows(h16, cols16, cols16, ref_rows[e]), swiglu ? ref_sw[e] : ref[e], kTolBf16,
+                 le + (swiglu ? " swiglu bf16" : " bf16"));
+    }
+  }
+  cuda::gemm_impl::set_grouped_wgmma_rows(0);
+}
+
+TEST(Gemm, GroupedWgmma) {
+  GemmKernelScope scope(cuda::GemmKernel::kWgmmaGrouped);
+  constexpr int E = 256, k = 8, H = 2048, I = 512;
+  TestMatrix GU = make_matrix(WFormat::kAffine4, E * 2 * I, H);  // per expert: interleaved gate/up rows
+  TestMatrix Dn = make_matrix(WFormat::kAffine4, E * H, I);
+  std::vector<int> all_sizes{0};
+  for (int s : cuda::gemm_impl::kGroupedWgmmaRows) all_sizes.push_back(s);
+
+  // Skewed: popularity ~ rank^-1 (expert 0 takes ~1,900 of the 32,768 rows), expert 100 pinned to
+  // 0 rows and expert 200 to 1. Checked: the heaviest ones, the pinned ones, the lightest non-empty
+  // one and a few in between.
+  {
+    constexpr int n = 4096;
+    auto idx = power_law_routing(n, E, k, 1.0);
+    pin_counts(idx, n, E, k, 100, 200);
+    std::vector<int> count(E, 0);
+    for (int e : idx) ++count[size_t(e)];
+    ASSERT_EQ(count[100], 0);
+    ASSERT_EQ(count[200], 1);
+    ASSERT_GT(count[0], 256);
+    int lightest = -1;
+    for (int e = 0; e < E; ++e)
+      if (count[size_t(e)] > 0 && (lightest < 0 || count[size_t(e)] < count[size_t(lightest)])) lightest = e;
+    const std::vector<int> check{0, 1, 2, 7, 31, 100, 200, lightest, 128, 254};
+    check_grouped("grouped gate|up skewed", GU, E, n, k, idx, true, check, all_sizes);
+    check_grouped("grouped down skewed", Dn, E, n, k, idx, false, check, all_sizes);
+  }
+  // Uniform at 4,096 tokens (the automatic size: one tile per expert) and at a few small counts.
+  for (const int n : {4096, 1, 63, 200}) {
+    const auto idx = power_law_routing(n, E, k, 0.0);
+    std::vector<int> count(E, 0);
+    for (int e : idx) ++count[size_t(e)];
+    std::vector<int> check{0, 77, 255};
+    check.push_back(int(std::max_element(count.begin(), count.end()) - count.begin()));
+    const std::vector<int> sizes = n == 4096 ? std::vector<int>{0, 128} : std::vector<int>{0};
+    check_grouped("grouped gate|up uniform", GU, E, n, k, idx, true, check, sizes);
+    check_grouped("grouped down uniform", Dn, E, n, k, idx, false, check, sizes);
+  }
+  EXPECT_THROW(cuda::gemm_impl::set_grouped_wgmma_rows(100), Error);
+  CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 TEST(Gemm, RejectsBadShapes) {

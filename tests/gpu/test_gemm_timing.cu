@@ -1,6 +1,7 @@
 // Prefill GEMM timings, old kernel (gemm_v1.cu, ldmatrix on a dequantized shared tile) against the
 // current ones (src/cuda/gemm/gemm.cu, mma.sync with codes dequantized into mma fragments, and
-// src/cuda/gemm/gemm_wgmma.cu, wgmma with codes dequantized into register A fragments), at the real model's
+// src/cuda/gemm/gemm_wgmma.cu, wgmma with codes dequantized into register A fragments, and for the grouped
+// products src/cuda/gemm/gemm_grouped_wgmma.cu, the persistent wgmma kernel), at the real model's
 // prefill shapes for 4,096 tokens: the grouped expert gate|up (SwiGLU) and down [256 x 1024x2048],
 // [256 x 2048x512] with uniform routing (~128 rows per expert) and with a skewed one, and the dense
 // GDN in_proj / out_proj and attention q|k|v. Not pass/fail beyond the
@@ -50,14 +51,15 @@ double median_ms(F&& fn, int reps = 21) {
   return t[reps / 2];
 }
 
-// Times `run(variant)` for the old kernel (0), the mma.sync kernel (1) and the wgmma kernel (2),
-// prints all three, and checks the outputs agree (relative L2 distance, bf16 outputs: the f32 sums
-// differ only in order).
+// Times `run(variant)` for the old kernel (0), the mma.sync kernel (1) and the wgmma kernel (2), and
+// for grouped products the persistent grouped wgmma kernel (3), prints them, and checks the outputs
+// agree (relative L2 distance, bf16 outputs: the f32 sums differ only in order).
 template <typename Run>
 void compare(const char* what, double flop, DeviceBuffer<bf16>& y, bool grouped, Run&& run) {
-  double ms[3];
-  std::vector<float> out[3];
-  for (int v = 0; v < 3; ++v) {
+  const int variants = grouped ? 4 : 3;
+  double ms[4] = {};
+  std::vector<float> out[4];
+  for (int v = 0; v < variants; ++v) {
     run(v);
     CUDA_CHECK(cudaDeviceSynchronize());
     out[v] = from_device_bf16(y.get(), y.size());
@@ -68,8 +70,12 @@ void compare(const char* what, double flop, DeviceBuffer<bf16>& y, bool grouped,
       "  TIMING %-40s old %7.3f ms %5.1f TF/s | mma %7.3f ms %5.1f TF/s | wgmma %7.3f ms %5.1f TF/s | "
       "wgmma/old x%.2f\n",
       what, ms[0], tf(0), ms[1], tf(1), ms[2], tf(2), ms[0] / ms[2]);
+  if (grouped)
+    std::printf("  TIMING %-40s wgmma-grouped %7.3f ms %5.1f TF/s | wgmma-grouped/mma x%.2f\n", what, ms[3],
+                tf(3), ms[1] / ms[3]);
   EXPECT_REL(out[1], out[0], kTolBf16, std::string(what) + ": mma kernel vs old");
   EXPECT_REL(out[2], out[0], kTolBf16, std::string(what) + ": wgmma kernel vs old");
+  if (grouped) EXPECT_REL(out[3], out[0], kTolBf16, std::string(what) + ": wgmma-grouped kernel vs old");
   // Each wgmma tile shape forced (grouped products always take 64-row tiles), for choosing the
   // automatic rule in gemm_wgmma.cu's launch_wgmma.
   std::printf("         %-40s wgmma tiles rows x cols:", "");
@@ -87,13 +93,32 @@ void compare(const char* what, double flop, DeviceBuffer<bf16>& y, bool grouped,
         std::string(what) + ": wgmma " + std::to_string(rows) + "x" + std::to_string(64 * wg) + " vs old");
   }
   std::printf("\n");
+  if (!grouped) return;
+  // Each tile row count of the grouped wgmma kernel forced, for choosing gemm_grouped_wgmma.cu's
+  // choose_rows.
+  std::printf("         %-40s wgmma-grouped tile rows:", "");
+  for (const int rows : cuda::gemm_impl::kGroupedWgmmaRows) {
+    cuda::gemm_impl::set_grouped_wgmma_rows(rows);
+    run(3);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const auto o = from_device_bf16(y.get(), y.size());
+    const double t = median_ms([&] { run(3); });
+    cuda::gemm_impl::set_grouped_wgmma_rows(0);
+    std::printf(" %d %.3f ms %.1f TF/s |", rows, t, flop / (t * 1e-3) / 1e12);
+    EXPECT_REL(o, out[0], kTolBf16,
+               std::string(what) + ": wgmma-grouped " + std::to_string(rows) + " rows vs old");
+  }
+  std::printf("\n");
 }
 
-// Runs the current gemm entry points under the mma.sync (variant 1) or wgmma (2) kernel.
+// Runs the current gemm entry points under the mma.sync (variant 1), wgmma (2) or grouped wgmma (3)
+// kernel.
 struct KernelScope {
   cuda::GemmKernel saved = cuda::gemm_kernel();
   explicit KernelScope(int variant) {
-    cuda::gemm_set_kernel(variant == 2 ? cuda::GemmKernel::kWgmma : cuda::GemmKernel::kMma);
+    cuda::gemm_set_kernel(variant == 3   ? cuda::GemmKernel::kWgmmaGrouped
+                          : variant == 2 ? cuda::GemmKernel::kWgmma
+                                         : cuda::GemmKernel::kMma);
   }
   ~KernelScope() { cuda::gemm_set_kernel(saved); }
 };
@@ -106,7 +131,7 @@ TEST(Timing, Gemm) {
   constexpr int n = 4096;
   std::printf(
       "prefill GEMM timings at n=%d (median of 21; 4-bit weights; random data; old = gemm_v1, mma = gemm.cu, "
-      "wgmma = gemm_wgmma.cu)\n",
+      "wgmma = gemm_wgmma.cu, wgmma-grouped = gemm_grouped_wgmma.cu)\n",
       n);
   auto x = randn(size_t(n) * 4096);
   round_bf16_inplace(x);
@@ -166,7 +191,7 @@ TEST(Timing, Gemm) {
       else
         cuda::gemm_v1::gemm_grouped(GU.dev, E, dx.get(), H, true, n, k, rv, o, 0);
     });
-    // down reads the SwiGLU activations of the (wgmma) gate|up run above
+    // down reads the SwiGLU activations of the last gate|up run above
     compare(("gemm_grouped down" + tag).c_str(), 2.0 * n * k * H * I, yd, true, [&](int v) {
       const cuda::GemmOutput o{yd.get(), cuda::GemmOutType::kBF16, H, cuda::GemmEpilogue::kStore};
       KernelScope scope(v);

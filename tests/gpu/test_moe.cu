@@ -206,9 +206,12 @@ TEST(Moe, Experts) {
 // `routing` (n*k expert choices, distinct per token) replaces the random uniform routing.
 void check_moe(WFormat fmt, int E, int H, int I, int k, int n, const std::vector<int>* routing = nullptr,
                const char* what = "") {
-  const std::string label =
-      std::string("moe") + what + (cuda::gemm_kernel() == cuda::GemmKernel::kWgmma ? " (wgmma)" : " (mma)") +
-      " E=" + str(E) + " H=" + str(H) + " I=" + str(I) + " k=" + str(k) + " n=" + str(n);
+  const std::string label = std::string("moe") + what +
+                            (cuda::gemm_kernel() == cuda::GemmKernel::kWgmma          ? " (wgmma)"
+                             : cuda::gemm_kernel() == cuda::GemmKernel::kWgmmaGrouped ? " (wgmma-grouped)"
+                                                                                      : " (mma)") +
+                            " E=" + str(E) + " H=" + str(H) + " I=" + str(I) + " k=" + str(k) +
+                            " n=" + str(n);
   TestMatrix GU = make_matrix(fmt, E * 2 * I, H);  // per expert: interleaved gate/up rows
   TestMatrix D = make_matrix(fmt, E * H, I);
   auto x = randn(size_t(n) * H);
@@ -333,6 +336,10 @@ TEST(Moe, GroupedWgmma) {
   GemmKernelScope scope(cuda::GemmKernel::kWgmma);
   grouped_cases();
 }
+TEST(Moe, GroupedWgmmaGrouped) {
+  GemmKernelScope scope(cuda::GemmKernel::kWgmmaGrouped);
+  grouped_cases();
+}
 
 // Uneven loads: one expert takes every token (thousands of rows: tens of 64-row tiles), one takes a
 // single token, a third of the experts take none, the rest share the remaining choices at random.
@@ -368,6 +375,10 @@ TEST(Moe, GroupedUnevenExperts) {
 }
 TEST(Moe, GroupedUnevenExpertsWgmma) {
   GemmKernelScope scope(cuda::GemmKernel::kWgmma);
+  uneven_cases();
+}
+TEST(Moe, GroupedUnevenExpertsWgmmaGrouped) {
+  GemmKernelScope scope(cuda::GemmKernel::kWgmmaGrouped);
   uneven_cases();
 }
 

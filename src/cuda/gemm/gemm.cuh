@@ -9,7 +9,8 @@
 //
 // Numerics: bf16 operands, f32 accumulation (mma.sync m16n8k16), dequant w = s·q + b in f32 then
 // rounded to bf16 (the same rounding a bf16 matmul on dequantized weights would see).
-// CPU reference: cpu::matmul. GPU tests: tests/gpu/test_gemm.cu (the grouped GEMM: tests/gpu/test_moe.cu).
+// CPU reference: cpu::matmul. GPU tests: tests/gpu/test_gemm.cu (the grouped GEMM: tests/gpu/test_moe.cu
+// and Gemm.GroupedWgmma).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -45,10 +46,11 @@ struct GemmOutput {
 // Which kernel runs the 4-bit products (other formats always take mma.sync). kAuto, the product's
 // choice: the Hopper warpgroup kernel (gemm_wgmma.cu) for the dense products, where it measured
 // 1.6x the mma.sync kernel (Timing.Gemm, H200, 2026-12-01: in_proj 0.456 vs 0.782 ms at 4,096
-// tokens), and the mma.sync kernel (gemm.cu) for the grouped expert products, where it measured
-// 1.1x the warpgroup one (gate|up 0.609 vs 0.675 ms). kMma / kWgmma force one kernel for both:
-// the tests and Timing.Gemm use them to check and time each.
-enum class GemmKernel { kAuto, kMma, kWgmma };
+// tokens), and for the grouped expert products the kernel named by kGroupedAuto (gemm.cu). kMma /
+// kWgmma force one kernel for both; kWgmmaGrouped runs the grouped products on the persistent
+// warpgroup kernel with per-expert tiles (gemm_grouped_wgmma.cu) and the dense ones as kAuto does.
+// The tests and Timing.Gemm use them to check and time each.
+enum class GemmKernel { kAuto, kMma, kWgmma, kWgmmaGrouped };
 void gemm_set_kernel(GemmKernel k);
 GemmKernel gemm_kernel();
 

@@ -124,6 +124,14 @@ __device__ __forceinline__ void store_tile(const Params& p, const float* Cs, int
 // The wgmma kernel's launcher (gemm_wgmma.cu): 4-bit weights only. `grouped`: p holds a tile schedule
 // and row tiles are kGroupedBM rows.
 void launch_wgmma(const Params& p, bool grouped, long row_tiles, cudaStream_t stream);
+// The persistent grouped wgmma kernel (gemm_grouped_wgmma.cu): 4-bit weights, p holds the expert
+// offsets (it makes its own tiles, of up to grouped_wgmma_rows rows per expert; tile_offsets is not read).
+void launch_wgmma_grouped(const Params& p, cudaStream_t stream);
+// The tile row counts (wgmma N) it is built for, the one it picks for `rows` routed rows over
+// `experts` experts, and, for tests and Timing.Gemm, a forced choice (0 restores the automatic one).
+inline constexpr int kGroupedWgmmaRows[] = {64, 96, 128, 144, 192, 256};
+int grouped_wgmma_rows(long rows, int experts);
+void set_grouped_wgmma_rows(int rows);
 // For tests and Timing.Gemm: every wgmma launch uses `rows` (64 or 128; grouped always 64) x
 // 64·`warpgroups` (2 or 4) tiles instead of the automatic choice; (0, 0) restores it.
 void set_wgmma_tiles(int rows, int warpgroups);
