@@ -134,6 +134,7 @@ TEST(Sample, MatchesTheReference) {
     ds.begin(p, prompt, 0);
     DeviceBuffer<float> dl(size_t(c.vocab));
     const int steps = 12;
+    int agree = 0;  // steps whose token is the reference's
     for (int step = 0; step < steps; ++step) {
       std::vector<float> logits = randn(size_t(c.vocab), c.scale);
       if (c.quantum > 0)
@@ -162,6 +163,8 @@ TEST(Sample, MatchesTheReference) {
         ++mismatches;
         ADD_FAILURE() << c.name << " step " << step << ": device chose " << got.token << ", reference "
                       << want;
+      } else {
+        ++agree;
       }
       if (c.logprobs >= 0) {
         std::vector<float> raw(logits.begin(), logits.begin() + c.limit);
@@ -177,7 +180,7 @@ TEST(Sample, MatchesTheReference) {
       }
       ref.accept(want);  // the device counted its own choice
     }
-    std::printf("  %-72s %d steps agree\n", c.name.c_str(), steps);
+    std::printf("  %-72s %2d of %d steps agree\n", c.name.c_str(), agree, steps);
   }
   EXPECT_EQ(mismatches, 0) << "of " << steps_total << " steps";
 }
