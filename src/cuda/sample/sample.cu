@@ -17,11 +17,6 @@ constexpr int kPerThread = 8;  // registers per thread for the slice
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxBlocks = 256;
 constexpr int kBins = 256;  // 8 bits of key per radix pass
-// Lists of at most kFastK best keys per block, merged by one block: top_k <= kFastK picks its
-// candidates, and top_logprobs its alternatives, with no pass over the vocabulary after the first.
-constexpr int kFastK = 32;
-constexpr int kMergePer = kMaxBlocks * kFastK / kThreads;  // merged keys per thread
-static_assert(kMaxTopLogprobs <= kFastK && kWarps <= 32);
 
 using u64 = unsigned long long;
 
@@ -30,30 +25,26 @@ using u64 = unsigned long long;
 struct Acc {
   u64 best;          // max rank_key of the penalised logits (the greedy choice)
   u64 best_finite;   // the same over the finite ones (the sampling's maximum)
+  unsigned raw_max;  // max order_key of the raw logits
   unsigned n_valid;  // finite penalised logits
   unsigned n_minp;   // of those, s >= log(min_p)
-  unsigned n_gather;
+  unsigned n_gather, n_gather_raw;
   unsigned pad;
   u64 total_mass;
-  u64 w[2][4][kBins];       // radix histograms: [select][pass][bin] weight
-  unsigned n[2][4][kBins];  // and count
+  u64 w[3][4][kBins];       // radix histograms: [select][pass][bin] weight
+  unsigned n[3][4][kBins];  // and count
 };
 struct Scratch {
   unsigned bar[2];  // grid barrier: arrivals, generation
   unsigned pad[2];
   Acc acc[2];
-  // Per-block values: tied counts of the count and mass cuts; kept masses of the draw.
-  u64 blk_count[kMaxBlocks], blk_mass[kMaxBlocks], blk_draw[kMaxBlocks];
-  // Logprobs: each block's maximum of the raw logits and the sum of exp(logit - that maximum).
-  float blk_raw_max[kMaxBlocks];
-  double blk_raw_sum[kMaxBlocks];
-  // Each block's best keys, descending, 0-padded: of the candidates (rank_key of the penalised
-  // logits, when top_k <= kFastK) and of the raw logits (raw_key, for top_logprobs).
-  u64 blk_top[kMaxBlocks][kFastK];
-  u64 blk_top_raw[kMaxBlocks][kFastK];
+  // Per-block values: tied counts of the raw, count and mass cuts; kept masses of the draw.
+  u64 blk_raw[kMaxBlocks], blk_count[kMaxBlocks], blk_mass[kMaxBlocks], blk_draw[kMaxBlocks];
+  double block_lse[kMaxBlocks];
   u64 gather[kSampleGather];
+  u64 gather_raw[kMaxTopLogprobs];
 };
-enum Select { kSelCount = 0, kSelMass = 1 };
+enum Select { kSelCount = 0, kSelMass = 1, kSelRaw = 2 };
 
 struct Args {
   const float* logits;
@@ -68,9 +59,8 @@ struct Args {
   int top_k;  // 0: off
   double top_p;
   u64 R;
-  bool block_lists;  // top_k <= kFastK through the blocks' lists (else the radix select)
-  int forced;        // >= 0: no draw
-  int n_logprobs;    // -1: none
+  int forced;      // >= 0: no draw
+  int n_logprobs;  // -1: none
   Scratch* sc;
   SampleOutput* out;   // mapped host memory
   int32_t* token_out;  // null, or where the chosen token is also stored (device)
@@ -175,12 +165,7 @@ struct Shared {
   u64 red64[kWarps + 1];
   unsigned red32[kWarps + 1];
   double redd[kWarps + 1];
-  float redf[kWarps + 1];
   int digit;
-  u64 lists[kWarps][32];  // block_top: each warp's best, descending
-  u64 top[kFastK];        // block_top's result
-  u64 small_mass[32];     // finish_small: kept masses and ids in id order
-  int small_id[32];
   u64 p1_best[kWarps], p1_fin[kWarps];  // phase 1's per-warp maxima, finite counts, raw maxima
   unsigned p1_valid[kWarps], p1_raw[kWarps];
 };
@@ -379,125 +364,6 @@ __device__ int finish_gathered(const Args& a, int n, float top, Scratch& S, Shar
   return int(~sh.sorted[q] >> 32);
 }
 
-// The raw logits' order for top_logprobs: larger logit first, then lower id; NaN after -inf. Never
-// 0 for an id of the vocabulary (0 marks an empty slot).
-__device__ __forceinline__ u64 raw_key(float raw, int id) {
-  return (u64(raw == raw ? sm::order_key(raw) : 0u) << 32) | (0xffffffffu - uint32_t(id));
-}
-
-// The largest key over the warp, by its high then its low 32 bits (two reductions). Keys are
-// unique, so exactly one lane holds it (unless it is 0: no keys).
-__device__ __forceinline__ u64 warp_max_key(u64 v) {
-  const unsigned hi = __reduce_max_sync(0xffffffffu, unsigned(v >> 32));
-  const unsigned lo = __reduce_max_sync(0xffffffffu, unsigned(v >> 32) == hi ? unsigned(v) : 0u);
-  return (u64(hi) << 32) | lo;
-}
-
-// The K <= kFastK largest of the block's keys (unique; 0: no key), descending and 0-padded, into
-// sh.top[0, K). Each warp takes its best K one by one (two warp reductions each), then warp 0
-// merges the kWarps sorted lists the same way. Every thread of the block calls it.
-template <int N>
-__device__ void block_top(const u64 (&key)[N], int K, Shared& sh) {
-  const int w = threadIdx.x / 32, lane = threadIdx.x % 32;
-  u64 k[N];
-  u64 cur = 0;
-#pragma unroll
-  for (int j = 0; j < N; ++j) k[j] = key[j], cur = max(cur, k[j]);
-  u64 mine = 0;
-  for (int it = 0; it < K; ++it) {
-    const u64 m = warp_max_key(cur);
-    if (m == 0) break;  // the warp's keys are spent (uniform)
-    if (lane == it) mine = m;
-    if (cur == m) {  // the one lane that held it
-      u64 next = 0;
-#pragma unroll
-      for (int j = 0; j < N; ++j) {
-        if (k[j] == m) k[j] = 0;
-        next = max(next, k[j]);
-      }
-      cur = next;
-    }
-  }
-  sh.lists[w][lane] = mine;  // lanes >= K: 0
-  __syncthreads();
-  if (w == 0) {
-    int p = 0;
-    u64 head = lane < kWarps ? sh.lists[lane][0] : 0ull;
-    for (int it = 0; it < K; ++it) {
-      const u64 m = warp_max_key(head);
-      if (lane == 0) sh.top[it] = m;
-      if (m != 0 && head == m) head = ++p < 32 ? sh.lists[lane][p] : 0ull;
-    }
-  }
-  __syncthreads();
-}
-
-// The deciding block: the K best of all blocks' lists (lists[b][0, K), b < gridDim.x) into sh.top.
-__device__ void merge_tops(const u64 (*lists)[kFastK], int K, Shared& sh) {
-  u64 c[kMergePer];
-  const int total = int(gridDim.x) * K;
-#pragma unroll
-  for (int q = 0; q < kMergePer; ++q) {
-    const int f = q * kThreads + int(threadIdx.x);
-    c[q] = f < total ? __ldcg(&lists[f / K][f % K]) : 0ull;
-  }
-  block_top(c, K, sh);
-}
-
-// Block 0 finishes when top_k <= kFastK: sh.top holds the min(top_k, #finite) best candidates in
-// rank order. One warp applies min_p and top_p to them and draws over the kept ones by id, as
-// finish_gathered does. Returns the token (in every thread of the block).
-__device__ int finish_small(const Args& a, float top, Shared& sh) {
-  if (threadIdx.x < 32) {
-    const int lane = int(threadIdx.x);
-    const u64 key = lane < a.top_k ? sh.top[lane] : 0ull;
-    const bool valid = key != 0;
-    const float l = valid ? sm::key_value(uint32_t(key >> 32)) : 0.f;
-    const int id = valid ? sm::rank_key_id(key) : 0;
-    unsigned n = __popc(__ballot_sync(0xffffffffu, valid));  // min(top_k, #finite)
-    // s is monotone in the logit, so those with s >= log(min_p) lead the order: counting them
-    // among the listed ones gives min(n, the vocabulary's count).
-    if (a.use_min_p)
-      n = min(n, unsigned(__popc(__ballot_sync(
-                     0xffffffffu, valid && sm::fmul(sm::fsub(l, top), a.inv_t) >= a.log_min_p))));
-    n = max(n, 1u);
-    const u64 m = unsigned(lane) < n ? mass_at(l, top, a.inv_t) : 0ull;
-    u64 run = m;  // inclusive prefix sums in rank order
-    for (int o = 1; o < 32; o <<= 1) {
-      const u64 y = __shfl_up_sync(0xffffffffu, run, o);
-      if (lane >= o) run += y;
-    }
-    unsigned kept = n;
-    if (a.top_p < 1.0) {
-      const double need = a.top_p * double(__shfl_sync(0xffffffffu, run, int(n) - 1));
-      kept = unsigned(__ffs(int(__ballot_sync(0xffffffffu, unsigned(lane) < n && double(run) >= need))));
-    }
-    // The kept ones in ascending id order: each lane's place among them.
-    const bool is_kept = unsigned(lane) < kept;
-    unsigned place = 0;
-    for (int q = 0; q < 32; ++q) {
-      const int other = __shfl_sync(0xffffffffu, id, q);
-      place += unsigned(q) < kept && other < id;
-    }
-    if (is_kept) sh.small_mass[place] = m, sh.small_id[place] = id;
-    __syncwarp();
-    const u64 mm = is_kept ? sh.small_mass[lane] : 0ull;
-    const int tid = is_kept ? sh.small_id[lane] : 0;
-    u64 acc = mm;
-    for (int o = 1; o < 32; o <<= 1) {
-      const u64 y = __shfl_up_sync(0xffffffffu, acc, o);
-      if (lane >= o) acc += y;
-    }
-    const u64 target = sm::mulhi64(a.R, __shfl_sync(0xffffffffu, acc, int(kept) - 1));
-    const unsigned hit = __ballot_sync(0xffffffffu, is_kept && acc > target);
-    const int q = hit ? __ffs(int(hit)) - 1 : int(kept) - 1;
-    const int tok = __shfl_sync(0xffffffffu, tid, q);
-    if (lane == 0) sh.chosen = tok;
-  }
-  __syncthreads();
-  return sh.chosen;
-}
-
 __global__ void __launch_bounds__(kThreads) sample_kernel(Args a) {
   Scratch& S = *a.sc;
   Acc& A = S.acc[a.parity];
@@ -510,31 +376,26 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(Args a) {
   if (threadIdx.x == 0) sh.chosen = -1;
   auto id_of = [&](int j) { return base + j * kThreads + int(threadIdx.x); };
 
-  // ---- phase 1: penalised logits, their maxima, the finite count; the per-block lists ----
+  // ---- phase 1: penalised logits, their maxima, the finite count, the raw maximum ----
   Slice s;
-  float raw[kPerThread];
   u64 best = 0, best_fin = 0;
   unsigned valid = 0, raw_max = 0;
   const float ninf = -__builtin_huge_valf(), pinf = __builtin_huge_valf();
-  const bool want_lp = a.n_logprobs >= 0;
-  // top_k <= kFastK: the candidates are the best top_k of the blocks' lists (no radix select).
-  const bool fast = a.block_lists && !a.greedy && a.forced < 0 && a.top_k > 0 && a.top_k <= kFastK;
 #pragma unroll
   for (int j = 0; j < kPerThread; ++j) {
     const int i = id_of(j);
     float l = ninf;
     bool fin = false;
-    raw[j] = ninf;
     if (i < end) {
-      raw[j] = a.logits[i];
-      l = sm::penalized(raw[j], a.pen, a.track_seen && (a.seen[i / 32] >> (i % 32) & 1u),
+      const float raw = a.logits[i];
+      l = sm::penalized(raw, a.pen, a.track_seen && (a.seen[i / 32] >> (i % 32) & 1u),
                         a.pen.presence_frequency ? a.counts[i] : 0, a.has_bias, a.has_bias ? a.bias[i] : 0.f);
       if (a.allowed && !(a.allowed[i / 32] >> (i % 32) & 1u)) l = ninf;
       fin = l > ninf && l < pinf;
       best = max(best, u64(sm::rank_key(l, i)));
       if (fin) best_fin = max(best_fin, u64(sm::rank_key(l, i)));
       valid += fin;
-      if (want_lp) raw_max = max(raw_max, raw[j] != raw[j] ? 0u : sm::order_key(raw[j]));
+      if (a.n_logprobs >= 0) raw_max = max(raw_max, raw != raw ? 0u : sm::order_key(raw));
     }
     s.l[j] = l;
     s.k[j] = sm::order_key(l);
@@ -547,7 +408,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(Args a) {
       best_fin = max(best_fin, __shfl_xor_sync(0xffffffffu, best_fin, o));
     }
     valid = __reduce_add_sync(0xffffffffu, valid);
-    raw_max = __reduce_max_sync(0xffffffffu, raw_max);
+    raw_max = __reduce_max_sync(0xffffffffu, raw_max);  // 0 without logprobs
     if (lane == 0)
       sh.p1_best[w] = best, sh.p1_fin[w] = best_fin, sh.p1_valid[w] = valid, sh.p1_raw[w] = raw_max;
     __syncthreads();
@@ -560,52 +421,51 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(Args a) {
       raw_max = max(raw_max, sh.p1_raw[i]);
     }
   }
-  if (want_lp) {
-    // The block's share of the raw distribution's normaliser, relative to its own maximum (the
-    // deciding block rescales: lse = M + log(sum_b e_b * exp(m_b - M))).
-    const float mb = raw_max ? sm::key_value(raw_max) : ninf;
-    double e = 0;
-#pragma unroll
-    for (int j = 0; j < kPerThread; ++j)
-      if (id_of(j) < end && raw[j] != ninf) e += exp(double(raw[j]) - double(mb));
-    e = block_reduce<double>(e, Sum{}, sh.redd);
-    if (threadIdx.x == 0) S.blk_raw_max[blockIdx.x] = mb, S.blk_raw_sum[blockIdx.x] = e;
-    if (a.n_logprobs > 0) {
-      u64 rk[kPerThread];
-#pragma unroll
-      for (int j = 0; j < kPerThread; ++j) rk[j] = id_of(j) < end ? raw_key(raw[j], id_of(j)) : 0ull;
-      block_top(rk, a.n_logprobs, sh);
-      if (int(threadIdx.x) < kFastK)
-        S.blk_top_raw[blockIdx.x][threadIdx.x] = int(threadIdx.x) < a.n_logprobs ? sh.top[threadIdx.x] : 0ull;
-    }
-  }
-  if (fast) {
-    u64 ck[kPerThread];
-#pragma unroll
-    for (int j = 0; j < kPerThread; ++j) ck[j] = s.in[j] ? sm::rank_key(s.l[j], id_of(j)) : 0ull;
-    block_top(ck, a.top_k, sh);
-    if (int(threadIdx.x) < kFastK)
-      S.blk_top[blockIdx.x][threadIdx.x] = int(threadIdx.x) < a.top_k ? sh.top[threadIdx.x] : 0ull;
-  }
   if (threadIdx.x == 0) {
     atomicMax(&A.best, best);
     atomicMax(&A.best_finite, best_fin);
     atomicAdd(&A.n_valid, valid);
+    if (a.n_logprobs >= 0) atomicMax(&A.raw_max, raw_max);
   }
-  grid_sync(S.bar);  // the blocks' values and lists are visible from here on
+  grid_sync(S.bar);
   best = __ldcg(&A.best);
   const unsigned n_valid = __ldcg(&A.n_valid);
   const float top = sm::key_value(uint32_t(__ldcg(&A.best_finite) >> 32));
+
+  // ---- logprobs: the raw distribution's normaliser (per block) and its best ids ----
+  if (a.n_logprobs >= 0) {
+    const double raw_top = double(sm::key_value(__ldcg(&A.raw_max)));
+    double e = 0;
+    for (int i = base + int(threadIdx.x); i < end; i += kThreads) e += exp(double(a.logits[i]) - raw_top);
+    e = block_reduce<double>(e, Sum{}, sh.redd);
+    if (threadIdx.x == 0) S.block_lse[blockIdx.x] = e;
+    if (a.n_logprobs > 0) {
+      Slice r;
+      const unsigned want = unsigned(min(a.n_logprobs, a.limit));
+#pragma unroll
+      for (int j = 0; j < kPerThread; ++j) {
+        const int i = id_of(j);
+        const float raw = i < end ? a.logits[i] : 0.f;
+        r.l[j] = raw;
+        r.k[j] = i < end && raw == raw ? sm::order_key(raw) : 0u;
+        r.in[j] = i < end;
+      }
+      const Selected sel = radix_select<false>(r.k, r.in, nullptr, double(want), A, kSelRaw, S, sh);
+      cut_at(r, sel, want - sel.above_n, S.blk_raw, S, sh);
+#pragma unroll
+      for (int j = 0; j < kPerThread; ++j)
+        if (r.in[j]) {
+          const unsigned slot = atomicAdd(&A.n_gather_raw, 1u);
+          if (slot < kMaxTopLogprobs) S.gather_raw[slot] = sm::rank_key(r.l[j], id_of(j));
+        }
+    }
+    grid_sync(S.bar);  // the partial sums and the gathered ids are visible from here on
+  }
 
   // ---- the choice ----
   const bool draw = a.forced < 0 && !a.greedy && n_valid > 0;
   if (!draw) {
     if (blockIdx.x == 0 && threadIdx.x == 0) sh.chosen = a.forced >= 0 ? a.forced : sm::rank_key_id(best);
-  } else if (fast) {
-    if (blockIdx.x == 0) {
-      merge_tops(S.blk_top, a.top_k, sh);
-      finish_small(a, top, sh);
-    }
   } else {
     unsigned n = n_valid;
     if (a.top_k > 0) n = min(n, unsigned(a.top_k));
@@ -689,46 +549,39 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(Args a) {
   }
   __syncthreads();
   const int chosen = sh.chosen;
-  SampleOutput& o = *a.out;
-  // The last block reports the top_logprobs alternatives while the deciding block (usually block
-  // 0) finishes the choice; both compute the same normaliser.
-  const bool alternatives = a.n_logprobs > 0 && blockIdx.x == gridDim.x - 1;
-  if (chosen < 0 && !alternatives) return;  // another block decided
-  double lse = 0;
-  if (want_lp) {
-    float M = ninf;
-    for (int b = threadIdx.x; b < int(gridDim.x); b += kThreads) M = fmaxf(M, __ldcg(&S.blk_raw_max[b]));
-    M = block_reduce<float>(M, Max{}, sh.redf, ninf);
-    lse = double(M);  // the reference's value when the maximum is not finite
-    if (M > ninf && M < pinf) {
-      double e = 0;
-      for (int b = threadIdx.x; b < int(gridDim.x); b += kThreads)
-        e += __ldcg(&S.blk_raw_sum[b]) * exp(double(__ldcg(&S.blk_raw_max[b])) - double(M));
-      e = block_reduce<double>(e, Sum{}, sh.redd);
-      lse = double(M) + log(e);
-    }
-  }
-  if (alternatives) {
-    merge_tops(S.blk_top_raw, a.n_logprobs, sh);
-    int n = a.n_logprobs;
-    while (n > 0 && sh.top[n - 1] == 0) --n;
-    if (int(threadIdx.x) < n) {
-      const int id = sm::rank_key_id(sh.top[threadIdx.x]);
-      o.top_id[threadIdx.x] = id;
-      o.top_logprob[threadIdx.x] = float(double(a.logits[id]) - lse);
-    }
-    if (threadIdx.x == 0) o.n_top = n;
-  }
+  if (chosen < 0) return;  // another block decided
+
   // ---- the deciding block: output and penalty state ----
-  if (chosen >= 0 && threadIdx.x == 0) {
-    if (want_lp) o.logprob = float(double(a.logits[chosen]) - lse);
-    if (a.n_logprobs == 0) o.n_top = 0;
+  SampleOutput& o = *a.out;
+  if (a.n_logprobs >= 0) {
+    double e = 0;
+    for (int b = threadIdx.x; b < int(gridDim.x); b += kThreads) e += __ldcg(&S.block_lse[b]);
+    e = block_reduce<double>(e, Sum{}, sh.redd);
+    const double lse = double(sm::key_value(__ldcg(&A.raw_max))) + log(e);
+    if (threadIdx.x == 0) {
+      o.logprob = float(double(a.logits[chosen]) - lse);
+      const int n = a.n_logprobs > 0 ? min(int(__ldcg(&A.n_gather_raw)), kMaxTopLogprobs) : 0;
+      u64 k[kMaxTopLogprobs];
+      for (int i = 0; i < n; ++i) {
+        u64 v = __ldcg(&S.gather_raw[i]);
+        int p = i;
+        for (; p > 0 && k[p - 1] < v; --p) k[p] = k[p - 1];
+        k[p] = v;
+      }
+      for (int i = 0; i < n; ++i) {
+        const int id = sm::rank_key_id(k[i]);
+        o.top_id[i] = id;
+        o.top_logprob[i] = float(double(a.logits[id]) - lse);
+      }
+      o.n_top = n;
+    }
+  }
+  if (threadIdx.x == 0) {
     o.token = chosen;
     if (a.token_out) *a.token_out = chosen;
     a.counts[chosen] += 1;
     if (a.track_seen) atomicOr(&a.seen[chosen / 32], 1u << (chosen % 32));
   }
-  __threadfence_system();  // the output lives in mapped host memory
 }
 
 }  // namespace
@@ -814,7 +667,6 @@ void DeviceSampler::enqueue(const float* logits, int limit, uint64_t R, const ui
   a.log_min_p = a.use_min_p ? float(std::log(p_.min_p)) : 0.f;
   a.top_p = p_.top_p;
   a.R = R;
-  a.block_lists = block_lists_;
   a.forced = forced;
   a.n_logprobs = n_logprobs;
   a.sc = reinterpret_cast<Scratch*>(scratch_.get());

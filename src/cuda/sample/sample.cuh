@@ -9,20 +9,15 @@
 //
 // How (sample.cu): one block per multiprocessor, each owning a contiguous slice of the vocabulary
 // in registers; the blocks meet at grid barriers (counters in global memory) between phases:
-//   1. penalised logits, their maximum (the greedy choice) and the count of finite ones; with
-//      logprobs, each block's share of the normaliser (its maximum and sum of exponentials) and
-//      its best top_logprobs raw logits; with top_k <= 32, its best top_k candidates. Keys are
-//      unique (logit, then id), so the best K of the union of the blocks' best K are the best K.
-//   2. top_k <= 32: block 0 merges the blocks' lists and one warp finishes (min_p, top_p, the
-//      draw): one barrier in all. Otherwise, when top_k or min_p cut the candidates: the n-th
-//      best by a 4-pass radix select over the logits' order-preserving keys (8 bits a pass,
-//      histograms in global memory);
+//   1. penalised logits, their maximum (the greedy choice) and the count of finite ones;
+//   2. when top_k or min_p cut the candidates: the n-th best by a 4-pass radix select over the
+//      logits' order-preserving keys (8 bits a pass, histograms in global memory);
 //   3. at most kSampleGather candidates: gathered, sorted and finished by one block (top_p over
 //      the sorted masses, the draw over the kept ids); more: top_p by a radix select weighted by
 //      the integer masses, then the draw by block prefix sums of the kept masses.
 //   Ties at a selected key are broken by id with one more barrier, only when they matter.
-//   The deciding block writes the choice, and the last block the top_logprobs alternatives (at
-//   the same time), into mapped host memory.
+//   The deciding block writes the output into mapped host memory (no copy on the stream) and,
+//   when asked, the chosen token into the decode graph's input (no upload on the next feed).
 #pragma once
 #include <cstdint>
 #include <span>
@@ -69,14 +64,10 @@ class DeviceSampler {
   // into mapped host memory).
   const SampleOutput& output() const { return *out_host_; }
 
-  // Tests (A/B): false sends top_k <= 32 through the radix select instead of the blocks' lists.
-  void set_block_lists(bool on) { block_lists_ = on; }
-
  private:
   int vocab_ = 0, blocks_ = 0;
   SamplingParams p_;
   bool has_bias_ = false;
-  bool block_lists_ = true;
   int parity_ = 0;
   DeviceBuffer<int> counts_;        // [vocab] times each id was generated
   DeviceBuffer<uint32_t> seen_;     // [vocab / 32] repetition penalty: prompt and generated ids
