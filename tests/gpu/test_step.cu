@@ -1,9 +1,10 @@
 // The persistent decode step (src/cuda/step/) against the per-op decode kernels it replaces, on
 // the synthetic full-size checkpoint (its shapes are the ones the step runs; set TANSY_SYNTH_DIR).
-// Teacher-forced on the per-op run's greedy tokens: the logits of every step within the bf16
-// plan's tolerance with the same decisive top-1, and all but at most two layers routed alike (the
-// step's 2048-column products add in another order, on tensor cores, so near-ties may route
-// apart). The step is deterministic (two runs bit-identical). The
+// Teacher-forced on the per-op run's greedy tokens: on a 132-multiprocessor card (H100 SXM / H200,
+// where the residual products' partial sums fall into the same row blocks) the logits of every
+// step bit-identical to the per-op kernels' and the same routed experts, since the step computes
+// each value with their device functions in their order; elsewhere within the bf16 plan's
+// tolerance with the same decisive top-1. The step is deterministic (two runs bit-identical). The
 // per-op kernels are themselves checked against the CPU reference (test_matvec, test_gdn,
 // test_moe, and test_model's layer-by-layer runs, whose synthetic decode step runs the step).
 #include <algorithm>
@@ -117,8 +118,13 @@ TEST(Step, SyntheticMatchesPerOpKernels) {
       "%d/%d, %d rows bit-identical; traced step: %d/%zu layers routed alike\n",
       step.logits.size(), worst, agree, decisive, identical, same_routes, step.routes.size());
   EXPECT_EQ(agree, decisive);
-  EXPECT_LT(worst, 2e-2);
-  EXPECT_GE(same_routes, int(step.routes.size()) - 2);
+  if (cuda::sm_count() == 132) {
+    EXPECT_EQ(identical, int(step.logits.size()))
+        << "132 multiprocessors: the step must equal the per-op kernels";
+    EXPECT_EQ(step.routes, ref.routes);
+  } else {
+    EXPECT_LT(worst, 2e-2);
+  }
 
   // greedy through generate_greedy (the bench's path) from a reset state equals a new state's
   auto st = m->new_state(int(prompt.size()) + 41);

@@ -6,7 +6,6 @@
 #include "cuda/common/bulk_copy.cuh"
 #include "cuda/common/device_math.cuh"
 #include "cuda/common/launch.cuh"
-#include "cuda/common/tensor_core.cuh"
 #include "cuda/gdn/decode_step.cuh"
 #include "cuda/matvec/chunk.cuh"
 #include "cuda/matvec/fused.cuh"
@@ -29,8 +28,8 @@ constexpr int kProducerWarp = kWarps;
 // with the next two products', so the weights of out_proj and the router land while the
 // recurrence runs; the experts' 5 + 3 tiles fit beside each other once the routing is known.
 constexpr int kSlots = 10;
-constexpr uint32_t kSlotBytes = 19328;  // the in_proj's tensor-core tile with its conv taps (below)
-constexpr uint32_t kXsBytes = 20736;    // staged x: the experts' 9 down inputs of 512 are the largest
+constexpr uint32_t kSlotBytes = 18944;
+constexpr uint32_t kXsBytes = 20736;  // staged x: the experts' 9 down inputs of 512 are the largest
 constexpr size_t kStepSmem = size_t(kSlots) * kSlotBytes + kXsBytes;
 
 using ConsumerSync = NamedSync<1, kConsumers>;
@@ -150,10 +149,10 @@ __device__ __forceinline__ void grid_wait(const unsigned* bar, unsigned target) 
 }
 
 // The shapes the step's dot products are unrolled for (the real model's; step_supported checks
-// them): chunks per row of the router's 2048 8-bit columns, of out_proj's 4096 columns, of the
-// experts' 512-column down rows; slots per token. (The 2048-column 4-bit products run on tensor
-// cores, Consumer::tc_tile.)
+// them): chunks per row of the 2048-column products (in_proj and experts gate|up 4-bit, the router
+// 8-bit), of out_proj's 4096 columns, of the experts' 512-column down rows; slots per token.
 constexpr int kHidden = 2048, kValueDim = 4096, kMoeInter = 512, kSlotsPerToken = 9;
+constexpr int kCprIn = kHidden / Chunk<4>::kCols;      // 64: 2 chunks per lane
 constexpr int kCprRouter = kHidden / Chunk<8>::kCols;  // 128
 constexpr int kCprOut = kValueDim / Chunk<4>::kCols;   // 128
 constexpr int kCprDown = kMoeInter / Chunk<4>::kCols;  // 16: one chunk per lane of 16
@@ -201,18 +200,6 @@ __device__ __forceinline__ TileLayout tile_layout(int cap, int row_bytes, int gr
   return t;
 }
 
-// The 16-row tiles of the 2048-column 4-bit products (in_proj GDN / attention, experts gate|up),
-// read as mma A fragments by the tensor-core dot (Consumer::tc_tile): each row of codes at its own
-// 1056-byte pitch, so that the 16 lanes of a half warp, which read 8 bytes at one column offset
-// from 4 rows (+ 32 bytes per row), hit 16 different 8-byte bank pairs; then scales and biases
-// [16 rows][32 groups] bf16, and for the GDN's conv rows the taps [16][4] f32 and the window
-// [3][16] bf16. Copied with one bulk copy per row, issued by the producer warp's lanes at once.
-constexpr uint32_t kPitch = kHidden / 2 + 32;
-constexpr uint32_t kTcSc = kRowsIn * kPitch, kTcBi = kTcSc + kRowsIn * 32 * 2,
-                   kTcCw = kTcBi + kRowsIn * 32 * 2;
-constexpr uint32_t kTcWin = kTcCw + kRowsIn * 4 * 4;
-static_assert(kTcWin + 3 * kRowsIn * 2 <= kSlotBytes && kSlotBytes % 128 == 0);
-
 // ---- the producer ----
 
 template <int BITS>
@@ -249,37 +236,6 @@ __device__ void route(const StepArgs& a, const StepLayer& L, unsigned target, Ro
   }
 }
 
-// One 16-row tile of a 2048-column 4-bit matrix (rows r0..r0+15) into the next slot in the
-// tensor-core layout, with the GDN's conv taps and window when `conv`, by the whole producer
-// warp: lane 0 takes the slot and announces the bytes, then lanes 0-15 copy a row each and lanes
-// 16-20 the scales, biases, taps and window rows.
-__device__ void copy_tile_tc(Ring& ring, const DevLinear& W, int64_t r0, bool conv, const StepArgs& a,
-                             const StepLayer& L, int lane) {
-  constexpr unsigned kRowBytes = kHidden / 2, kGroupBytes = kRowsIn * 32 * 2;
-  const unsigned bytes =
-      kRowsIn * kRowBytes + 2 * kGroupBytes + (conv ? kRowsIn * 4 * 4 + 3 * kRowsIn * 2 : 0);
-  uint64_t* bar = nullptr;
-  uint32_t off = 0;
-  if (lane == 0) off = uint32_t(ring_acquire(ring, bytes, bar) - ring.slots);
-  off = __shfl_sync(0xffffffffu, off, 0);
-  bar = ring.full + off / kSlotBytes;
-  uint8_t* dst = ring.slots + off;
-  __syncwarp();  // the announcement precedes the copies
-  const int64_t groups = W.in / kQuantGroup;
-  if (lane < kRowsIn)
-    bulk::copy(dst + lane * kPitch, reinterpret_cast<const uint8_t*>(W.q) + (r0 + lane) * kRowBytes,
-               kRowBytes, bar);
-  else if (lane == 16)
-    bulk::copy(dst + kTcSc, W.scales + r0 * groups, kGroupBytes, bar);
-  else if (lane == 17)
-    bulk::copy(dst + kTcBi, W.biases + r0 * groups, kGroupBytes, bar);
-  else if (conv && lane == 18)
-    bulk::copy(dst + kTcCw, L.conv_w + r0 * 4, kRowsIn * 4 * 4, bar);
-  else if (conv && lane >= 19 && lane < 22)
-    bulk::copy(dst + kTcWin + (lane - 19) * kRowsIn * 2, L.window + int64_t(lane - 19) * a.conv_dim + r0,
-               kRowsIn * 2, bar);
-}
-
 __device__ void produce(const StepArgs& a, const StepLayer& L, int kind, unsigned phase_target, Ring& ring,
                         RouteSmem& rs, int lane) {
   const int G = gridDim.x, b = blockIdx.x;
@@ -290,10 +246,21 @@ __device__ void produce(const StepArgs& a, const StepLayer& L, int kind, unsigne
     case kAttnIn: {
       const bool gdn = kind == kGdnIn;
       const DevLinear& W = gdn ? L.gdn_in : L.attn_in;
-      for (int i = b; i < nt; i += G) {
-        const int r0 = i * kRowsIn;  // out % 16 == 0 (step_supported)
-        // conv_dim % 16 == 0: a tile is all conv rows or none
-        copy_tile_tc(ring, W, r0, gdn && r0 < a.conv_dim, a, L, lane);
+      const int K = a.conv_kernel;
+      const TileLayout t = tile_layout(kRowsIn, W.in / 2, W.in / kQuantGroup, K);
+      for (int i = b; i < nt && lane == 0; i += G) {
+        const int r0 = i * kRowsIn, rows = min(kRowsIn, W.out - r0);
+        const bool conv = gdn && r0 < a.conv_dim;  // conv_dim % 16 == 0: a tile is all conv rows or none
+        const unsigned bytes =
+            rows_bytes<4>(W, rows) + (conv ? unsigned(rows * K * 4 + (K - 1) * rows * 2) : 0u);
+        uint8_t* dst = ring_acquire(ring, bytes, bar);
+        copy_rows<4>(dst, t, W, r0, rows, bar);
+        if (conv) {
+          bulk::copy(dst + t.cw, L.conv_w + int64_t(r0) * K, unsigned(rows * K * 4), bar);
+          for (int j = 0; j < K - 1; ++j)
+            bulk::copy(dst + t.win + j * kRowsIn * 2, L.window + int64_t(j) * a.conv_dim + r0,
+                       unsigned(rows * 2), bar);
+        }
       }
       break;
     }
@@ -318,15 +285,18 @@ __device__ void produce(const StepArgs& a, const StepLayer& L, int kind, unsigne
     }
     case kExpertsGu: {
       const DevLinear& W = L.gu;
+      const TileLayout t = tile_layout(2 * kPairsGu, W.in / 2, W.in / kQuantGroup, 0);
       const int shared_tiles = a.I / kPairsGu;
       auto issue = [&](int i, int expert) {
         int j, p0;
         gu_tile(a, i, j, p0);
-        copy_tile_tc(ring, W, int64_t(expert) * 2 * a.I + 2 * p0, false, a, L, lane);
+        const int64_t r0 = int64_t(expert) * 2 * a.I + 2 * p0;
+        uint8_t* dst = ring_acquire(ring, rows_bytes<4>(W, 2 * kPairsGu), bar);
+        copy_rows<4>(dst, t, W, r0, 2 * kPairsGu, bar);
       };
-      for (int i = b; i < min(nt, shared_tiles); i += G) issue(i, a.E);  // before the routing
+      for (int i = b; i < min(nt, shared_tiles) && lane == 0; i += G) issue(i, a.E);  // before the routing
       route(a, L, phase_target, rs, lane);
-      for (int i = b; i < nt; i += G)
+      for (int i = b; i < nt && lane == 0; i += G)
         if (i >= shared_tiles) {
           int j, p0;
           gu_tile(a, i, j, p0);
@@ -372,91 +342,7 @@ struct Consumer {
   float* red;
   RouteSmem& rs;
   int warp, lane;
-  float (*red2)[kWarps][kRowsIn];  // [2][8 warps][16 rows]: the tensor-core tiles' partial sums
-  unsigned p = 0;                  // the product's index in the launch (profiling stamps)
-
-  // ---- the tensor-core dot of the 16-row, 2048-column 4-bit tiles (in_proj, experts gate|up) ----
-  // As the fused head (head/lm_head.cu): the codes of a word become mma A fragments with a shift
-  // and a mask per nibble pair (k, k+4) = bf16 128+q, so x is packed in that k order as B
-  // fragments; warp w takes quant groups 4w..4w+3 (256 columns) of all 16 rows, the mma
-  // accumulator restarting per group so that its scale and bias apply in f32 (as chunk_dot:
-  // s·Σ(128+q)x + (b - 128s)·Σx). Only B's column 0 holds x (the other columns' products are
-  // ignored), so every lane loads the same fragments as lane t of its quad.
-  struct TcX {
-    uint4 b[4][2];  // [group of the warp][word of the lane's 8 bytes]: the 4 B registers of its 2 mma
-    float sx[4];    // Σx of the group
-  };
-  // x of the product (xs, f32 chunks as stage_norm / stage_rows leave them) as bf16 pairs [256
-  // words] and group sums [32] after the chunks, then each warp's fragments into registers.
-  __device__ void tc_stage(TcX& X) {
-    constexpr int S = Chunk<4>::kStride;
-    uint4* pairs = reinterpret_cast<uint4*>(xs + (kHidden / Chunk<4>::kCols) * S);
-    float* gsum = reinterpret_cast<float*>(pairs + kHidden / 8);
-    {
-      const int j = threadIdx.x;  // word j: columns 8j..8j+7, chunk j/4
-      const float* src = xs + (j / 4) * S + (j % 4) * 8;
-      const float4 lo = *reinterpret_cast<const float4*>(src), hi = *reinterpret_cast<const float4*>(src + 4);
-      pairs[j] = make_uint4(tc::pack_bf16(lo.x, hi.x), tc::pack_bf16(lo.y, hi.y), tc::pack_bf16(lo.z, hi.z),
-                            tc::pack_bf16(lo.w, hi.w));
-      if (j < kHidden / kQuantGroup)
-        gsum[j] = xs[(2 * j) * S + Chunk<4>::kCols] + xs[(2 * j + 1) * S + Chunk<4>::kCols];
-    }
-    static_assert(kConsumers == kHidden / 8 && kQuantGroup == 2 * Chunk<4>::kCols);
-    ConsumerSync{}();
-    const int t = lane & 3;
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int gi = 4 * warp + q;
-      X.b[q][0] = pairs[8 * gi + 2 * t];
-      X.b[q][1] = pairs[8 * gi + 2 * t + 1];
-      X.sx[q] = gsum[gi];
-    }
-  }
-  // The warp's partial sums of the tile's rows g and g+8 (lane = 4g + t) into part[warp][] (lanes
-  // t == 0). Every read of the slot is done when it returns.
-  __device__ void tc_tile(const uint8_t* base, const TcX& X, float (*part)[kRowsIn]) const {
-    const int g = lane >> 2, t = lane & 3;
-    const bf16* sc = reinterpret_cast<const bf16*>(base + kTcSc);
-    const bf16* bi = reinterpret_cast<const bf16*>(base + kTcBi);
-    constexpr int kG = kHidden / kQuantGroup;
-    uint2 wa[4], wb[4];
-    float sa[4], ba[4], sb[4], bb[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int gi = 4 * warp + q;
-      wa[q] = *reinterpret_cast<const uint2*>(base + g * kPitch + 32 * gi + 8 * t);
-      wb[q] = *reinterpret_cast<const uint2*>(base + (g + 8) * kPitch + 32 * gi + 8 * t);
-      sa[q] = __bfloat162float(sc[g * kG + gi]);
-      ba[q] = __bfloat162float(bi[g * kG + gi]);
-      sb[q] = __bfloat162float(sc[(g + 8) * kG + gi]);
-      bb[q] = __bfloat162float(bi[(g + 8) * kG + gi]);
-    }
-    float c[4][4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) c[q][0] = c[q][1] = c[q][2] = c[q][3] = 0.f;
-#pragma unroll
-    for (int wi = 0; wi < 2; ++wi)
-#pragma unroll
-      for (int q = 0; q < 4; ++q)
-        tc::mma_word(c[q], wi ? wa[q].y : wa[q].x, wi ? wb[q].y : wb[q].x, X.b[q][wi]);
-    float ta = 0.f, tb = 0.f;
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      ta += fmaf(sa[q], c[q][0], (ba[q] - 128.f * sa[q]) * X.sx[q]);
-      tb += fmaf(sb[q], c[q][2], (bb[q] - 128.f * sb[q]) * X.sx[q]);
-    }
-    if (t == 0) {
-      part[warp][g] = ta;
-      part[warp][g + 8] = tb;
-    }
-  }
-  // Row r's dot product: the 8 warps' partial sums in order.
-  __device__ static float tc_row(const float (*part)[kRowsIn], int r) {
-    float y = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) y += part[w][r];
-    return y;
-  }
+  unsigned p = 0;  // the product's index in the launch (profiling stamps)
 
   __device__ void staged() const { stamp(a, p, 2); }
   __device__ void landed(bool first, bool last) const {
@@ -471,9 +357,10 @@ struct Consumer {
   }
 
   // GDN in_proj with the input norm, then each row's conv / gate epilogue (GDN), or the attention's
-  // in_proj with its input norm, the rows stored for the attention core; on tensor cores.
+  // in_proj with its input norm, the rows stored for the attention core; 2 rows per warp.
   template <bool GDN>
   __device__ void in_proj(const StepLayer& L) {
+    const DevLinear& W = GDN ? L.gdn_in : L.attn_in;
     const int nt = n_tiles(a, L, GDN ? kGdnIn : kAttnIn);
     if (int(blockIdx.x) >= nt) return;
     NormIn nz;
@@ -483,6 +370,7 @@ struct Consumer {
     nz.eps = a.eps;
     stage_norm<4>(nz, kHidden, xs, red, false, ConsumerSync{});
     ConsumerSync{}();
+    staged();
     GdnInEpilogue G;
     G.conv_dim = a.conv_dim;
     G.value_dim = a.value_dim;
@@ -495,34 +383,50 @@ struct Consumer {
     G.conv_out = a.conv_out;
     G.beta = a.beta;
     G.g = a.g;
-    TcX X;
-    tc_stage(X);
-    staged();
-    int buf = 0;
-    for (int i = blockIdx.x; i < nt; i += gridDim.x, buf ^= 1) {
+    const int K = a.conv_kernel;
+    const TileLayout t = tile_layout(kRowsIn, kHidden / 2, kHidden / kQuantGroup, K);
+    constexpr int R = kRowsIn / kWarps;
+    static_assert(R == 2);
+    const int lr[R] = {warp, warp + kWarps};
+    for (int i = blockIdx.x; i < nt; i += gridDim.x) {
       unsigned slot;
       const uint8_t* base = next_tile(slot, i == int(blockIdx.x), i + int(gridDim.x) >= nt);
-      const int r0 = i * kRowsIn;
-      // warp 0's lanes 0-15 finish row r0 + lane: its conv taps and window read before the slot goes back
-      const bool conv = GDN && r0 < a.conv_dim;
-      float w[4] = {0.f, 0.f, 0.f, 0.f}, in[3] = {0.f, 0.f, 0.f};
-      if (conv && warp == 0 && lane < kRowsIn) {
-        const float* cw = reinterpret_cast<const float*>(base + kTcCw);
-        const bf16* win = reinterpret_cast<const bf16*>(base + kTcWin);
+      const float* cw = reinterpret_cast<const float*>(base + t.cw);
+      const bf16* win = reinterpret_cast<const bf16*>(base + t.win);
+      const int r0 = i * kRowsIn, rows = min(kRowsIn, W.out - r0);
+      float y[R];
+      dot_rows<4, kCprIn, R>(base, reinterpret_cast<const bf16*>(base + t.sc),
+                             reinterpret_cast<const bf16*>(base + t.bi), lr, xs, lane, y);
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          w[q] = cw[lane * 4 + q];
-          if (q < 3) in[q] = __bfloat162float(win[q * kRowsIn + lane]);
-        }
+      for (int k = 0; k < R; ++k) y[k] = group_sum<32>(y[k]);
+      if constexpr (!GDN) {
+        ring_release(ring, slot, lane);
+        if (lane == 0)
+#pragma unroll
+          for (int k = 0; k < R; ++k)
+            if (lr[k] < rows) a.proj[r0 + lr[k]] = __float2bfloat16(y[k]);
+        continue;
       }
-      tc_tile(base, X, red2[buf]);
+      // lane 0: the conv (4 taps, from the tile) or gate epilogue of the warp's rows
+      float w[R][4], in[R][3];
+      if (lane == 0) {
+#pragma unroll
+        for (int k = 0; k < R; ++k)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            w[k][q] = cw[lr[k] * 4 + q];
+            if (q < 3) in[k][q] = __bfloat162float(win[q * kRowsIn + lr[k]]);
+          }
+      }
       ring_release(ring, slot, lane);
-      ConsumerSync{}();  // every warp's partial sums of the tile are in red2[buf]
-      if (warp == 0 && lane < kRowsIn) {
-        const int row = r0 + lane;
-        const float y = tc_row(red2[buf], lane);
-        a.proj[row] = __float2bfloat16(y);
-        if constexpr (GDN) gdn_in_epilogue_k4(G, row, y, w, in);
+      if (lane == 0) {
+#pragma unroll
+        for (int k = 0; k < R; ++k) {
+          if (lr[k] >= rows) break;
+          const int row = r0 + lr[k];
+          a.proj[row] = __float2bfloat16(y[k]);
+          gdn_in_epilogue_k4(G, row, y[k], w[k], in[k]);
+        }
       }
     }
   }
@@ -634,28 +538,28 @@ struct Consumer {
     }
   }
 
-  // Experts gate|up with SwiGLU: tile i = (slot j, pairs p0..p0+7) by gu_tile, pair p0 + p from
-  // the tile's rows 2p (gate) and 2p+1 (up), on tensor cores.
+  // Experts gate|up with SwiGLU: tile i = (slot j, pairs p0..p0+7) by gu_tile, output pair p0 + warp.
   __device__ void experts_gu(const StepLayer& L) {
     const int nt = n_tiles(a, L, kExpertsGu);
     if (int(blockIdx.x) >= nt) return;
     stage_rows<4>(a.xn, kHidden, 1, 1, kHidden, xs, kConsumers);
     ConsumerSync{}();
-    TcX X;
-    tc_stage(X);
     staged();
-    int buf = 0;
-    for (int i = blockIdx.x; i < nt; i += gridDim.x, buf ^= 1) {
+    const TileLayout t = tile_layout(2 * kPairsGu, kHidden / 2, kHidden / kQuantGroup, 0);
+    const int lr[2] = {2 * warp, 2 * warp + 1};
+    for (int i = blockIdx.x; i < nt; i += gridDim.x) {
       unsigned slot;
       const uint8_t* base = next_tile(slot, i == int(blockIdx.x), i + int(gridDim.x) >= nt);
-      tc_tile(base, X, red2[buf]);
+      float y[2];
+      dot_rows<4, kCprIn, 2>(base, reinterpret_cast<const bf16*>(base + t.sc),
+                             reinterpret_cast<const bf16*>(base + t.bi), lr, xs, lane, y);
       ring_release(ring, slot, lane);
-      ConsumerSync{}();                    // every warp's partial sums of the tile are in red2[buf]
-      if (warp == 0 && lane < kPairsGu) {  // rows 2p, 2p+1 of the tile: pair p's gate and up
+      y[0] = group_sum<32>(y[0]);
+      y[1] = group_sum<32>(y[1]);
+      if (lane == 0) {
         int j, p0;
         gu_tile(a, i, j, p0);
-        const float g = tc_row(red2[buf], 2 * lane), u = tc_row(red2[buf], 2 * lane + 1);
-        a.act[int64_t(j) * kMoeInter + p0 + lane] = __float2bfloat16(swiglu_bf16(g, u));
+        a.act[int64_t(j) * kMoeInter + p0 + warp] = __float2bfloat16(swiglu_bf16(y[0], y[1]));
       }
     }
   }
@@ -759,7 +663,6 @@ __global__ void __launch_bounds__(kStepThreads, 1) step_kernel(const __grid_cons
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ alignas(8) uint64_t full[kSlots], empty[kSlots];
   __shared__ float red[kWarps];
-  __shared__ float red2[2][kWarps][kRowsIn];
   __shared__ RouteSmem rs;
   __shared__ gdn_unit::Smem gsm;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -784,8 +687,7 @@ __global__ void __launch_bounds__(kStepThreads, 1) step_kernel(const __grid_cons
   }
   prefetch_small(a, a.layer[0], step_product(a.layer[0], 0), threadIdx.x);
   pdl_wait();
-  Consumer c{a,    ring, reinterpret_cast<float*>(smem + size_t(kSlots) * kSlotBytes), red, rs, warp,
-             lane, red2};
+  Consumer c{a, ring, reinterpret_cast<float*>(smem + size_t(kSlots) * kSlotBytes), red, rs, warp, lane};
   unsigned p = 0;
   unsigned total = 0;
   for (int li = 0; li < a.n_layers; ++li) total += step_n_products(a.layer[li]);
@@ -869,7 +771,9 @@ bool step_supported(const StepLayer& L, const StepArgs& a, std::string* why) {
     if (uint32_t(kRowsOut * (a.value_dim / 2 + a.value_dim / 16)) > kSlotBytes ||
         size_t(a.value_dim / 32) * 36 * 4 > kXsBytes)
       return fail_why(why, "GDN value dim too large for the step's tiles");
-    if (L.gdn_in.out % kRowsIn != 0) return fail_why(why, "GDN in_proj rows not a multiple of 16");
+    const uint32_t in_tile = uint32_t(kRowsIn * (a.H / 2 + a.H / 16) + kRowsIn * a.conv_kernel * 4 +
+                                      (a.conv_kernel - 1) * kRowsIn * 2);
+    if (in_tile > kSlotBytes) return fail_why(why, "GDN in_proj tile too large");
     if (a.n_v_heads % a.n_k_heads != 0) return fail_why(why, "GDN heads");
   }
   if (L.router.fmt != WFormat::kAffine8 || L.router.in != a.H || L.router.out < a.E + 1)

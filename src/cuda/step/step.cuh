@@ -12,11 +12,11 @@
 // take the tiles in the same order; between two products they wait on a grid-wide counter (one
 // arrive and one spin per block), not on a kernel boundary.
 //
-// The 2048-column 4-bit products (the in_proj of both mixers, the experts' gate|up) run on tensor
-// cores (codes to mma A fragments as in the fused head), the others with the per-op kernels'
-// device functions (matvec/fused.cuh, gdn/decode_step.cuh, moe/route_device.cuh) in their order.
-// GPU test: tests/gpu/test_step.cu, teacher-forced against the per-op kernels (whose CPU
-// references are cpu::matmul, cpu::gdn_*, cpu::route_topk) within the plan's tolerance.
+// Each value is computed with the same arithmetic in the same order as the per-op kernels
+// (matvec.cu, gdn/decode.cu, moe/experts_decode.cu share the device functions), so the step's
+// results equal theirs bit for bit on a 132-multiprocessor card, where the residual products'
+// partial sums fall into the same row blocks. GPU test: tests/gpu/test_step.cu (against the
+// per-op kernels, whose CPU references are cpu::matmul, cpu::gdn_*, cpu::route_topk).
 //
 // Supported shapes (checked by step_supported; the model otherwise runs the per-op kernels):
 // 4-bit GDN and expert matrices, an 8-bit router, the shared expert folded as expert E, hidden
