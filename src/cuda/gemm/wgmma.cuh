@@ -1,6 +1,6 @@
-// Hopper warpgroup MMA (wgmma) primitives for the grouped prefill GEMM (gemm_grouped_wgmma.cu): the
-// register-A bf16 instruction at the N it is built for, the fences, the 128-byte-swizzle
-// shared-memory descriptor and the byte gather of the 4-bit dequant (the same as gemm_wgmma.cu's).
+// Hopper warpgroup MMA (wgmma) primitives of the prefill GEMMs (gemm_wgmma.cu, gemm_grouped_wgmma.cu):
+// the register-A bf16 instruction at the N a kernel is built for, the fences, the 128-byte-swizzle
+// shared-memory descriptor and the byte gather of the 4-bit dequant.
 //
 // A is mma.m16n8k16's A fragment per warp (bf16 in registers, warp w of the group holding rows
 // 16w..16w+15), B is K-major in shared memory. Accumulator layout of an m64nN instruction: lane
