@@ -1326,9 +1326,14 @@ Value Interp::binary(int op, const Value& a, const Value& b) {
         }
         case kPow: {
           if (y < 0) return Value::real(std::pow(double(x), double(y)));
+          // Bases 0, 1 and -1 never overflow, so the loop would run y times (y may be 10^24):
+          // their powers directly; any other base overflows within 127 multiplications.
+          if (x == 0 || x == 1 || x == -1) {
+            r = x == 0 ? (y == 0 ? 1 : 0) : (x == 1 || y % 2 == 0) ? 1 : -1;
+            break;
+          }
           r = 1;
           for (__int128 k = 0; k < y && !of; ++k) of = __builtin_mul_overflow(r, x, &r);
-          if (x == 0 || x == 1) of = false, r = (y == 0 || x == 1) ? 1 : 0;
           break;
         }
       }

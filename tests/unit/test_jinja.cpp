@@ -61,6 +61,14 @@ TEST(Jinja, HostileTemplatesHitTheirBounds) {
                        "nested deeper"));
   EXPECT_TRUE(contains(render_error("{% set ns = namespace() %}{% set ns.me = ns %}{{ ns }}"), "namespace"));
   EXPECT_TRUE(contains(render_error("{{ range(10**9) }}"), "Range too big"));
+  // Powers of 0, 1 and -1 with huge exponents end at once (they never overflow; found by fuzz_template).
+  auto render = [](const std::string& s) { return Template::parse(s).render(Json::object()).text; };
+  EXPECT_EQ(render("{{ 1 ** 913333333333333333333333 }}"), "1");
+  EXPECT_EQ(render("{{ 0 ** 913333333333333333333333 }}|{{ 0 ** 0 }}"), "0|1");
+  EXPECT_EQ(render("{{ (-1) ** 913333333333333333333333 }}|{{ (-1) ** 1000000000000 }}"), "-1|1");
+  EXPECT_EQ(render("{{ 0**1**913333333333333333333333 + 1 }}"), "1");
+  EXPECT_EQ(render("{{ 3 ** 4 }}|{{ (-2) ** 3 }}"), "81|-8");
+  EXPECT_TRUE(contains(render_error("{{ 2 ** 913333333333333333333333 }}"), "out of the supported range"));
   Limits small;
   small.max_steps = 1000;
   EXPECT_EQ(render_error("{% for i in range(400) %}{{ i }}{% endfor %}", small), "(no error)");
