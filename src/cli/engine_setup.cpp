@@ -15,7 +15,7 @@ namespace fs = std::filesystem;
 
 const std::vector<std::string>& engine_flags() {
   static const std::vector<std::string> f = {"model",   "backend",      "cuda-precision", "threads",
-                                             "max-seq", "prefix-cache", "prefill-chunk"};
+                                             "max-seq", "prefix-cache", "prefill-chunk",  "max-running"};
   return f;
 }
 
@@ -86,6 +86,7 @@ LoadedEngine load_engine(const Flags& flags) {
   // cancellation stays prompt.
   const long chunk_default = model->backend_name() == "cuda" ? 4096 : eo.prefill_chunk;
   eo.prefill_chunk = int(flags.get_int("prefill-chunk", chunk_default, 1, max_pos));
+  eo.max_running = int(flags.get_int("max-running", eo.max_running, 1, 1024));
   le.engine = std::make_unique<Engine>(std::move(model), std::move(tok), eo);
   return le;
 }

@@ -5,6 +5,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <fstream>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "core/error.h"
@@ -74,29 +77,78 @@ class CpuModel final : public Model {
 
   void forward(SequenceState& state, std::span<const int32_t> ids, std::span<float> logits,
                bool all_positions) override {
-    auto& st = dynamic_cast<CpuState&>(state);
-    const int n = int(ids.size());
-    if (n == 0) fail("forward: no tokens");
-    if (st.n + n > st.max_tokens)
-      fail("forward: {} + {} tokens exceed the state's capacity {}", st.n, n, st.max_tokens);
-    const size_t V = size_t(cfg_.vocab_size), need = all_positions ? V * n : V;
-    if (logits.size() < need) fail("forward: logits buffer holds {} floats, needs {}", logits.size(), need);
-    for (int32_t id : ids)
-      if (id < 0 || id >= cfg_.vocab_size)
-        fail("token id {} is outside the vocabulary (0..{})", id, cfg_.vocab_size - 1);
+    const BatchPiece piece{&state, ids, true};
+    run(std::span<const BatchPiece>(&piece, 1), logits, all_positions);
+  }
 
-    const int H = cfg_.hidden_size;
+  // Every sequence of a step in one pass: the products over all of their rows, the sequential
+  // parts per row on its own state. Each row's arithmetic is the same at any batch size (the
+  // products compute every output element alone, the experts add up in expert order), so the
+  // batch changes no result.
+  int max_batch() const override { return 256; }
+
+  size_t state_bytes(int max_tokens) const override { return state_bytes_of(cfg_, max_tokens, 4, 4, 4); }
+
+  std::optional<size_t> free_state_memory() const override {
+    std::ifstream in("/proc/meminfo");
+    std::string key;
+    size_t kb = 0;
+    std::string unit;
+    while (in >> key >> kb >> unit)
+      if (key == "MemAvailable:") return kb * 1024;
+    return std::nullopt;
+  }
+
+ protected:
+  void forward_batch(std::span<const BatchPiece> pieces, std::span<float> logits) override {
+    run(pieces, logits, false);
+  }
+
+ private:
+  // One row of a step: the state it extends and its position there.
+  struct Row {
+    CpuState* st;
+    int pos;
+  };
+
+  // Feeds every piece after its state. Logits [n, vocab] for each piece with want_logits (its
+  // last position; every position of a single piece when all_positions), in order.
+  void run(std::span<const BatchPiece> pieces, std::span<float> logits, bool all_positions) {
+    std::vector<Row> rows;
+    std::vector<int32_t> ids;
+    std::vector<int> logit_rows;
+    for (size_t p = 0; p < pieces.size(); ++p) {
+      auto& st = dynamic_cast<CpuState&>(*pieces[p].state);
+      const int n = int(pieces[p].ids.size());
+      if (n == 0) fail("forward: no tokens");
+      if (st.n + n > st.max_tokens)
+        fail("forward: {} + {} tokens exceed the state's capacity {}", st.n, n, st.max_tokens);
+      for (size_t q = 0; q < p; ++q)
+        if (pieces[q].state == pieces[p].state) fail("forward: one state fed twice in a batch");
+      for (int j = 0; j < n; ++j) {
+        const int32_t id = pieces[p].ids[size_t(j)];
+        if (id < 0 || id >= cfg_.vocab_size)
+          fail("token id {} is outside the vocabulary (0..{})", id, cfg_.vocab_size - 1);
+        if (pieces[p].want_logits && (all_positions || j == n - 1)) logit_rows.push_back(int(rows.size()));
+        rows.push_back({&st, st.n + j});
+        ids.push_back(id);
+      }
+    }
+    const size_t V = size_t(cfg_.vocab_size), need = V * logit_rows.size();
+    if (logits.size() < need) fail("forward: logits buffer holds {} floats, needs {}", logits.size(), need);
+
+    const int n = int(rows.size()), H = cfg_.hidden_size;
     std::vector<float> h(size_t(n) * H), xn(size_t(n) * H), mix(size_t(n) * H);
-    for (int t = 0; t < n; ++t) cpu::embed_row(w_.embed, ids[t], &h[size_t(t) * H]);
+    for (int t = 0; t < n; ++t) cpu::embed_row(w_.embed, ids[size_t(t)], &h[size_t(t) * H]);
 
     for (int i = 0; i < cfg_.num_layers; ++i) {
       const LayerWeights& lw = w_.layers[i];
       for (int t = 0; t < n; ++t)
         cpu::rmsnorm(&h[size_t(t) * H], lw.in_norm.data(), H, cfg_.rms_eps, &xn[size_t(t) * H]);
       if (lw.kind == LayerKind::kLinear)
-        gdn(lw.gdn, st.layers[i], xn.data(), n, mix.data());
+        gdn(lw.gdn, i, rows, xn.data(), mix.data());
       else
-        attn(lw.attn, st.layers[i], st.n, xn.data(), n, mix.data());
+        attn(lw.attn, i, rows, xn.data(), mix.data());
       report(i, "mixer_out", mix.data(), n, H);
       for (size_t j = 0; j < h.size(); ++j) h[j] += mix[j];
       for (int t = 0; t < n; ++t)
@@ -106,23 +158,24 @@ class CpuModel final : public Model {
       for (size_t j = 0; j < h.size(); ++j) h[j] += mix[j];
       report(i, "hidden", h.data(), n, H);
     }
-    st.n += n;
+    for (const BatchPiece& p : pieces) dynamic_cast<CpuState&>(*p.state).n += int(p.ids.size());
 
-    const int first = all_positions ? 0 : n - 1, rows = n - first;
-    for (int t = first; t < n; ++t)
-      cpu::rmsnorm(&h[size_t(t) * H], w_.final_norm.data(), H, cfg_.rms_eps, &xn[size_t(t - first) * H]);
-    if (trace_) trace_("final_norm", std::span<const float>(&xn[size_t(rows - 1) * H], H));
-    cpu::matmul(w_.lm_head, xn.data(), rows, logits.data(), pool_);
+    const int m = int(logit_rows.size());
+    for (int r = 0; r < m; ++r)
+      cpu::rmsnorm(&h[size_t(logit_rows[size_t(r)]) * H], w_.final_norm.data(), H, cfg_.rms_eps,
+                   &xn[size_t(r) * H]);
+    if (trace_ && m > 0) trace_("final_norm", std::span<const float>(&xn[size_t(m - 1) * H], H));
+    cpu::matmul(w_.lm_head, xn.data(), m, logits.data(), pool_);
   }
 
- private:
   void report(int layer, const char* what, const float* x, int n, int H) {
     if (trace_)
       trace_("layer." + std::to_string(layer) + "." + what, std::span<const float>(x + size_t(n - 1) * H, H));
   }
 
   // Gated DeltaNet (MODEL.md §5).
-  void gdn(const GdnWeights& w, CpuState::Layer& L, const float* xn, int n, float* out) {
+  void gdn(const GdnWeights& w, int layer, const std::vector<Row>& rows, const float* xn, float* out) {
+    const int n = int(rows.size());
     const int C = cfg_.lin_conv_dim(), KD = cfg_.lin_key_dim(), VD = cfg_.lin_value_dim();
     const int NK = cfg_.lin_num_k_heads, NV = cfg_.lin_num_v_heads, dk = cfg_.lin_k_head_dim,
               dv = cfg_.lin_v_head_dim;
@@ -134,6 +187,7 @@ class CpuModel final : public Model {
     std::vector<float> y(C), beta(NV), g(NV), o(VD), normed(size_t(n) * VD);
     const float qscale = 1.0f / std::sqrt(float(dk));
     for (int t = 0; t < n; ++t) {
+      CpuState::Layer& L = rows[size_t(t)].st->layers[size_t(layer)];
       cpu::conv1d_step(&qkv[size_t(t) * C], L.conv.data(), w.conv.data(), C, cfg_.conv_kernel, y.data());
       float* q = y.data();
       float* k = y.data() + KD;
@@ -150,8 +204,9 @@ class CpuModel final : public Model {
     cpu::matmul(w.out, normed.data(), n, out, pool_);
   }
 
-  // Gated attention (MODEL.md §4); pos0 = tokens already cached.
-  void attn(const AttnWeights& w, CpuState::Layer& L, int pos0, const float* xn, int n, float* out) {
+  // Gated attention (MODEL.md §4); each row at its position in its own sequence's cache.
+  void attn(const AttnWeights& w, int layer, const std::vector<Row>& rows, const float* xn, float* out) {
+    const int n = int(rows.size());
     const int NH = cfg_.num_heads, NKV = cfg_.num_kv_heads, hd = cfg_.head_dim, QD = cfg_.q_dim(),
               KVD = cfg_.kv_dim();
     std::vector<float> qg(size_t(n) * 2 * QD), k(size_t(n) * KVD), v(size_t(n) * KVD), o(size_t(n) * QD),
@@ -159,10 +214,14 @@ class CpuModel final : public Model {
     cpu::matmul(w.q, xn, n, qg.data(), pool_);
     cpu::matmul(w.k, xn, n, k.data(), pool_);
     cpu::matmul(w.v, xn, n, v.data(), pool_);
-    L.K.resize(size_t(pos0 + n) * KVD);
-    L.V.resize(size_t(pos0 + n) * KVD);
+    for (const Row& r : rows) {  // rows of one sequence are in order: the last one sizes its cache
+      CpuState::Layer& L = r.st->layers[size_t(layer)];
+      L.K.resize(std::max(L.K.size(), size_t(r.pos + 1) * KVD));
+      L.V.resize(std::max(L.V.size(), size_t(r.pos + 1) * KVD));
+    }
     for (int t = 0; t < n; ++t) {
-      const int pos = pos0 + t;
+      CpuState::Layer& L = rows[size_t(t)].st->layers[size_t(layer)];
+      const int pos = rows[size_t(t)].pos;
       float* kt = &L.K[size_t(pos) * KVD];
       std::memcpy(kt, &k[size_t(t) * KVD], sizeof(float) * KVD);
       std::memcpy(&L.V[size_t(pos) * KVD], &v[size_t(t) * KVD], sizeof(float) * KVD);

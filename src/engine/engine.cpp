@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <fstream>
 #include <limits>
+#include <mutex>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -80,30 +81,151 @@ bool is_plain_greedy(const SamplingParams& p) {
          p.frequency_penalty == 0.0 && p.logit_bias.empty();
 }
 
+// One request in flight. The caller's thread and the engine's share the channel (under mu); the
+// rest belongs to the engine's thread.
+struct Engine::Seq {
+  Seq(const GenRequest& r, const Tokenizer& tok) : req(r), decoder(tok), stops(r.stop) {}
+  const GenRequest& req;  // generate() outlives the sequence's time in the engine
+  std::atomic<bool> cancel{false};
+
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<GenStep> steps;
+  bool admitted = false, done = false;
+  std::exception_ptr error;
+  GenResult res;
+
+  std::unique_ptr<SequenceState> state;
+  std::unique_ptr<TokenSampler> sampler;
+  bool greedy = false;       // the sampler is make_greedy_sampler's: a forced step needs no choice
+  std::vector<int32_t> fed;  // every token the state holds
+  int pos = 0;               // prompt tokens in the state
+  size_t cut = 0;            // also cache the state after this many prompt tokens (0: none)
+  int generated = 0;         // tokens chosen
+  int32_t to_feed = -1;      // the token chosen last, fed by the next step
+  int32_t forced = -1;       // the next choice, when it is forced
+  bool choice_fed = false;   // the sampler was fed for the next choice
+  StreamDecoder decoder;
+  StopMatcher stops;
+  std::vector<uint32_t> mask;    // constraint: the allowed-token bitmask, reused every step
+  bool document_done = false;    // constraint: ended by a complete document
+  std::vector<int32_t> pending;  // forced tokens still to emit, in reverse order
+  bool armed = false;            // forcing happens once per request
+
+  bool decoding() const { return pos == int(req.prompt.size()); }
+  // The caller may return (and destroy this) as soon as it sees `done`: notified under the lock,
+  // and nothing touches the sequence afterwards.
+  void mark_done() {
+    std::lock_guard lk(mu);
+    done = true;
+    cv.notify_one();
+  }
+  void push(GenStep s) {
+    {
+      std::lock_guard lk(mu);
+      steps.push_back(std::move(s));
+    }
+    cv.notify_one();
+  }
+};
+
 Engine::Engine(std::unique_ptr<Model> model, Tokenizer tokenizer, const EngineOptions& opt)
     : model_(std::move(model)), tok_(std::move(tokenizer)), opt_(opt), cache_(opt.prefix_cache_entries) {
   TANSY_CHECK(opt_.max_seq >= 2, "max_seq must be at least 2");
   TANSY_CHECK(opt_.prefill_chunk >= 1, "prefill_chunk must be positive");
+  TANSY_CHECK(opt_.max_running >= 1, "max_running must be at least 1");
   eos_ = model_->config().eos_token_ids;
   if (eos_.empty())
     for (const char* t : {"<|im_end|>", "<|endoftext|>"})
       if (auto id = tok_.token_id(t)) eos_.push_back(*id);
   TANSY_CHECK(!eos_.empty(), "the model declares no eos_token_id and the tokenizer has no <|im_end|>");
+  n_real_ = size_t(std::min(model_->config().vocab_size, tok_.vocab_size()));
+  // The pool: the states that fit in what the backend has free (a tenth of it, at least 1 GiB,
+  // kept for everything else it allocates later), less one for the copy a cache hit or a
+  // snapshot holds for a moment beside the pool.
+  state_bytes_ = std::max<size_t>(1, model_->state_bytes(opt_.max_seq));
+  size_t fit = std::numeric_limits<size_t>::max();
+  if (auto free = model_->free_state_memory()) {
+    const size_t keep = std::max<size_t>(*free / 10, size_t(1) << 30);
+    fit = *free > keep ? (*free - keep) / state_bytes_ : 0;
+    if (fit < 2)
+      fail(
+          "not enough memory for a sequence of {} tokens: a state takes {:.1f} MiB and {:.1f} MiB are free "
+          "(lower --max-seq)",
+          opt_.max_seq, double(state_bytes_) / (1 << 20), double(*free) / (1 << 20));
+    fit -= 1;
+  }
+  run_cap_ = int(std::min<size_t>({size_t(opt_.max_running), size_t(model_->max_batch()), fit}));
+  pool_states_ = std::min(fit, size_t(run_cap_) + opt_.prefix_cache_entries + 1);
+  thread_ = std::thread([this] { loop(); });
+}
+
+Engine::~Engine() {
+  {
+    std::lock_guard lk(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+std::string Engine::describe_capacity() const {
+  std::string why;
+  if (run_cap_ == model_->max_batch() && run_cap_ < opt_.max_running)
+    why = fmt::format(" (the {} backend feeds at most {} per step)", model_->backend_plan(), run_cap_);
+  else if (run_cap_ < opt_.max_running)
+    why = " (all that fit in memory)";
+  return fmt::format(
+      "{} sequences in flight{}; a pool of {} states of up to {} tokens ({:.1f} MiB each) for them "
+      "and the prefix cache",
+      run_cap_, why, pool_states_, opt_.max_seq, double(state_bytes_) / (1 << 20));
 }
 
 Engine::CacheStats Engine::cache_stats() const {
   return {hits_.load(), misses_.load(), cached_tokens_total_.load(), entries_.load(), cache_.capacity()};
 }
 
-void Engine::publish_cache_stats() {
+Engine::Load Engine::load() const {
+  Load l;
+  {
+    std::lock_guard lk(mu_);
+    l.waiting = int(waiting_.size());
+  }
+  l.running = running_n_.load();
+  l.states_used = states_used_.load();
+  l.steps = steps_.load();
+  l.max_step_sequences = max_step_seqs_.load();
+  return l;
+}
+
+void Engine::publish() {
   hits_ = cache_.hits();
   misses_ = cache_.misses();
   entries_ = cache_.size();
+  running_n_ = int(running_.size());
+  states_used_ = running_.size() + cache_.size() + (spare_ ? 1 : 0);
 }
 
-GenResult Engine::generate(const GenRequest& req, const std::function<bool(const GenStep&)>& on_step) {
-  std::unique_lock lk(mu_, std::try_to_lock);
-  TANSY_CHECK(lk.owns_lock(), "engine: generate() called while another request runs (scheduler bug)");
+void Engine::keep_spare(std::unique_ptr<SequenceState> s) {
+  if (s && !spare_) spare_ = std::move(s);
+}
+
+// Lets go of the spare state, then of the least recently used cache entries, until at most
+// pool_states - keep_free states are held.
+void Engine::make_room(size_t keep_free) {
+  auto used = [&] { return running_.size() + cache_.size() + (spare_ ? 1 : 0); };
+  while (used() + keep_free > pool_states_) {
+    if (spare_)
+      spare_.reset();
+    else if (cache_.size() > 0)
+      cache_.pop_lru();
+    else
+      break;
+  }
+}
+
+GenResult Engine::generate(const GenRequest& req, const std::function<bool(const GenStep&)>& on_step,
+                           const std::function<bool()>& on_start) {
   const int n_prompt = int(req.prompt.size());
   const int vocab = model_->config().vocab_size;
   TANSY_CHECK(n_prompt > 0, "the prompt is empty");
@@ -114,195 +236,339 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
   for (int32_t id : req.prompt)
     TANSY_CHECK(id >= 0 && id < vocab, "token id {} is outside the vocabulary [0, {})", id, vocab);
 
-  GenResult res;
-  res.prompt_tokens = n_prompt;
-  auto stop_now = [&]() -> std::optional<Finish> {
-    if (req.cancelled && req.cancelled()) return Finish::kCancelled;
-    if (std::chrono::steady_clock::now() >= req.deadline) return Finish::kTimeout;
-    return std::nullopt;
-  };
+  auto seq = std::make_shared<Seq>(req, tok_);
+  {
+    std::lock_guard lk(mu_);
+    TANSY_CHECK(!stop_, "engine: shutting down");
+    waiting_.push_back(seq);
+  }
+  cv_.notify_all();
+  bool started = false, cancelled = false;
+  std::deque<GenStep> got;
+  for (;;) {
+    bool done, admitted;
+    {
+      std::unique_lock lk(seq->mu);
+      seq->cv.wait_for(lk, std::chrono::milliseconds(20),
+                       [&] { return !seq->steps.empty() || seq->done || (seq->admitted && !started); });
+      got.swap(seq->steps);
+      done = seq->done;
+      admitted = seq->admitted;
+    }
+    if (admitted && !started) {
+      started = true;
+      if (on_start && !cancelled && !on_start()) cancelled = true;
+    }
+    for (const GenStep& s : got)
+      if (!cancelled && !on_step(s)) cancelled = true;
+    got.clear();
+    if (done) break;
+    if (!cancelled && req.cancelled && req.cancelled()) cancelled = true;
+    if (cancelled) seq->cancel = true;
+  }
+  if (seq->error) std::rethrow_exception(seq->error);
+  GenResult res = seq->res;
+  if (cancelled) res.finish = Finish::kCancelled;
+  return res;
+}
 
+void Engine::loop() {
+  std::vector<std::shared_ptr<Seq>> admit;
+  std::unique_lock lk(mu_);
+  for (;;) {
+    cv_.wait(lk, [&] { return stop_ || !waiting_.empty() || !running_.empty(); });
+    if (stop_) break;
+    // Requests that left or ran out of time while waiting end here; the first ones in line take
+    // the free places.
+    const auto now = std::chrono::steady_clock::now();
+    for (auto it = waiting_.begin(); it != waiting_.end();) {
+      Seq& s = **it;
+      if (s.cancel || now >= s.req.deadline) {
+        s.res.prompt_tokens = int(s.req.prompt.size());
+        s.res.finish = s.cancel ? Finish::kCancelled : Finish::kTimeout;
+        s.mark_done();
+        it = waiting_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    while (int(running_.size() + admit.size()) < run_cap_ && !waiting_.empty()) {
+      admit.push_back(std::move(waiting_.front()));
+      waiting_.pop_front();
+    }
+    lk.unlock();
+    step(admit);
+    admit.clear();
+    lk.lock();
+  }
+  // Shutting down: everything still in flight ends cancelled.
+  std::vector<std::shared_ptr<Seq>> left(waiting_.begin(), waiting_.end());
+  waiting_.clear();
+  lk.unlock();
+  for (auto& s : running_) left.push_back(s);
+  running_.clear();
+  for (auto& s : left) {
+    s->sampler.reset();
+    s->res.finish = Finish::kCancelled;
+    s->mark_done();
+  }
+}
+
+void Engine::admit(Seq& s) {
+  const GenRequest& req = s.req;
+  const int n_prompt = int(req.prompt.size());
+  s.res.prompt_tokens = n_prompt;
   // The last prompt token is always fed, so that its logits exist.
   PrefixCache::Hit hit = cache_.lookup(*model_, req.prompt, size_t(n_prompt - 1));
-  std::unique_ptr<SequenceState> state = std::move(hit.state);
-  if (!state) {
+  s.state = std::move(hit.state);
+  if (!s.state) {
     // A state the cache let go of is emptied and reused: no allocation (and on CUDA no graph
     // capture) on the request's path.
-    if (spare_ && model_->reset_state(*spare_))
-      state = std::move(spare_);
-    else
-      state = model_->new_state(opt_.max_seq);
+    if (spare_ && model_->reset_state(*spare_)) {
+      s.state = std::move(spare_);
+    } else {
+      spare_.reset();
+      make_room(1);
+      s.state = model_->new_state(opt_.max_seq);
+    }
   }
-  res.cached_tokens = hit.n_tokens;
+  s.res.cached_tokens = hit.n_tokens;
   cached_tokens_total_ += uint64_t(hit.n_tokens);
-  publish_cache_stats();
-
-  // One buffer for every request (generate() is not reentrant): no 1 MB allocation per request.
-  if (logits_.size() != size_t(vocab)) logits_.assign(size_t(vocab), 0.f);
-  std::vector<float>& logits = logits_;
-  // Embedding rows past the tokenizer's last id are padding: never sample or report them.
-  const size_t n_real = size_t(std::min(vocab, tok_.vocab_size()));
-  auto forward = [&](std::span<const int32_t> ids) {
-    model_->forward(*state, ids, logits, false);
-    std::fill(logits.begin() + std::ptrdiff_t(n_real), logits.end(), -std::numeric_limits<float>::infinity());
-  };
-  std::vector<int32_t> fed(req.prompt.begin(), req.prompt.begin() + hit.n_tokens);
-  // Plain greedy: the host path would take the argmax over [0, n_real), so the model may fuse
-  // feeding tokens with choosing the next one (Model::greedy_step: on CUDA the logits stay on
-  // the device), from the prompt's last piece on. Forced tokens still pending take precedence,
-  // as they do on the host path.
-  // constraint: a constrained request samples through the mask, never through greedy_step.
-  const bool greedy_fast =
-      opt_.greedy_fast_path && is_plain_greedy(req.sampling) && req.logprobs < 0 && !req.constraint;
-  int32_t next_greedy = -1;  // the next token, already chosen by greedy_step (-1: none)
-  // Every other request samples on the backend that holds the logits (on CUDA: the device), which
-  // follows the reference Sampler's rule; with the fast path off, on the host (tests compare).
-  std::unique_ptr<TokenSampler> sampler;
-  if (!greedy_fast) {
-    SamplerSpec spec{req.sampling, req.prompt, int(n_real), req.logprobs};
-    sampler = opt_.greedy_fast_path ? model_->make_sampler(spec) : model_->make_host_sampler(spec);
+  s.pos = hit.n_tokens;
+  s.fed.assign(req.prompt.begin(), req.prompt.begin() + hit.n_tokens);
+  // Plain greedy: the argmax over [0, n_real), which a backend feeding one sequence at a time
+  // fuses with the step (Model::greedy_step: on CUDA the logits stay on the device). Every other
+  // request samples on the backend that holds the logits (on CUDA: the device), which follows the
+  // reference Sampler's rule; with the fast path off, on the host (tests compare). A constrained
+  // request samples through its mask, never through greedy_step.
+  s.greedy = opt_.greedy_fast_path && is_plain_greedy(req.sampling) && req.logprobs < 0 && !req.constraint;
+  if (s.greedy) {
+    s.sampler = model_->make_greedy_sampler(int(n_real_));
+  } else {
+    SamplerSpec spec{req.sampling, req.prompt, int(n_real_), req.logprobs};
+    s.sampler = opt_.greedy_fast_path ? model_->make_sampler(spec) : model_->make_host_sampler(spec);
   }
   // Without a cache there is nothing to snapshot at the cut: prefill straight through (a snapshot
   // is a whole state copy, ~10 ms on CUDA for a new state and its decode graph).
-  const size_t cut = cache_.capacity() > 0 ? req.cache_cut : 0;
-  for (int pos = hit.n_tokens; pos < n_prompt;) {
-    if (auto f = stop_now()) {
-      res.finish = *f;
-      return res;
-    }
-    int end = std::min(n_prompt, pos + opt_.prefill_chunk);
-    if (cut > size_t(pos) && cut < size_t(end)) end = int(cut);
-    const std::span<const int32_t> piece(req.prompt.data() + pos, size_t(end - pos));
-    if (greedy_fast && end == n_prompt)
-      next_greedy = model_->greedy_step(*state, piece, int(n_real));
-    else if (sampler && end == n_prompt)
-      sampler->feed(*state, piece);
-    else
-      forward(piece);
-    fed.insert(fed.end(), req.prompt.begin() + pos, req.prompt.begin() + end);
-    pos = end;
-    if (size_t(pos) == cut && pos < n_prompt) {
-      keep_spare(cache_.insert(fed, model_->clone_state(*state)));
-      publish_cache_stats();
+  s.cut = cache_.capacity() > 0 ? req.cache_cut : 0;
+  if (req.constraint) s.mask.resize((size_t(model_->config().vocab_size) + 31) / 32);
+  if (!req.force_trigger) {
+    s.pending.assign(req.forced.rbegin(), req.forced.rend());
+    s.armed = true;
+  }
+  s.res.finish = Finish::kLength;
+  s.res.admitted = true;
+  {
+    std::lock_guard g(s.mu);
+    s.admitted = true;
+  }
+  s.cv.notify_one();
+}
+
+// The next choice's forced token, if any: known before the step that precedes it, so that a
+// greedy sequence whose next token is forced is fed without a choice.
+void Engine::prepare_choice(Seq& s) {
+  const GenRequest& req = s.req;
+  if (!s.armed && s.generated == req.trigger_budget) {
+    s.pending.assign(req.forced.rbegin(), req.forced.rend());
+    s.pending.insert(s.pending.end(), req.budget_forced.rbegin(), req.budget_forced.rend());
+    s.armed = true;
+  }
+  s.forced = -1;
+  if (!s.pending.empty()) {
+    s.forced = s.pending.back();
+    s.pending.pop_back();
+  }
+}
+
+void Engine::step(std::vector<std::shared_ptr<Seq>>& admitted) {
+  for (auto& sp : admitted) {
+    try {
+      admit(*sp);
+      running_.push_back(sp);
+      make_room(0);  // a cache hit's copy held a place beside the pool
+    } catch (...) {
+      fail_seq(*sp, std::current_exception());
     }
   }
+  publish();
+  // Leaving, out of time: the state keeps what was fed (the prefix cache may keep it).
+  const auto now = std::chrono::steady_clock::now();
+  for (size_t i = 0; i < running_.size();) {
+    Seq& s = *running_[i];
+    if (s.cancel || now >= s.req.deadline)
+      finish(s, s.cancel ? Finish::kCancelled : Finish::kTimeout);  // removes it from running_
+    else
+      ++i;
+  }
+  if (running_.empty()) return;
 
-  // The greedy fast path's argmax when greedy_step has not run (after forced tokens).
-  std::optional<Sampler> greedy_sampler;
-  if (!sampler) greedy_sampler.emplace(req.sampling, req.prompt);
-  StreamDecoder decoder(tok_);
-  StopMatcher stops(req.stop);
-  std::vector<uint32_t> mask;  // constraint: the allowed-token bitmask, reused every step
-  if (req.constraint) mask.resize((size_t(vocab) + 31) / 32);
-  bool document_done = false;    // constraint: ended by a complete document
-  bool ended = false;            // by a stop string or an end-of-sequence token
-  std::vector<int32_t> pending;  // forced tokens still to emit, in reverse order
-  bool armed = false;            // forcing happens once per request
-  auto arm_forcing = [&] {
-    pending.assign(req.forced.rbegin(), req.forced.rend());
-    armed = true;
+  // One token of every decoding sequence; prompt pieces, in arrival order, under the budget.
+  struct Part {
+    Seq* s;
+    int n_prompt;  // prompt tokens in this piece (0: a decode token)
+    bool chooses;
   };
-  auto arm_budget = [&] {
-    pending.assign(req.forced.rbegin(), req.forced.rend());
-    pending.insert(pending.end(), req.budget_forced.rbegin(), req.budget_forced.rend());
-    armed = true;
-  };
-  if (!req.force_trigger) arm_forcing();
-  res.finish = Finish::kLength;
-  for (int i = 0; i < req.max_tokens; ++i) {
-    GenStep step;
-    int32_t tok;
-    if (!armed && i == req.trigger_budget) arm_budget();
-    int32_t forced = -1;
-    if (!pending.empty()) {
-      forced = pending.back();
-      pending.pop_back();
-      step.forced = true;
+  std::vector<FeedEntry> entries;
+  std::vector<Part> parts;
+  int budget = opt_.prefill_chunk;
+  for (auto& sp : running_) {
+    Seq& s = *sp;
+    {
+      std::lock_guard g(s.mu);
+      if (int(s.steps.size()) >= kMaxStepsAhead) continue;  // its caller is behind: it sits out
     }
-    // constraint: the mask is computed while the backend runs the step just fed (on CUDA the
-    // feed only enqueued it), and applied by the sampler on the device.
-    const uint32_t* allowed = nullptr;
-    if (forced < 0 && req.constraint && req.constraint->active()) {
-      req.constraint->fill_mask(mask);
-      allowed = mask.data();
-    }
-    std::optional<LogprobInfo> lp;
-    if (sampler) {
-      SampleChoice c = sampler->next(allowed, forced);
-      tok = c.token;
-      lp = std::move(c.logprobs);
+    const int n_prompt = int(s.req.prompt.size());
+    std::span<const int32_t> ids;
+    int n_piece = 0;
+    if (s.decoding()) {
+      ids = std::span<const int32_t>(&s.to_feed, 1);
     } else {
-      tok = forced >= 0 ? forced : next_greedy >= 0 ? next_greedy : greedy_sampler->sample(logits);
-      greedy_sampler->accept(tok);
+      if (budget <= 0) continue;
+      int end = std::min(n_prompt, s.pos + budget);
+      if (s.cut > size_t(s.pos) && s.cut < size_t(end)) end = int(s.cut);
+      n_piece = end - s.pos;
+      budget -= n_piece;
+      ids = std::span<const int32_t>(s.req.prompt.data() + s.pos, size_t(n_piece));
     }
-    if (forced < 0 && !armed && req.force_trigger && tok == *req.force_trigger) arm_forcing();
-    next_greedy = -1;
-    if (req.constraint) req.constraint->accept(tok);  // constraint: sampled and forced tokens alike
-    ++res.completion_tokens;
-    step.token = tok;
-    const bool eos = !req.ignore_eos && std::find(eos_.begin(), eos_.end(), tok) != eos_.end();
-    // The end-of-sequence token is not part of the text, so it gets no logprobs entry.
-    if (req.logprobs >= 0 && !eos) step.logprobs = std::move(lp);
-    if (eos) {
-      res.finish = Finish::kStop;
-      res.stop_token = tok;
-      ended = true;
-    } else {
-      step.text = stops.push(decoder.push(tok));
-      if (stops.stopped()) {
-        res.finish = Finish::kStop;
-        res.stop_string = stops.matched();
-        ended = true;
-      } else if (req.constraint && req.constraint->complete()) {
-        // constraint: a document that nothing may follow ends the generation (no end-of-turn token).
-        res.finish = Finish::kStop;
-        ended = document_done = true;
+    const bool chooses = s.pos + n_piece == n_prompt;
+    if (chooses) prepare_choice(s);
+    // A greedy sequence's forced token needs no argmax: the step runs without a choice.
+    s.choice_fed = chooses && !(s.greedy && s.forced >= 0);
+    entries.push_back({s.state.get(), ids, s.choice_fed ? s.sampler.get() : nullptr});
+    parts.push_back({&s, n_piece, chooses});
+  }
+  if (entries.empty()) {  // every sequence waits for its caller
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    return;
+  }
+  try {
+    model_->feed_batch(entries);
+  } catch (...) {
+    // The states of this step are in an unknown condition: its sequences end with the error.
+    auto e = std::current_exception();
+    for (const Part& p : parts) fail_seq(*p.s, e);
+    publish();
+    return;
+  }
+  ++steps_;
+  if (int(parts.size()) > max_step_seqs_) max_step_seqs_ = int(parts.size());
+  for (size_t i = 0; i < parts.size(); ++i) {
+    Seq& s = *parts[i].s;
+    const std::span<const int32_t> ids = entries[i].ids;
+    s.fed.insert(s.fed.end(), ids.begin(), ids.end());
+    if (parts[i].n_prompt > 0) {
+      s.pos += parts[i].n_prompt;
+      if (size_t(s.pos) == s.cut && !s.decoding()) {
+        make_room(1);
+        keep_spare(cache_.insert(s.fed, model_->clone_state(*s.state)));
       }
     }
-    const bool last = ended || i + 1 == req.max_tokens;
-    // A backend that only enqueues the step gets the token before the caller does, so the step
-    // runs while the caller formats and sends it (that time then costs nothing per token). State
-    // and `fed` still agree when the caller cancels or time runs out: both hold the token.
-    const bool ahead = !last && sampler && sampler->feed_is_async();
-    if (ahead) {
-      sampler->feed(*state, std::span<const int32_t>(&tok, 1));
-      fed.push_back(tok);
+    if (parts[i].chooses) {
+      try {
+        choose(s);
+      } catch (...) {
+        fail_seq(s, std::current_exception());
+      }
     }
-    if (!on_step(step)) {
-      res.finish = Finish::kCancelled;
-      break;
-    }
-    if (last) break;
-    if (auto f = stop_now()) {
-      res.finish = *f;
-      break;
-    }
-    if (ahead) continue;
-    if (sampler)
-      sampler->feed(*state, std::span<const int32_t>(&tok, 1));
-    else if (pending.empty())
-      next_greedy = model_->greedy_step(*state, std::span<const int32_t>(&tok, 1), int(n_real));
-    else
-      forward(std::span<const int32_t>(&tok, 1));
-    fed.push_back(tok);
   }
-  if (res.finish == Finish::kLength || (res.finish == Finish::kStop && (res.stop_token || document_done))) {
+  publish();
+}
+
+void Engine::choose(Seq& s) {
+  const GenRequest& req = s.req;
+  GenStep step;
+  const int32_t forced = s.forced;
+  step.forced = forced >= 0;
+  // constraint: the mask is computed while the backend runs the step just fed (on CUDA the feed
+  // only enqueued it), and applied by the sampler on the device.
+  const uint32_t* allowed = nullptr;
+  if (forced < 0 && req.constraint && req.constraint->active()) {
+    req.constraint->fill_mask(s.mask);
+    allowed = s.mask.data();
+  }
+  int32_t tok = forced;
+  std::optional<LogprobInfo> lp;
+  if (s.choice_fed) {
+    SampleChoice c = s.sampler->next(allowed, forced);
+    tok = c.token;
+    lp = std::move(c.logprobs);
+  }
+  if (forced < 0 && !s.armed && req.force_trigger && tok == *req.force_trigger) {
+    s.pending.assign(req.forced.rbegin(), req.forced.rend());
+    s.armed = true;
+  }
+  if (req.constraint) req.constraint->accept(tok);  // constraint: sampled and forced tokens alike
+  ++s.generated;
+  ++s.res.completion_tokens;
+  step.token = tok;
+  bool ended = false;
+  const bool eos = !req.ignore_eos && std::find(eos_.begin(), eos_.end(), tok) != eos_.end();
+  // The end-of-sequence token is not part of the text, so it gets no logprobs entry.
+  if (req.logprobs >= 0 && !eos) step.logprobs = std::move(lp);
+  if (eos) {
+    s.res.finish = Finish::kStop;
+    s.res.stop_token = tok;
+    ended = true;
+  } else {
+    step.text = s.stops.push(s.decoder.push(tok));
+    if (s.stops.stopped()) {
+      s.res.finish = Finish::kStop;
+      s.res.stop_string = s.stops.matched();
+      ended = true;
+    } else if (req.constraint && req.constraint->complete()) {
+      // constraint: a document that nothing may follow ends the generation (no end-of-turn token).
+      s.res.finish = Finish::kStop;
+      ended = s.document_done = true;
+    }
+  }
+  s.push(std::move(step));
+  if (ended || s.generated == req.max_tokens) {
+    finish(s, s.res.finish);
+    return;
+  }
+  s.to_feed = tok;
+}
+
+void Engine::finish(Seq& s, Finish f) {
+  s.res.finish = f;
+  if (f == Finish::kLength || (f == Finish::kStop && (s.res.stop_token || s.document_done))) {
     GenStep last;
-    last.text = stops.push(decoder.flush());
-    if (stops.stopped() && !res.stop_token) {
-      res.finish = Finish::kStop;
-      res.stop_string = stops.matched();
+    last.text = s.stops.push(s.decoder.flush());
+    if (s.stops.stopped() && !s.res.stop_token) {
+      s.res.finish = Finish::kStop;
+      s.res.stop_string = s.stops.matched();
     } else {
-      last.text += stops.flush();
+      last.text += s.stops.flush();
     }
-    if (!last.text.empty()) on_step(last);
+    if (!last.text.empty()) s.push(std::move(last));
   }
+  s.sampler.reset();  // before the next request makes one (the CUDA plan has one device sampler)
   // The end state is stored cold: measured on multi-turn chat (tools/measure_prefix_cache.py,
   // docs/API.md), the next turn resumes from the cut inside the prompt, because the template
   // re-renders the answer; an end state kept hot would evict the cuts of other conversations.
-  keep_spare(cache_.insert(std::move(fed), std::move(state), /*cold=*/req.cache_cut > 0));
-  publish_cache_stats();
-  return res;
+  // A sequence that ends before its prompt is in keeps nothing but the reusable state.
+  if (s.decoding())
+    keep_spare(cache_.insert(std::move(s.fed), std::move(s.state), /*cold=*/s.req.cache_cut > 0));
+  else
+    keep_spare(std::move(s.state));
+  running_.erase(std::remove_if(running_.begin(), running_.end(), [&](auto& p) { return p.get() == &s; }),
+                 running_.end());
+  publish();
+  s.mark_done();
+}
+
+void Engine::fail_seq(Seq& s, std::exception_ptr e) {
+  s.sampler.reset();
+  s.state.reset();
+  running_.erase(std::remove_if(running_.begin(), running_.end(), [&](auto& p) { return p.get() == &s; }),
+                 running_.end());
+  publish();
+  {
+    std::lock_guard g(s.mu);
+    s.error = std::move(e);
+  }
+  s.mark_done();
 }
 
 }  // namespace tansy

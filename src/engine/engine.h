@@ -1,16 +1,22 @@
 // The generation loop: prompt ids in, a stream of sampled tokens and their text out. Owns the
-// model, the tokenizer and the prefix cache; serves one request at a time (the Scheduler decides
-// whose turn it is).
+// model, the tokenizer, the prefix cache and the pool of sequence states. One thread of its own
+// runs every request in flight: each step feeds one token of every decoding sequence and pieces
+// of the prompts being prefilled (under a token budget) to the model in one batch, then lets each
+// sequence choose its next token. Callers block in generate() and get their steps on their own
+// thread, so a slow client never holds up the others.
 #pragma once
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <filesystem>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "engine/constraint.h"
@@ -24,7 +30,13 @@ namespace tansy {
 struct EngineOptions {
   int max_seq = 32768;  // tokens per sequence (prompt + generated)
   size_t prefix_cache_entries = 4;
-  int prefill_chunk = 256;  // cancellation is checked between chunks of this many prompt tokens
+  // Prompt tokens fed per step, over all the sequences being prefilled (decoding sequences feed
+  // their token besides): a long prompt is cut into pieces, so that it does not stall the
+  // others' tokens, and cancellation is checked between them.
+  int prefill_chunk = 256;
+  // Sequences in flight at once (decoded together); capped by the backend's batch
+  // (Model::max_batch) and by the states that fit in memory.
+  int max_running = 16;
   // Plain greedy requests (is_plain_greedy, no logprobs) decode through Model::greedy_step, which
   // a backend may run without moving the logits to the host. Off: every token goes through
   // forward() and the host sampler (tests compare the two paths).
@@ -34,6 +46,11 @@ struct EngineOptions {
 // True when Sampler would pick exactly the argmax of the raw logits: temperature <= 0 and no
 // repetition/presence/frequency penalty or logit_bias.
 bool is_plain_greedy(const SamplingParams& p);
+
+// A sequence whose caller has not taken this many of its steps yet sits out the engine's steps
+// until it does: a client that reads slowly (or has left, unnoticed until its next read) costs
+// at most this much work ahead, and holds up nobody else.
+constexpr int kMaxStepsAhead = 16;
 
 enum class Finish { kStop, kLength, kCancelled, kTimeout };
 const char* finish_name(Finish f);
@@ -73,6 +90,7 @@ struct GenStep {
 };
 
 struct GenResult {
+  bool admitted = false;  // false: it ended (timeout, cancel) while waiting for a place
   int prompt_tokens = 0;
   int cached_tokens = 0;      // prompt tokens restored from the prefix cache
   int completion_tokens = 0;  // sampled tokens, including a final end-of-sequence token
@@ -91,6 +109,7 @@ GenerationDefaults load_generation_defaults(const std::filesystem::path& model_d
 class Engine {
  public:
   Engine(std::unique_ptr<Model> model, Tokenizer tokenizer, const EngineOptions& opt);
+  ~Engine();  // requests still in flight end cancelled
 
   const Tokenizer& tokenizer() const { return tok_; }
   const ModelConfig& config() const { return model_->config(); }
@@ -98,9 +117,27 @@ class Engine {
   const EngineOptions& options() const { return opt_; }
   const std::vector<int32_t>& eos_ids() const { return eos_; }
 
-  // Runs one request to completion. on_step returns false to stop (as a cancellation).
+  // Runs one request to completion, on the engine's thread among the others in flight; on_step
+  // is called on the caller's thread for every step, in order (returning false cancels: steps
+  // computed meanwhile are dropped). on_start, when set, is called once the request has a place,
+  // before its first step (false cancels). req.cancelled is polled on the caller's thread.
   // Throws Error for a request the engine cannot run (empty prompt, over max_seq).
-  GenResult generate(const GenRequest& req, const std::function<bool(const GenStep&)>& on_step);
+  GenResult generate(const GenRequest& req, const std::function<bool(const GenStep&)>& on_step,
+                     const std::function<bool()>& on_start = {});
+
+  // Sequences in flight at once, and the pool of states they and the prefix cache share.
+  int max_running() const { return run_cap_; }
+  size_t pool_states() const { return pool_states_; }
+  size_t state_bytes() const { return state_bytes_; }
+  std::string describe_capacity() const;  // one line for the startup log
+
+  struct Load {
+    int running = 0, waiting = 0;  // sequences
+    size_t states_used = 0;        // of pool_states(): running, cached and spare
+    uint64_t steps = 0;            // engine steps run
+    int max_step_sequences = 0;    // the most sequences one step has fed
+  };
+  Load load() const;
 
   struct CacheStats {
     uint64_t hits = 0, misses = 0, cached_tokens = 0;
@@ -109,21 +146,41 @@ class Engine {
   CacheStats cache_stats() const;
 
  private:
+  struct Seq;
+  void loop();
+  void step(std::vector<std::shared_ptr<Seq>>& admit);
+  void admit(Seq& s);
+  void make_room(size_t keep_free);
+  void prepare_choice(Seq& s);
+  void choose(Seq& s);
+  void finish(Seq& s, Finish f);
+  void fail_seq(Seq& s, std::exception_ptr e);
+  void keep_spare(std::unique_ptr<SequenceState> s);
+  void publish();
+
   std::unique_ptr<Model> model_;
   Tokenizer tok_;
   EngineOptions opt_;
   std::vector<int32_t> eos_;
+  size_t n_real_ = 0;  // ids the tokenizer defines: the rest of the embedding rows are padding
+  size_t state_bytes_ = 0, pool_states_ = 0;
+  int run_cap_ = 1;
+
+  // The engine thread's own: the running sequences, the prefix cache, the spare state.
+  std::vector<std::shared_ptr<Seq>> running_;
   PrefixCache cache_;
   std::unique_ptr<SequenceState> spare_;  // reused for the next request that misses the cache
-  std::vector<float> logits_;             // [vocab], reused by every request
-  void keep_spare(std::unique_ptr<SequenceState> s) {
-    if (s && !spare_) spare_ = std::move(s);
-  }
-  void publish_cache_stats();
-  std::mutex mu_;  // generate() is not reentrant
-  // Copies of the cache's counters, readable (by /metrics) while a request runs.
-  std::atomic<uint64_t> hits_{0}, misses_{0}, cached_tokens_total_{0};
-  std::atomic<size_t> entries_{0};
+
+  mutable std::mutex mu_;  // guards waiting_ and stop_
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<Seq>> waiting_;
+  bool stop_ = false;
+  std::thread thread_;
+
+  // Copies of the loop's counters, readable (by /metrics) while it runs.
+  std::atomic<uint64_t> hits_{0}, misses_{0}, cached_tokens_total_{0}, steps_{0};
+  std::atomic<size_t> entries_{0}, states_used_{0};
+  std::atomic<int> running_n_{0}, max_step_seqs_{0};
 };
 
 }  // namespace tansy

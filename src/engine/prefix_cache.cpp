@@ -48,4 +48,11 @@ std::unique_ptr<SequenceState> PrefixCache::insert(std::vector<int32_t> tokens,
   return freed;
 }
 
+std::unique_ptr<SequenceState> PrefixCache::pop_lru() {
+  if (entries_.empty()) return nullptr;
+  std::unique_ptr<SequenceState> s = std::move(entries_.back().state);
+  entries_.pop_back();
+  return s;
+}
+
 }  // namespace tansy

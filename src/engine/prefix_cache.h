@@ -1,7 +1,7 @@
 // Prefix cache: sequence states (KV cache, GDN conv and recurrent state) saved at cut points
 // and keyed by the exact token prefix they hold, so that the next turn of a conversation
 // resumes from the longest stored prefix instead of prefilling it again. Least recently used
-// entries are evicted. Not thread-safe: the engine serves one request at a time.
+// entries are evicted. Not thread-safe: only the engine's thread uses it.
 #pragma once
 #include <cstdint>
 #include <list>
@@ -29,6 +29,9 @@ class PrefixCache {
   // state the cache let go of (not stored, replaced or evicted) for the caller to reuse, or null.
   std::unique_ptr<SequenceState> insert(std::vector<int32_t> tokens, std::unique_ptr<SequenceState> state,
                                         bool cold = false);
+
+  // Lets go of the least recently used entry (the caller needs its room); null when empty.
+  std::unique_ptr<SequenceState> pop_lru();
 
   size_t capacity() const { return capacity_; }
   size_t size() const { return entries_.size(); }

@@ -1,12 +1,8 @@
-// One request at a time, in arrival order, with a bounded waiting line. A request takes a
-// ticket on arrival (refused when the line is full), waits for its turn, and gives the engine
-// back when its ticket is destroyed, whether it finished, failed or was abandoned.
+// Admission: a bound on the requests inside the server, so that a flood gets 503 at once instead
+// of an ever longer wait. A request takes a ticket on arrival (refused when `capacity` are
+// already in, running or waiting for a place in the engine) and gives it back when the ticket is
+// destroyed, whether it finished, failed or was abandoned. The engine decides who runs when.
 #pragma once
-#include <chrono>
-#include <condition_variable>
-#include <cstdint>
-#include <deque>
-#include <functional>
 #include <memory>
 #include <mutex>
 
@@ -14,7 +10,7 @@ namespace tansy {
 
 class Scheduler {
  public:
-  explicit Scheduler(int max_waiting) : max_waiting_(max_waiting) {}
+  explicit Scheduler(int capacity) : capacity_(capacity) {}
 
   class Ticket {
    public:
@@ -24,28 +20,18 @@ class Scheduler {
 
    private:
     friend class Scheduler;
-    Ticket(Scheduler& s, uint64_t id) : s_(s), id_(id) {}
+    explicit Ticket(Scheduler& s) : s_(s) {}
     Scheduler& s_;
-    uint64_t id_;
   };
 
-  // A place in line, or null when max_waiting requests are already waiting.
+  // A ticket, or null when `capacity` requests are already in.
   std::unique_ptr<Ticket> enqueue();
-  // Blocks until it is this ticket's turn (true) or until give_up() returns true (false);
-  // give_up is polled every `poll`, with the scheduler's lock held (it must not call the scheduler).
-  bool wait_turn(Ticket& t, const std::function<bool()>& give_up,
-                 std::chrono::milliseconds poll = std::chrono::milliseconds(20));
-
-  int waiting() const;
-  bool busy() const;
+  int inside() const;
 
  private:
-  void release(uint64_t id);
-  const int max_waiting_;
+  const int capacity_;
   mutable std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<uint64_t> line_;
-  uint64_t running_ = 0, next_id_ = 1;
+  int inside_ = 0;
 };
 
 }  // namespace tansy

@@ -41,6 +41,17 @@ int32_t Model::greedy_step(SequenceState& state, std::span<const int32_t> ids, i
   return argmax(std::span<const float>(logits.data(), size_t(limit)));
 }
 
+size_t state_bytes_of(const ModelConfig& c, int max_tokens, size_t kv_elem, size_t window_elem,
+                      size_t recurrent_elem) {
+  size_t b = 0;
+  for (LayerKind k : c.layers)
+    b += k == LayerKind::kLinear ? size_t(c.conv_kernel - 1) * size_t(c.lin_conv_dim()) * window_elem +
+                                       size_t(c.lin_num_v_heads) * size_t(c.lin_k_head_dim) *
+                                           size_t(c.lin_v_head_dim) * recurrent_elem
+                                 : 2 * size_t(max_tokens) * size_t(c.kv_dim()) * kv_elem;
+  return b;
+}
+
 namespace {
 
 // forward() into host logits, the reference Sampler, logprobs of the raw distribution.
@@ -57,6 +68,13 @@ class HostSampler final : public TokenSampler {
   }
   void feed(SequenceState& state, std::span<const int32_t> ids) override {
     m_.forward(state, ids, logits_, false);
+    std::fill(logits_.begin() + limit_, logits_.end(), -std::numeric_limits<float>::infinity());
+    fed_ = true;
+  }
+  // Model::feed_batch: this sampler's row of the batch's logits.
+  void take_logits(const Model& m, std::span<const float> row) {
+    TANSY_CHECK(&m == &m_, "feed_batch: a sampler of another model");
+    std::copy(row.begin(), row.begin() + limit_, logits_.begin());
     std::fill(logits_.begin() + limit_, logits_.end(), -std::numeric_limits<float>::infinity());
     fed_ = true;
   }
@@ -84,7 +102,82 @@ class HostSampler final : public TokenSampler {
   bool fed_ = false;
 };
 
+// Model::greedy_step's choice, for backends that feed one sequence at a time.
+class GreedyStepSampler final : public TokenSampler {
+ public:
+  GreedyStepSampler(Model& m, int limit) : m_(m), limit_(limit) {}
+  void feed(SequenceState& state, std::span<const int32_t> ids) override {
+    next_ = m_.greedy_step(state, ids, limit_);
+  }
+  SampleChoice next(const uint32_t* allowed, int32_t forced) override {
+    TANSY_CHECK(allowed == nullptr, "greedy sampler: a constrained request must sample with a mask");
+    TANSY_CHECK(forced >= 0 || next_ >= 0, "sampler: next() before anything was fed");
+    SampleChoice c;
+    c.token = forced >= 0 ? forced : next_;
+    next_ = -1;
+    return c;
+  }
+
+ private:
+  Model& m_;
+  int limit_;
+  int32_t next_ = -1;
+};
+
 }  // namespace
+
+std::unique_ptr<TokenSampler> Model::make_greedy_sampler(int limit) {
+  if (max_batch() == 1) return std::make_unique<GreedyStepSampler>(*this, limit);
+  SamplingParams greedy;
+  greedy.temperature = 0;
+  return make_host_sampler(SamplerSpec{greedy, {}, limit, -1});
+}
+
+void Model::feed_batch(std::span<const FeedEntry> entries) {
+  if (entries.empty()) return;
+  if (int(entries.size()) > max_batch())
+    fail("feed_batch: {} sequences exceed the backend's batch of {}", entries.size(), max_batch());
+  for (size_t i = 0; i < entries.size(); ++i) {
+    if (!entries[i].state || entries[i].ids.empty()) fail("feed_batch: entry {} has no state or no ids", i);
+    for (size_t j = 0; j < i; ++j)
+      if (entries[j].state == entries[i].state) fail("feed_batch: one state fed twice in a step");
+  }
+  if (max_batch() == 1) {
+    for (const FeedEntry& e : entries) {
+      if (e.sampler) {
+        e.sampler->feed(*e.state, e.ids);
+      } else {
+        scratch_logits_.resize(size_t(config().vocab_size));
+        forward(*e.state, e.ids, scratch_logits_, false);
+      }
+    }
+    return;
+  }
+  std::vector<BatchPiece> pieces;
+  std::vector<HostSampler*> takers;
+  for (const FeedEntry& e : entries) {
+    HostSampler* h = nullptr;
+    if (e.sampler && !(h = dynamic_cast<HostSampler*>(e.sampler)))
+      fail("feed_batch: a batched backend needs host samplers (the batch's logits come to the host)");
+    pieces.push_back({e.state, e.ids, h != nullptr});
+    if (h) takers.push_back(h);
+  }
+  const size_t V = size_t(config().vocab_size);
+  scratch_logits_.resize(std::max<size_t>(1, takers.size()) * V);
+  forward_batch(pieces, scratch_logits_);
+  for (size_t i = 0; i < takers.size(); ++i)
+    takers[i]->take_logits(*this, std::span<const float>(scratch_logits_.data() + i * V, V));
+}
+
+void Model::forward_batch(std::span<const BatchPiece> pieces, std::span<float> logits) {
+  const size_t V = size_t(config().vocab_size);
+  std::vector<float> discard(V);
+  size_t row = 0;
+  for (const BatchPiece& p : pieces) {
+    if (p.want_logits && (row + 1) * V > logits.size()) fail("forward_batch: logits buffer too small");
+    forward(*p.state, p.ids, p.want_logits ? logits.subspan(row++ * V, V) : std::span<float>(discard), false);
+  }
+}
 
 std::unique_ptr<TokenSampler> Model::make_host_sampler(const SamplerSpec& spec) {
   return std::make_unique<HostSampler>(*this, spec);

@@ -49,9 +49,19 @@ class TokenSampler {
   // [0, limit), bit i % 32 of word i / 32; null: all), or `forced` when >= 0. Either way it counts
   // for the penalties from now on, and the next choice is at the next position.
   virtual SampleChoice next(const uint32_t* allowed, int32_t forced) = 0;
-  // True when feed() only enqueues the step (CUDA): the engine then feeds a token before handing
-  // it to the caller, so that the step runs while the caller sends it out.
+  // True when feed() only enqueues the step (CUDA): work between feed() and next() (the engine
+  // computes the constraint's mask there) overlaps the step.
   virtual bool feed_is_async() const { return false; }
+};
+
+// One sequence's part of an engine step (Model::feed_batch): `ids` fed after what `state` holds;
+// `sampler`, when set, is the sequence's sampler, which chooses the token after the last of them
+// (TokenSampler::next) once the step has run. Null: no choice is wanted (a piece of prompt that
+// does not end it, or a step whose next token is forced).
+struct FeedEntry {
+  SequenceState* state = nullptr;
+  std::span<const int32_t> ids;
+  TokenSampler* sampler = nullptr;
 };
 
 class Model {
@@ -92,6 +102,26 @@ class Model {
   // and moves only the token id.
   virtual int32_t greedy_step(SequenceState& state, std::span<const int32_t> ids, int limit);
 
+  // How many sequences feed_batch runs as one batch, each layer's weights read once for all of
+  // them. 1: the backend feeds sequences one at a time (the engine then runs one at a time).
+  virtual int max_batch() const { return 1; }
+  // Feeds every entry in one step (at most max_batch() of them, each state at most once);
+  // afterwards each entry's sampler may choose. Every entry's result is bit for bit what feeding
+  // it alone gives: a sequence's tokens do not depend on what else is in the batch. With
+  // max_batch() > 1 the samplers must be host samplers (make_host_sampler, make_greedy_sampler),
+  // which take their rows of the batch's logits.
+  void feed_batch(std::span<const FeedEntry> entries);
+
+  // Bytes one state able to hold max_tokens tokens takes at most, and the memory free for states
+  // now (nullopt: the backend does not know). The engine sizes its pool of states from them.
+  virtual size_t state_bytes(int max_tokens) const = 0;
+  virtual std::optional<size_t> free_state_memory() const { return std::nullopt; }
+
+  // A sampler choosing the argmax over [0, limit) (ties to the lower id), the reference Sampler's
+  // greedy rule: through greedy_step for a backend that feeds one sequence at a time (on CUDA the
+  // logits stay on the device), else a host sampler, so that greedy sequences batch with the rest.
+  std::unique_ptr<TokenSampler> make_greedy_sampler(int limit);
+
   // A sampler for one request. The default computes logits with forward() and chooses on the
   // host with Sampler; the CUDA plan chooses on the device and moves only the choice.
   virtual std::unique_ptr<TokenSampler> make_sampler(const SamplerSpec& spec);
@@ -116,8 +146,18 @@ class Model {
   void set_route_override(RouteOverrideFn fn) { route_override_ = std::move(fn); }
 
  protected:
+  // feed_batch's batched form, for backends with max_batch() > 1: feeds each piece after its
+  // state and writes logits [n, vocab_size], one row per piece with want_logits, in order.
+  struct BatchPiece {
+    SequenceState* state = nullptr;
+    std::span<const int32_t> ids;
+    bool want_logits = false;
+  };
+  virtual void forward_batch(std::span<const BatchPiece> pieces, std::span<float> logits);
+
   TraceFn trace_;
   RouteTraceFn route_trace_;
+  std::vector<float> scratch_logits_;  // feed_batch: logits nobody reads, or the batch's rows
   RouteOverrideFn route_override_;
 };
 
@@ -133,5 +173,10 @@ struct ModelOptions {
 std::unique_ptr<Model> open_model(const std::filesystem::path& dir, const ModelOptions& opt);
 
 int32_t argmax(std::span<const float> v);
+
+// Bytes of one sequence's state able to hold max_tokens tokens, given each part's element size:
+// keys and values per attention layer, the conv window and the recurrent state per GDN layer.
+size_t state_bytes_of(const ModelConfig& c, int max_tokens, size_t kv_elem, size_t window_elem,
+                      size_t recurrent_elem);
 
 }  // namespace tansy

@@ -106,10 +106,19 @@ std::string Metrics::render(const Snapshot& s) const {
   o += fmt::format("tansy_prompt_tokens_total {}\n", prompt_tokens_);
   head("tansy_generation_tokens_total", "counter", "Tokens sampled.");
   o += fmt::format("tansy_generation_tokens_total {}\n", generated_tokens_);
-  head("tansy_queue_depth", "gauge", "Requests waiting for their turn.");
+  head("tansy_queue_depth", "gauge", "Requests waiting for a place in the engine.");
   o += fmt::format("tansy_queue_depth {}\n", s.queue_waiting);
-  head("tansy_requests_running", "gauge", "Requests being generated (0 or 1).");
+  head("tansy_requests_running", "gauge", "Requests in flight in the engine (prefilling or decoding).");
   o += fmt::format("tansy_requests_running {}\n", s.running);
+  head("tansy_requests_running_max", "gauge", "Most requests in flight at once.");
+  o += fmt::format("tansy_requests_running_max {}\n", s.max_running);
+  head("tansy_state_pool_states", "gauge",
+       "Sequence states the pool holds at most (running requests, prefix cache, one spare).");
+  o += fmt::format("tansy_state_pool_states {}\n", s.pool_states);
+  head("tansy_state_pool_used", "gauge", "Sequence states held now.");
+  o += fmt::format("tansy_state_pool_used {}\n", s.pool_used);
+  head("tansy_engine_steps_total", "counter", "Engine steps run (each feeds every sequence in flight).");
+  o += fmt::format("tansy_engine_steps_total {}\n", s.engine_steps);
   head("tansy_prefix_cache_hits_total", "counter", "Prompts that resumed from a cached prefix state.");
   o += fmt::format("tansy_prefix_cache_hits_total {}\n", s.cache_hits);
   head("tansy_prefix_cache_misses_total", "counter", "Prompts that found no cached prefix.");

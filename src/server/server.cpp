@@ -173,7 +173,7 @@ struct Server::Impl {
   Impl(Engine& e, ServerOptions o)
       : engine(e),
         opt(std::move(o)),
-        sched(opt.max_queue),
+        sched(e.max_running() + opt.max_queue),
         http(opt.limits),
         policy(HttpPolicyOptions{opt.host, opt.allowed_hosts, opt.allowed_origins}) {}
 
@@ -291,24 +291,33 @@ struct Server::Impl {
 
   // ---- running ---------------------------------------------------------------------------
 
-  // Runs a job whose turn has come. on_step sees every step (after metrics are recorded).
-  GenResult execute(Job& j, const ConnectionWatch& watch,
-                    const std::function<bool(const GenStep&)>& on_step) {
+  // Runs a job: it waits for a place in the engine, then on_start runs (false: the client left),
+  // then on_step sees every step (after metrics are recorded). Throws ApiError when time ran out
+  // before it got a place.
+  GenResult execute(Job& j, const ConnectionWatch& watch, const std::function<bool(const GenStep&)>& on_step,
+                    const std::function<bool()>& on_start = {}) {
     j.gen.cancelled = [&watch] { return !watch.alive(); };
     bool first = true;
     Clock::time_point last{};
-    GenResult r = engine.generate(j.gen, [&](const GenStep& s) {
-      if (s.token >= 0) {
-        auto now = Clock::now();
-        if (first)
-          metrics.time_to_first_token(std::chrono::duration<double>(now - j.arrival).count());
-        else
-          metrics.inter_token_latency(std::chrono::duration<double>(now - last).count());
-        first = false;
-        last = now;
-      }
-      return on_step(s);
-    });
+    GenResult r = engine.generate(
+        j.gen,
+        [&](const GenStep& s) {
+          if (s.token >= 0) {
+            auto now = Clock::now();
+            if (first)
+              metrics.time_to_first_token(std::chrono::duration<double>(now - j.arrival).count());
+            else
+              metrics.inter_token_latency(std::chrono::duration<double>(now - last).count());
+            first = false;
+            last = now;
+          }
+          return on_step(s);
+        },
+        on_start);
+    if (!r.admitted && r.finish == Finish::kTimeout)
+      api_fail(503, "",
+               fmt::format("timed out after {} s waiting for earlier requests", opt.request_timeout_s),
+               "timeout");
     metrics.tokens(r.prompt_tokens, r.completion_tokens);
     metrics.request_duration(std::chrono::duration<double>(Clock::now() - j.arrival).count());
     return r;
@@ -365,20 +374,6 @@ struct Server::Impl {
     return "stop";
   }
 
-  // Waits for the job's turn. Throws ApiError on timeout; returns false when the client left.
-  bool wait_turn(Scheduler::Ticket& t, const Job& j, const ConnectionWatch& watch) {
-    bool timed_out = false;
-    bool ok = sched.wait_turn(t, [&] {
-      if (Clock::now() >= j.gen.deadline) timed_out = true;
-      return timed_out || !watch.alive();
-    });
-    if (!ok && timed_out)
-      api_fail(503, "",
-               fmt::format("timed out after {} s waiting for earlier requests", opt.request_timeout_s),
-               "timeout");
-    return ok;
-  }
-
   void check_outcome(const GenResult& r) const {
     if (r.finish == Finish::kTimeout)
       api_fail(504, "", fmt::format("the request did not finish within {} s", opt.request_timeout_s),
@@ -387,8 +382,7 @@ struct Server::Impl {
 
   // ---- non-streaming ---------------------------------------------------------------------
 
-  Json run_chat(Job& j, Scheduler::Ticket& t, const ConnectionWatch& watch, GenResult& r) {
-    if (!wait_turn(t, j, watch)) return nullptr;
+  Json run_chat(Job& j, const ConnectionWatch& watch, GenResult& r) {
     ChatOutput out(j.starts_in_reasoning, j.api.render.tools, j.id);
     Json lps = Json::array();
     r = execute(j, watch, [&](const GenStep& s) {
@@ -414,8 +408,7 @@ struct Server::Impl {
                 {"system_fingerprint", fingerprint()}};
   }
 
-  Json run_completion(Job& j, Scheduler::Ticket& t, const ConnectionWatch& watch, GenResult& r) {
-    if (!wait_turn(t, j, watch)) return nullptr;
+  Json run_completion(Job& j, const ConnectionWatch& watch, GenResult& r) {
     std::string text;
     LegacyLogprobs lps;
     r = execute(j, watch, [&](const GenStep& s) {
@@ -470,7 +463,7 @@ struct Server::Impl {
     return c;
   }
 
-  void stream_job(Job& j, Scheduler::Ticket& t, const ConnectionWatch& watch, SseWriter& w, int& status) {
+  void stream_job(Job& j, const ConnectionWatch& watch, SseWriter& w, int& status) {
     GenResult r;
     // Every way out (the client leaving mid-stream included) records the outcome for the log.
     struct Outcome {
@@ -487,10 +480,6 @@ struct Server::Impl {
       }
     } outcome{j, r, w, status};
     try {
-      if (!wait_turn(t, j, watch)) {
-        status = 499;
-        return;
-      }
       auto emit = [&](Json choice) {
         Json c = chunk_base(j);
         c["choices"] = Json::array({std::move(choice)});
@@ -511,15 +500,20 @@ struct Server::Impl {
           }
           return true;
         };
-        if (!emit(Json{{"index", 0},
-                       {"delta", {{"role", "assistant"}, {"content", ""}}},
-                       {"logprobs", nullptr},
-                       {"finish_reason", nullptr}}))
-          return;
-        r = execute(j, watch, [&](const GenStep& s) {
-          if (s.logprobs) pending_lps.push_back(chat_logprob(s.token, *s.logprobs));
-          return send_deltas(out.push(s.text));
-        });
+        // The role goes out once the request has a place in the engine.
+        auto role = [&] {
+          return emit(Json{{"index", 0},
+                           {"delta", {{"role", "assistant"}, {"content", ""}}},
+                           {"logprobs", nullptr},
+                           {"finish_reason", nullptr}});
+        };
+        r = execute(
+            j, watch,
+            [&](const GenStep& s) {
+              if (s.logprobs) pending_lps.push_back(chat_logprob(s.token, *s.logprobs));
+              return send_deltas(out.push(s.text));
+            },
+            role);
         if (r.finish == Finish::kCancelled) {
           status = 499;
           return;
@@ -600,7 +594,7 @@ struct Server::Impl {
                                          [this, job, ticket, watch](size_t, httplib::DataSink& sink) {
                                            SseWriter w{sink};
                                            int status = 200;
-                                           stream_job(*job, *ticket, *watch, w, status);
+                                           stream_job(*job, *watch, w, status);
                                            metrics.request_done(job->endpoint, status);
                                            if (w.ok) sink.done();
                                            return w.ok;
@@ -608,7 +602,7 @@ struct Server::Impl {
         return;  // counted when the stream ends
       }
       GenResult r;
-      Json out = chat ? run_chat(*job, *ticket, *watch, r) : run_completion(*job, *ticket, *watch, r);
+      Json out = chat ? run_chat(*job, *watch, r) : run_completion(*job, *watch, r);
       if (out.is_null()) {  // the client left: nobody reads this
         send_error(res, ApiError(499, "client closed the request"));
         metrics.request_done(endpoint, 499);
@@ -676,7 +670,7 @@ struct Server::Impl {
                                          [this, job, ticket, watch, fe](size_t, httplib::DataSink& sink) {
                                            SseWriter w{sink, fe.get()};
                                            int status = 200;
-                                           stream_job(*job, *ticket, *watch, w, status);
+                                           stream_job(*job, *watch, w, status);
                                            metrics.request_done(job->endpoint, status);
                                            if (w.ok) sink.done();
                                            return w.ok;
@@ -684,7 +678,7 @@ struct Server::Impl {
         return;
       }
       GenResult r;
-      Json out = run_chat(*job, *ticket, *watch, r);
+      Json out = run_chat(*job, *watch, r);
       if (out.is_null()) {  // the client left: nobody reads this
         fail(ApiError(499, "client closed the request"));
         request_note().detail += fmt::format(" {} prompt {} (cached {}) completion {} finish cancelled",
@@ -883,15 +877,26 @@ struct Server::Impl {
       metrics.request_done("/v1/models", 200);
     });
     route("GET", "/health", [this](const httplib::Request&, httplib::Response& res) {
-      res.set_content(
-          dump(Json{
-              {"status", "ok"}, {"model", opt.model_id}, {"queue", sched.waiting()}, {"busy", sched.busy()}}),
-          "application/json");
+      const Engine::Load l = engine.load();
+      res.set_content(dump(Json{{"status", "ok"},
+                                {"model", opt.model_id},
+                                {"queue", l.waiting},
+                                {"busy", l.running > 0},
+                                {"running", l.running},
+                                {"waiting", l.waiting},
+                                {"max_running", engine.max_running()},
+                                {"pool", {{"states", engine.pool_states()}, {"used", l.states_used}}}}),
+                      "application/json");
     });
     route("GET", "/metrics", [this](const httplib::Request&, httplib::Response& res) {
       Metrics::Snapshot s;
-      s.queue_waiting = sched.waiting();
-      s.running = sched.busy() ? 1 : 0;
+      const Engine::Load l = engine.load();
+      s.queue_waiting = l.waiting;
+      s.running = l.running;
+      s.max_running = engine.max_running();
+      s.pool_states = engine.pool_states();
+      s.pool_used = l.states_used;
+      s.engine_steps = l.steps;
       auto c = engine.cache_stats();
       s.cache_hits = c.hits;
       s.cache_misses = c.misses;
@@ -923,6 +928,7 @@ void Server::run() {
       "{} entries, queue {})",
       s.opt.host, port, s.opt.model_id, s.engine.model().backend_plan(), s.engine.options().max_seq,
       s.engine.options().prefix_cache_entries, s.opt.max_queue));
+  log_line("tansy serve: " + s.engine.describe_capacity());
   log_line("tansy serve: sampling defaults: " + s.opt.defaults_source);
   const ConnectionLimits& l = s.opt.limits;
   log_line(fmt::format(

@@ -176,6 +176,7 @@ struct ListModel : Model {
   int clones = 0;
   const ModelConfig& config() const override { return cfg; }
   std::string backend_name() const override { return "list"; }
+  size_t state_bytes(int) const override { return 1; }
   std::unique_ptr<SequenceState> new_state(int) override { return std::make_unique<ListState>(); }
   std::unique_ptr<SequenceState> clone_state(const SequenceState& s) override {
     ++clones;
@@ -258,48 +259,19 @@ TEST(PrefixCache, ZeroCapacityStoresNothing) {
   EXPECT_FALSE(c.lookup(m, q, 2).state);
 }
 
-TEST(Scheduler, ServesInArrivalOrderAndBoundsTheLine) {
+TEST(Scheduler, BoundsTheRequestsInside) {
   Scheduler s(2);
   auto a = s.enqueue(), b = s.enqueue();
   ASSERT_TRUE(a && b);
-  EXPECT_FALSE(s.enqueue());  // two waiting: full
-  ASSERT_TRUE(s.wait_turn(*a, nullptr));
-  auto c = s.enqueue();  // a left the line when its turn came
-  ASSERT_TRUE(c);
-  std::atomic<int> order{0};
-  int b_pos = 0, c_pos = 0;
-  std::thread tc([&] {
-    s.wait_turn(*c, nullptr);
-    c_pos = ++order;
-    c.reset();
-  });
-  std::thread tb([&] {
-    s.wait_turn(*b, nullptr);
-    b_pos = ++order;
-    std::this_thread::sleep_for(std::chrono::milliseconds(30));
-    b.reset();
-  });
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  EXPECT_EQ(order.load(), 0);  // a still runs
-  a.reset();
-  tb.join();
-  tc.join();
-  EXPECT_EQ(b_pos, 1);
-  EXPECT_EQ(c_pos, 2);
-}
-
-TEST(Scheduler, GivingUpLeavesTheLine) {
-  Scheduler s(4);
-  auto a = s.enqueue(), b = s.enqueue();
-  ASSERT_TRUE(s.wait_turn(*a, nullptr));
-  int polls = 0;
-  EXPECT_FALSE(s.wait_turn(
-      *b, [&] { return ++polls >= 3; }, std::chrono::milliseconds(1)));
-  b.reset();
-  EXPECT_EQ(s.waiting(), 0);
-  a.reset();
+  EXPECT_EQ(s.inside(), 2);
+  EXPECT_FALSE(s.enqueue());  // full
+  a.reset();                  // a finished or left: its place is free
   auto c = s.enqueue();
-  EXPECT_TRUE(s.wait_turn(*c, nullptr));
+  ASSERT_TRUE(c);
+  EXPECT_FALSE(s.enqueue());
+  b.reset();
+  c.reset();
+  EXPECT_EQ(s.inside(), 0);
 }
 
 }  // namespace

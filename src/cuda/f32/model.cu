@@ -143,6 +143,14 @@ class F32Model final : public Model {
   std::string backend_name() const override { return "cuda"; }
   std::string backend_plan() const override { return "cuda-f32"; }
 
+  // F32State at its largest (the attention caches grow on demand up to max_tokens).
+  size_t state_bytes(int max_tokens) const override { return state_bytes_of(cfg_, max_tokens, 4, 4, 4); }
+  std::optional<size_t> free_state_memory() const override {
+    size_t free = 0, total = 0;
+    CUDA_CHECK(cudaMemGetInfo(&free, &total));
+    return free;
+  }
+
   std::unique_ptr<SequenceState> new_state(int max_tokens) override {
     if (max_tokens <= 0) fail("new_state: max_tokens must be positive");
     auto s = std::make_unique<F32State>();
