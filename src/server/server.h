@@ -1,6 +1,6 @@
 // tansy's OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions, /v1/models,
-// /health, /metrics. Requests run one at a time in arrival order (Scheduler); the rest wait
-// in a bounded line.
+// /health, /metrics. The engine runs up to its max_running requests at once; the rest wait in
+// arrival order, and the Scheduler refuses more than max_queue of them (503).
 #pragma once
 #include <filesystem>
 #include <memory>
@@ -18,7 +18,7 @@ struct ServerOptions {
   int port = 8000;                           // 0: any free port (the chosen one is printed)
   std::string api_key;                       // empty: no authentication
   std::string model_id;                      // the name /v1/models lists and requests must use
-  int max_queue = 16;                        // waiting requests beyond the running one; more get 503
+  int max_queue = 16;                        // waiting requests beyond the running ones; more get 503
   double request_timeout_s = 600;            // from arrival, queueing included
   size_t max_body_bytes = 8u << 20;          // larger bodies get 413
   SamplingParams defaults;                   // for fields a request leaves out

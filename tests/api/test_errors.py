@@ -197,7 +197,7 @@ def long_request(s, results, i, max_tokens=MAX_SEQ - 32):
 
 
 def test_queue_full_503(start_server):
-    s = start_server("queue", "--max-queue", "1")
+    s = start_server("queue", "--max-queue", "1", "--max-running", "1")
     results = {}
     threads = [threading.Thread(target=long_request, args=(s, results, i)) for i in range(2)]
     threads[0].start()

@@ -160,7 +160,7 @@ def test_anthropic_413(start_server):
 
 
 def test_anthropic_overloaded_529(start_server):
-    s = start_server("anthropic-queue", "--max-queue", "1")
+    s = start_server("anthropic-queue", "--max-queue", "1", "--max-running", "1")
     results = {}
 
     def long_request(i):

@@ -258,7 +258,7 @@ def test_wrong_method_gets_405_with_allow(server):
 
 
 def test_503_carries_retry_after(start_server):
-    s = start_server("retry-after", "--max-queue", "0")
+    s = start_server("retry-after", "--max-queue", "0", "--max-running", "1")
     long = requests.post(s.url + COMPLETIONS, stream=True, timeout=60, headers=JSON, data=json.dumps(
         {"model": MODEL_ID, "prompt": "slow", "max_tokens": MAX_SEQ - 32, "ignore_eos": True, "stream": True}))
     try:

@@ -43,7 +43,8 @@ std::unique_ptr<Model> open_demo() {
 
 std::vector<int32_t> ids_of(int n, int salt, int vocab) {
   std::vector<int32_t> v;
-  for (int i = 0; i < n; ++i) v.push_back(int32_t((uint64_t(i + 1) * 2654435761u + uint64_t(salt) * 40503u) % uint64_t(vocab)));
+  for (int i = 0; i < n; ++i)
+    v.push_back(int32_t((uint64_t(i + 1) * 2654435761u + uint64_t(salt) * 40503u) % uint64_t(vocab)));
   return v;
 }
 
@@ -105,8 +106,9 @@ TEST(Batch, CpuFeedBatchEqualsFeedingAlone) {
       ASSERT_EQ(got[i].logprobs->top.size(), want[i].logprobs->top.size());
       for (size_t k = 0; k < got[i].logprobs->top.size(); ++k) {
         EXPECT_EQ(got[i].logprobs->top[k].id, want[i].logprobs->top[k].id);
-        EXPECT_EQ(std::memcmp(&got[i].logprobs->top[k].logprob, &want[i].logprobs->top[k].logprob, sizeof(float)),
-                  0);
+        EXPECT_EQ(
+            std::memcmp(&got[i].logprobs->top[k].logprob, &want[i].logprobs->top[k].logprob, sizeof(float)),
+            0);
       }
     }
     EXPECT_EQ(batched[i]->n_tokens(), alone[i]->n_tokens());
