@@ -201,6 +201,9 @@ class Request:
             if not line:
                 break
             t = time.perf_counter()
+            if self.deadline is not None and t > self.deadline:
+                self.error = "cut off: --time-budget-s ran out during the stream"
+                return
             line = line.strip()
             if not line.startswith(b"data:"):
                 continue
@@ -486,13 +489,18 @@ def main():
                     wres = run_level(server, [b], [k], a.new_tokens, deadline, 0)
                     pr = wres["per_request"][0]
                     row["warmup"].append({"index": k, "ok": pr["ok"], "ttft_s": pr.get("ttft_s"),
+                                          "completion_tokens": pr.get("completion_tokens"),
+                                          "cached_tokens": pr.get("cached_tokens"),
                                           "wall_s": wres["wall_s"], **({"error": pr["error"]} if "error" in pr else {})})
                     per_request_s[w] = wres["wall_s"]
+                    if not pr["ok"]:
+                        bad += 1
+                        print(f"{w}: warm-up request {k} FAILED: {pr['error']}", file=sys.stderr)
                 left = deadline - time.perf_counter() if deadline else None
             if left is not None:
                 est = per_request_s.get(w, 0) * c
-                if left < 1 or est > left:
-                    row["skipped"] = f"time budget: {left:.0f} s left, estimated {est:.0f} s"
+                if left <= 0 or est > left:
+                    row["skipped"] = f"time budget: {left:.1f} s left, estimated {est:.1f} s"
                     print(f"{w} x{c}: skipped ({row['skipped']})", file=sys.stderr)
                     report["results"].append(row)
                     bad += 1
