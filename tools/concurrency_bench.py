@@ -30,6 +30,9 @@ docs/BENCHMARK.md's section "Concurrency (issue 16)" is the definition; in short
   statistics. A request that got an HTTP error, a stream error, no [DONE], no usage, a finish
   reason other than "length" or a token count other than --new-tokens is a failure: it is counted,
   listed with its reason, left out of the figures, and its level is marked "ok": false.
+- Before each level the tool waits (up to 5 s, recorded as settle_s) until the busy gauges that
+  exist (tansy_requests_running, tansy_requests_waiting, tansy_queue_depth, tansy_sequences_running,
+  tansy_sequences_waiting) read 0, since the server may still be finishing the previous request.
 - /metrics is read before and after each level (and, with --metrics-interval, sampled during it
   for the peak of each gauge): the gauges tansy_requests_*, tansy_sequences_*, tansy_queue_* and
   tansy_pool_* that exist, and the prefix cache's and generation counters, whose differences are
@@ -67,6 +70,8 @@ SETTINGS = {
     "qwen": {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "seed": 1234},
 }
 GAUGE_PREFIXES = ("tansy_requests_", "tansy_sequences_", "tansy_queue_", "tansy_pool_", "tansy_prefix_cache_")
+BUSY_GAUGES = ("tansy_requests_running", "tansy_requests_waiting", "tansy_queue_depth", "tansy_sequences_running",
+               "tansy_sequences_waiting")
 COUNTERS = ("tansy_prefix_cache_hits_total", "tansy_prefix_cache_misses_total",
             "tansy_prefix_cache_cached_tokens_total", "tansy_generation_tokens_total", "tansy_prompt_tokens_total")
 
@@ -463,6 +468,17 @@ def main():
         except (OSError, RuntimeError, http.client.HTTPException) as e:
             return {"error": str(e)}
 
+    def settle(limit_s=5.0):
+        """Waits until the busy gauges that exist read 0: the server may still be finishing the
+        previous level's last request after its client saw [DONE]. Returns (/metrics, seconds waited)."""
+        t = time.perf_counter()
+        while True:
+            m = scrape()
+            busy = [k for k, v in m.items() if k.split("{", 1)[0] in BUSY_GAUGES and v]
+            if not busy or "error" in m or time.perf_counter() - t > limit_s:
+                return m, time.perf_counter() - t
+            time.sleep(0.02)
+
     next_k = {w: a.salt + 1 for w in workloads}
     prefix = rule(SHARED_BASE, a.prefix_tokens, vocab) if "shared-prefix" in workloads else None
 
@@ -507,7 +523,7 @@ def main():
                     save()
                     continue
             bodies, ks = take(w, c)
-            row["metrics_before"] = scrape()
+            row["metrics_before"], row["settle_s"] = settle()
             row.update(run_level(server, bodies, ks, a.new_tokens, deadline, a.metrics_interval))
             row["metrics_after"] = scrape()
             if "error" not in row["metrics_before"] and "error" not in row["metrics_after"]:
