@@ -42,8 +42,10 @@ Timestamps are taken when a client thread has read an SSE line; at high concurre
 threads share one interpreter lock, which adds client-side jitter of the order of a chunk's parse
 time (tens of microseconds) to each arrival.
 The JSON (--json) is rewritten after every level, so a run stopped by an outer timeout keeps the
-levels it finished. --time-budget-s skips a level that its predecessor's time per request says
-would not fit, and limits every socket wait to the time left (a request cut off counts as failed).
+levels it finished. --time-budget-s skips a level (with its warm-ups) that the time per request of
+the workload's previous level (else of the other workload's) says would not fit, which is
+conservative for a server that batches, and cuts off a stream that outlasts the budget (counted as
+failed; the server sees the connection close).
 Exit status: 0 when every level ran without failure, 1 otherwise, 2 when the server cannot be used.
 """
 import argparse
@@ -496,10 +498,23 @@ def main():
     for c in levels:
         for w in workloads:
             row = {"workload": w, "concurrency": c}
-            left = deadline - time.perf_counter() if deadline else None
-            if w not in warmed and a.warmup:
+            warm_now = a.warmup if w not in warmed else 0
+            if deadline is not None:
+                left = deadline - time.perf_counter()
+                # Before a workload's first level, the other workload's time per request (the same
+                # prompt length and token count) stands in for its own.
+                per = per_request_s.get(w, max(per_request_s.values(), default=0.0))
+                est = per * (c + warm_now)
+                if left <= 0 or est > left:
+                    row["skipped"] = f"time budget: {left:.1f} s left, estimated {est:.1f} s"
+                    print(f"{w} x{c}: skipped ({row['skipped']})", file=sys.stderr)
+                    report["results"].append(row)
+                    bad += 1
+                    save()
+                    continue
+            if warm_now:
                 warmed.add(w)
-                bodies, ks = take(w, a.warmup)
+                bodies, ks = take(w, warm_now)
                 row["warmup"] = []
                 for b, k in zip(bodies, ks):
                     wres = run_level(server, [b], [k], a.new_tokens, deadline, 0)
@@ -512,16 +527,6 @@ def main():
                     if not pr["ok"]:
                         bad += 1
                         print(f"{w}: warm-up request {k} FAILED: {pr['error']}", file=sys.stderr)
-                left = deadline - time.perf_counter() if deadline else None
-            if left is not None:
-                est = per_request_s.get(w, 0) * c
-                if left <= 0 or est > left:
-                    row["skipped"] = f"time budget: {left:.1f} s left, estimated {est:.1f} s"
-                    print(f"{w} x{c}: skipped ({row['skipped']})", file=sys.stderr)
-                    report["results"].append(row)
-                    bad += 1
-                    save()
-                    continue
             bodies, ks = take(w, c)
             row["metrics_before"], row["settle_s"] = settle()
             row.update(run_level(server, bodies, ks, a.new_tokens, deadline, a.metrics_interval))
