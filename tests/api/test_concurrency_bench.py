@@ -90,6 +90,11 @@ def test_the_prompts_follow_the_documented_rule():
     assert all(len(p) == N for p in prompts)
     assert len({p[:P] for p in prompts[9:]}) == 1  # one common prefix
     assert len({p[P:] for p in prompts[9:]}) == 9  # distinct turns
+    q = t.request_body("m", [1, 2], NEW, "qwen", 5)
+    assert (q["seed"], q["temperature"], q["top_p"], q["top_k"]) == (1234 + 5, 0.6, 0.95, 20)
+    g = t.request_body("m", [1, 2], NEW, "greedy", 5)
+    assert (g["temperature"], g["ignore_eos"], g["stream"], g["max_tokens"]) == (0, True, True, NEW) and "seed" not in g
+    assert g["stream_options"] == {"include_usage": True}
     assert t.percentile([4, 1, 3, 2], 0.5) == 2.5 and t.percentile([7], 0.99) == 7
     assert t.percentile(list(range(101)), 0.99) == pytest.approx(99)
 
