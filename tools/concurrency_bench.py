@@ -34,13 +34,13 @@ docs/BENCHMARK.md's section "Concurrency (issue 16)" is the definition; in short
   exist (tansy_requests_running, tansy_requests_waiting, tansy_queue_depth, tansy_sequences_running,
   tansy_sequences_waiting) read 0, since the server may still be finishing the previous request.
 - /metrics is read before and after each level (and, with --metrics-interval, sampled during it
-  for the peak of each gauge): the gauges tansy_requests_*, tansy_sequences_*, tansy_queue_* and
-  tansy_pool_* that exist, and the prefix cache's and generation counters, whose differences are
-  recorded. Names the server does not export are simply absent.
+  for the peak of each gauge): the gauges tansy_requests_*, tansy_sequences_*, tansy_queue_*,
+  tansy_pool_* and tansy_prefix_cache_* that exist, and the prefix cache's and generation
+  counters, whose differences are recorded. Names the server does not export are simply absent.
 
-Timestamps are taken when a client thread has read an SSE line; at high concurrency Python's
-threads share one interpreter lock, which adds client-side jitter of the order of a chunk's parse
-time (tens of microseconds) to each arrival.
+Timestamps are taken when a client thread has read an SSE line. The threads share one Python
+interpreter lock, so when several have a line to parse at once, some arrivals are stamped late by
+the others' parsing; the figures include that client-side delay.
 The JSON (--json) is rewritten after every level, so a run stopped by an outer timeout keeps the
 levels it finished. --time-budget-s skips a level (with its warm-ups) that the time per request of
 the workload's previous level (else of the other workload's) says would not fit, which is
