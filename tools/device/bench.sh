@@ -11,8 +11,8 @@
 #                                   # -> HF peer arm
 #
 # `run` writes at most 11 files to $OUT: env.txt synth.log gpu_tests.log gpu_tests.json bench.log
-# bench.json server.log server_latency.json concurrency.json peer.log peer.json. The GPU tests' result is read from
-# their gtest JSON report (tools/device/gtest_summary.py). It keeps to a total deadline (DEADLINE_S,
+# bench.json server.log server_latency.json concurrency.json peer.log peer.json. The GPU tests'
+# result is read from their gtest JSON report (tools/device/gtest_summary.py). It keeps to a total deadline (DEADLINE_S,
 # default 540 s) and gives each step what is left, so a slow step shortens the later ones instead
 # of losing every result.
 # The server step starts `tansy serve` on the synthetic checkpoint (CUDA, --prefix-cache 0 so
@@ -182,7 +182,8 @@ run() {
 
   if [ -z "${SKIP_BENCH:-}" ]; then
     left=$(remaining)
-    # Leave the peer arm ~150 s and the server step ~75 s (five sampling settings) when they are to run.
+    # Leave the peer arm ~150 s, the server step ~75 s (five sampling settings) and the concurrency
+    # step CONCURRENCY_CAP when they are to run.
     local bench_cap=$((left - 10))
     [ -z "${SKIP_PEER:-}" ] && bench_cap=$((bench_cap - 140))
     [ -z "${SKIP_SERVER:-}" ] && bench_cap=$((bench_cap - 75))
