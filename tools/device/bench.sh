@@ -7,22 +7,37 @@
 #                                   # library and the binaries inside the 64 MiB carry limit)
 #   tools/device/bench.sh run       # there (carry: out/device.tar.xz): synth -> GPU tests ->
 #                                   # tansy bench (all contexts, 2 rounds, per-stage breakdown)
-#                                   # -> tansy serve latency through HTTP -> HF peer arm
+#                                   # -> tansy serve latency, then concurrency, through HTTP
+#                                   # -> HF peer arm
 #
-# `run` writes at most 10 files to $OUT: env.txt synth.log gpu_tests.log gpu_tests.json bench.log
-# bench.json server.log server_latency.json peer.log peer.json. The GPU tests' result is read from
-# their gtest JSON report (tools/device/gtest_summary.py). It keeps to a total deadline (DEADLINE_S,
+# `run` writes at most 11 files to $OUT: env.txt synth.log gpu_tests.log gpu_tests.json bench.log
+# bench.json server.log server_latency.json concurrency.json peer.log peer.json. The GPU tests'
+# result is read from their gtest JSON report (tools/device/gtest_summary.py). It keeps to a total deadline (DEADLINE_S,
 # default 540 s) and gives each step what is left, so a slow step shortens the later ones instead
 # of losing every result.
 # The server step starts `tansy serve` on the synthetic checkpoint (CUDA, --prefix-cache 0 so
 # that every request prefills its whole prompt, as tansy bench does), waits for /health and runs
 # tools/http_latency.py: streamed TTFT and inter-token latency at SERVER_CONTEXTS against
-# bench.json (issue 5: within 5%). The server is always stopped afterwards.
+# bench.json (issue 5: within 5%). Then, on the same server, tools/concurrency_bench.py (issue 16,
+# docs/BENCHMARK.md "Concurrency (issue 16)"): CONCURRENCY_LEVELS requests sent together, both
+# workloads, 4,096-token prompts, 256 new tokens, into concurrency.json (its table goes to stdout).
+# Its share of the time is CONCURRENCY_CAP (default 120 s), reserved from tansy bench's; the tool
+# gets that as --time-budget-s, skips the levels that its previous level's time per request says
+# will not fit (recorded as skipped in the JSON) and cuts off a stream that outlasts it (counted as
+# failed). While the server runs one request at a time, a level's time grows with its number of
+# requests (1 + 4 + 16 + 64 per workload), so with the default cap the largest levels may be
+# skipped; a concurrency-focused call sets SKIP_BENCH=1 SKIP_PEER=1 CONCURRENCY_CAP=400.
+# The server gets --max-queue and --max-connections-per-client above the largest level (its
+# defaults, 16 and 64, would answer 503 at 64), before SERVER_ARGS, which may override them.
+# With --prefix-cache 0 the shared-prefix workload gets no prefix reuse; SERVER_ARGS can set
+# --prefix-cache N, which http_latency.py then flags (its repeated prompts hit the cache).
+# The server is always stopped afterwards.
 # Knobs (environment): BENCH_CONTEXTS (default: all ten), BENCH_ROUNDS (2), PEER_CONTEXTS
 # (256,512,1024,2048,4096), SERVER_CONTEXTS (256,4096), SERVER_ROUNDS (5), SERVER_ARGS (extra
 # `tansy serve` flags, e.g. "--prefill-chunk 4096"), SERVER_SETTINGS (greedy,qwen,qwen_logprobs,t1,presence,json_schema:
 # tools/http_latency.py --settings), GPU_TESTS_CAP (seconds), GPU_TESTS_FILTER (a --gtest_filter), SKIP_GPU_TESTS=1, SKIP_PEER=1, SKIP_BENCH=1,
-# SKIP_SERVER=1, SYNTH_DIR (/dev/shm/tansy-synth), KEEP_SYNTH=1 (leave it for a later run in the same
+# SKIP_SERVER=1, SKIP_CONCURRENCY=1, CONCURRENCY_LEVELS (1,4,16,64), CONCURRENCY_CAP (seconds, 120),
+# SYNTH_DIR (/dev/shm/tansy-synth), KEEP_SYNTH=1 (leave it for a later run in the same
 # call), REUSE_SYNTH=1 (use the one there).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
@@ -58,14 +73,20 @@ prepare() {
   echo "prepared out/device.tar.xz (commit $commit): $(ls "$DEV" "$DEV/lib" | tr '\n' ' ')"
 }
 
-# tansy serve on the synthetic checkpoint + tools/http_latency.py, within $1 seconds; the server
-# is stopped on every path (TERM, then KILL).
+# tansy serve on the synthetic checkpoint + tools/http_latency.py + tools/concurrency_bench.py,
+# within $1 seconds, the last $2 of them the concurrency step's (0: no concurrency step); the
+# server is stopped on every path (TERM, then KILL).
 server_step() {
-  local cap=$1 port=${SERVER_PORT:-8011}
+  local cap=$1 conc_cap=${2:-0} port=${SERVER_PORT:-8011}
   local end=$(( $(date +%s) + cap ))
+  local levels=${CONCURRENCY_LEVELS:-1,4,16,64} maxc=16
+  for c in ${levels//,/ }; do [ "$c" -gt "$maxc" ] 2>/dev/null && maxc=$c; done
+  # Room for every request of the largest level at once, plus /metrics samples.
+  local room=$((maxc + 8))
   # shellcheck disable=SC2086  # SERVER_ARGS is a list of flags
   env LD_LIBRARY_PATH="$tld" "$T" serve --model "$synth_dir" --backend cuda --port "$port" --max-seq 8192 \
-    --prefix-cache 0 ${SERVER_ARGS:-} >"$OUT/server.log" 2>&1 &
+    --prefix-cache 0 --max-queue "$room" --max-connections "$((room > 256 ? room : 256))" \
+    --max-connections-per-client "$room" ${SERVER_ARGS:-} >"$OUT/server.log" 2>&1 &
   local pid=$! healthy='' t0
   t0=$(date +%s)
   while [ "$(date +%s)" -lt $((end - 10)) ]; do
@@ -78,11 +99,27 @@ server_step() {
     echo "server healthy after $(( $(date +%s) - t0 )) s"
     local bench_flag=()
     [ -f "$OUT/bench.json" ] && bench_flag=(--bench "$OUT/bench.json")
-    timeout $((end - $(date +%s))) python3 tools/http_latency.py --url "http://127.0.0.1:$port" \
+    local lat_left=$((end - conc_cap - $(date +%s)))
+    [ "$lat_left" -lt 5 ] && lat_left=5
+    timeout "$lat_left" python3 tools/http_latency.py --url "http://127.0.0.1:$port" \
       --contexts "${SERVER_CONTEXTS:-256,4096}" --rounds "${SERVER_ROUNDS:-5}" --model-dir "$synth_dir" \
       --settings "${SERVER_SETTINGS:-greedy,qwen,qwen_logprobs,t1,presence,json_schema}" \
       "${bench_flag[@]}" --json "$OUT/server_latency.json"
     echo "http_latency exit $?"
+    if [ "$conc_cap" -gt 0 ]; then
+      # The tool stops itself within its budget; the outer timeout is a backstop (its JSON is
+      # rewritten after every level, so what finished survives).
+      local budget=$((end - $(date +%s) - 5))
+      echo "== concurrency through HTTP (levels $levels, budget $budget s)"
+      if [ "$budget" -lt 15 ]; then
+        echo "device/bench.sh: no time left for the concurrency step"
+      else
+        timeout $((budget + 3)) python3 tools/concurrency_bench.py --url "http://127.0.0.1:$port" \
+          --model-dir "$synth_dir" --concurrency "$levels" --time-budget-s "$budget" --metrics-interval 0.5 \
+          --json "$OUT/concurrency.json"
+        echo "concurrency_bench exit $?"
+      fi
+    fi
   elif kill -0 "$pid" 2>/dev/null; then
     echo "device/bench.sh: tansy serve not healthy within the step's time"
   else
@@ -145,10 +182,12 @@ run() {
 
   if [ -z "${SKIP_BENCH:-}" ]; then
     left=$(remaining)
-    # Leave the peer arm ~150 s and the server step ~75 s (five sampling settings) when they are to run.
+    # Leave the peer arm ~150 s, the server step ~75 s (five sampling settings) and the concurrency
+    # step CONCURRENCY_CAP when they are to run.
     local bench_cap=$((left - 10))
     [ -z "${SKIP_PEER:-}" ] && bench_cap=$((bench_cap - 140))
     [ -z "${SKIP_SERVER:-}" ] && bench_cap=$((bench_cap - 75))
+    [ -z "${SKIP_SERVER:-}" ] && [ -z "${SKIP_CONCURRENCY:-}" ] && bench_cap=$((bench_cap - ${CONCURRENCY_CAP:-120}))
     [ "$bench_cap" -lt 30 ] && bench_cap=30
     echo "== tansy bench (cap $bench_cap s)"
     local ctx_flag=()
@@ -160,14 +199,21 @@ run() {
 
   if [ -z "${SKIP_SERVER:-}" ]; then
     left=$(remaining)
-    local srv_cap=$((left - 10))
-    [ -z "${SKIP_PEER:-}" ] && srv_cap=$((left - 150))
+    local avail=$((left - 10))
+    [ -z "${SKIP_PEER:-}" ] && avail=$((left - 150))
+    local srv_cap=$avail
     [ "$srv_cap" -gt 120 ] && srv_cap=120
-    echo "== tansy serve latency through HTTP (cap $srv_cap s, $left s left)"
+    local conc_cap=0
+    if [ -z "${SKIP_CONCURRENCY:-}" ]; then
+      conc_cap=$((avail - srv_cap))
+      [ "$conc_cap" -gt "${CONCURRENCY_CAP:-120}" ] && conc_cap=${CONCURRENCY_CAP:-120}
+      [ "$conc_cap" -lt 20 ] && conc_cap=0
+    fi
+    echo "== tansy serve latency through HTTP (cap $srv_cap s, concurrency $conc_cap s, $left s left)"
     if [ "$srv_cap" -lt 20 ]; then
       echo "device/bench.sh: no time left for the server step" | tee "$OUT/server.log"
     else
-      server_step "$srv_cap"
+      server_step $((srv_cap + conc_cap)) "$conc_cap"
     fi
   fi
 
