@@ -177,7 +177,7 @@ def test_a_rerun_reports_the_cached_prompts(demo, first_run, tmp_path):
 def test_failures_are_counted_and_flag_the_level(tmp_path):
     # One request waiting at most: of 6 sent together, those beyond the running one and the one
     # waiting get 503.
-    s = ServerProcess(None, str(tmp_path / "busy.log"), "--max-queue", "1")
+    s = ServerProcess(None, str(tmp_path / "busy.log"), "--max-queue", "1", "--max-running", "1")
     try:
         rc, report, out = run_tool(s.url, tmp_path / "busy.json", "--concurrency", "6", "--workloads", "distinct",
                                    "--warmup", "0", "--new-tokens", "24")
