@@ -101,6 +101,7 @@ struct Engine::Seq {
   std::vector<int32_t> fed;  // every token the state holds
   int pos = 0;               // prompt tokens in the state
   size_t cut = 0;            // also cache the state after this many prompt tokens (0: none)
+  size_t shared_cut = 0;     // and after the prefix it shares with a cached conversation (0: none)
   int generated = 0;         // tokens chosen
   int32_t to_feed = -1;      // the token chosen last, fed by the next step
   int32_t forced = -1;       // the next choice, when it is forced
@@ -351,6 +352,14 @@ void Engine::admit(Seq& s) {
   // Without a cache there is nothing to snapshot at the cut: prefill straight through (a snapshot
   // is a whole state copy, ~10 ms on CUDA for a new state and its decode graph).
   s.cut = cache_.capacity() > 0 ? req.cache_cut : 0;
+  // A long prefix shared with a cached conversation that no entry holds by itself (the system
+  // prompt and tools that every conversation of an application begins with): its state is kept
+  // as a shared entry, so that the next conversations resume from it.
+  if (cache_.capacity() > 0) {
+    const size_t common = std::min(cache_.longest_common_prefix(req.prompt), size_t(n_prompt - 1));
+    if (common >= size_t(hit.n_tokens) + size_t(opt_.shared_prefix_min) && common != s.cut)
+      s.shared_cut = common;
+  }
   if (req.constraint) s.mask.resize((size_t(model_->config().vocab_size) + 31) / 32);
   if (!req.force_trigger) {
     s.pending.assign(req.forced.rbegin(), req.forced.rend());
@@ -426,7 +435,8 @@ void Engine::step(std::vector<std::shared_ptr<Seq>>& admitted) {
     } else {
       if (budget <= 0) continue;
       int end = std::min(n_prompt, s.pos + budget);
-      if (s.cut > size_t(s.pos) && s.cut < size_t(end)) end = int(s.cut);
+      for (size_t c : {s.cut, s.shared_cut})
+        if (c > size_t(s.pos) && c < size_t(end)) end = int(c);
       n_piece = end - s.pos;
       budget -= n_piece;
       ids = std::span<const int32_t>(s.req.prompt.data() + s.pos, size_t(n_piece));
@@ -459,9 +469,11 @@ void Engine::step(std::vector<std::shared_ptr<Seq>>& admitted) {
     s.fed.insert(s.fed.end(), ids.begin(), ids.end());
     if (parts[i].n_prompt > 0) {
       s.pos += parts[i].n_prompt;
-      if (size_t(s.pos) == s.cut && !s.decoding()) {
+      const bool own = size_t(s.pos) == s.cut, shared = size_t(s.pos) == s.shared_cut;
+      if ((own || shared) && !s.decoding()) {
         make_room(1);
-        keep_spare(cache_.insert(s.fed, model_->clone_state(*s.state)));
+        keep_spare(
+            cache_.insert(s.fed, model_->clone_state(*s.state), /*cold=*/false, /*shared=*/shared && !own));
       }
     }
     if (parts[i].chooses) {

@@ -37,6 +37,10 @@ struct EngineOptions {
   // Sequences in flight at once (decoded together); capped by the backend's batch
   // (Model::max_batch) and by the states that fit in memory.
   int max_running = 16;
+  // A prompt that shares at least this many tokens more with a cached conversation than the
+  // cache can restore has its state kept at the end of the shared part too (PrefixCache's
+  // shared entries: a common system prompt is prefilled once, not once per conversation).
+  int shared_prefix_min = 512;
   // Plain greedy requests (is_plain_greedy, no logprobs) decode through Model::greedy_step, which
   // a backend may run without moving the logits to the host. Off: every token goes through
   // forward() and the host sampler (tests compare the two paths).

@@ -23,7 +23,8 @@ PrefixCache::Hit PrefixCache::lookup(Model& model, std::span<const int32_t> toke
 }
 
 std::unique_ptr<SequenceState> PrefixCache::insert(std::vector<int32_t> tokens,
-                                                   std::unique_ptr<SequenceState> state, bool cold) {
+                                                   std::unique_ptr<SequenceState> state, bool cold,
+                                                   bool shared) {
   if (capacity_ == 0 || tokens.empty()) return state;
   std::unique_ptr<SequenceState> freed;
   auto drop = [&](std::list<Entry>::iterator it) {
@@ -34,18 +35,31 @@ std::unique_ptr<SequenceState> PrefixCache::insert(std::vector<int32_t> tokens,
   // and keeping them would evict other conversations' states.
   for (auto it = entries_.begin(); it != entries_.end();) {
     const Entry& e = *it;
-    if (e.tokens.size() <= tokens.size() && (!cold || e.tokens.size() == tokens.size()) &&
+    const bool superseded = e.tokens.size() == tokens.size() || (!cold && !e.shared);
+    if (e.tokens.size() <= tokens.size() && superseded &&
         std::equal(e.tokens.begin(), e.tokens.end(), tokens.begin()))
       it = drop(it);
     else
       ++it;
   }
   if (cold)
-    entries_.push_back({std::move(tokens), std::move(state)});
+    entries_.push_back({std::move(tokens), std::move(state), shared, true});
   else
-    entries_.push_front({std::move(tokens), std::move(state)});
+    entries_.push_front({std::move(tokens), std::move(state), shared, false});
   while (entries_.size() > capacity_) drop(std::prev(entries_.end()));
   return freed;
+}
+
+size_t PrefixCache::longest_common_prefix(std::span<const int32_t> tokens) const {
+  size_t best = 0;
+  for (const Entry& e : entries_) {
+    if (e.cold) continue;
+    const size_t n = std::min(e.tokens.size(), tokens.size());
+    size_t i = 0;
+    while (i < n && e.tokens[i] == tokens[i]) ++i;
+    best = std::max(best, i);
+  }
+  return best;
 }
 
 std::unique_ptr<SequenceState> PrefixCache::pop_lru() {

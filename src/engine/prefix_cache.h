@@ -27,8 +27,14 @@ class PrefixCache {
   // `cold`, as the least recently used one: kept only while there is room). Replaces an entry
   // with the same key; a hot entry also replaces the entries whose tokens it extends. Returns one
   // state the cache let go of (not stored, replaced or evicted) for the caller to reuse, or null.
+  // A `shared` entry holds a prefix that several conversations begin with (a system prompt):
+  // no entry supersedes it; it leaves only as the least recently used.
   std::unique_ptr<SequenceState> insert(std::vector<int32_t> tokens, std::unique_ptr<SequenceState> state,
-                                        bool cold = false);
+                                        bool cold = false, bool shared = false);
+  // The longest prefix `tokens` has in common with the tokens of an entry stored hot (whether or
+  // not the entry is a prefix of `tokens`). Cold entries (a generation's end state) do not count:
+  // the next turn of their conversation re-renders the answer they end with.
+  size_t longest_common_prefix(std::span<const int32_t> tokens) const;
 
   // Lets go of the least recently used entry (the caller needs its room); null when empty.
   std::unique_ptr<SequenceState> pop_lru();
@@ -42,6 +48,8 @@ class PrefixCache {
   struct Entry {
     std::vector<int32_t> tokens;
     std::unique_ptr<SequenceState> state;
+    bool shared = false;
+    bool cold = false;  // stored cold
   };
   size_t capacity_;
   std::list<Entry> entries_;  // most recently used first

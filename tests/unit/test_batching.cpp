@@ -272,4 +272,41 @@ TEST(Batch, BoundedInFlightWaitingCancelAndTimeout) {
   EXPECT_EQ(rt.completion_tokens, 0);
 }
 
+// Conversations that begin with the same long prefix (a system prompt): the second keeps a
+// shared state at the end of the common part, from which the later ones resume, with the same
+// answers as computed cold; the conversations' own cut states do not supersede it.
+TEST(Batch, ASharedPrefixIsPrefilledOnceForLaterConversations) {
+  if (!std::filesystem::exists(demo_dir() / "config.json")) GTEST_SKIP() << "no demo model";
+  EngineOptions eo;
+  eo.max_seq = 256;
+  eo.prefix_cache_entries = 8;
+  eo.shared_prefix_min = 16;
+  Engine e(open_demo(), tansy::Tokenizer::load(demo_dir()), eo);
+  EngineOptions cold_opt = eo;
+  cold_opt.prefix_cache_entries = 0;
+  Engine cold(open_demo(), tansy::Tokenizer::load(demo_dir()), cold_opt);
+  const int V = std::min(e.config().vocab_size, e.tokenizer().vocab_size());
+  const std::vector<int32_t> system = ids_of(40, 77, V);
+  std::vector<int> cached;
+  for (int c = 0; c < 4; ++c) {
+    SCOPED_TRACE(c);
+    GenRequest r;
+    r.prompt = system;
+    const auto turn = ids_of(6 + c, 500 + c, V);
+    r.prompt.insert(r.prompt.end(), turn.begin(), turn.end());
+    r.cache_cut = r.prompt.size() - 1;  // as the server does for completions
+    r.max_tokens = 6;
+    r.ignore_eos = true;
+    r.sampling.temperature = 0.7;
+    r.sampling.seed = 9 + uint64_t(c);
+    r.logprobs = 1;
+    Out hot = run_one(e, r), ref = run_one(cold, r);
+    expect_same(hot, ref);
+    cached.push_back(hot.res.cached_tokens);
+  }
+  // The first has nothing to share with; the second shares the system prompt with the first's
+  // cut (and stores it); the later ones resume from it.
+  EXPECT_EQ(cached, (std::vector<int>{0, 0, 40, 40}));
+}
+
 }  // namespace

@@ -251,6 +251,30 @@ TEST(PrefixCache, AHotEntryReplacesThePrefixesItExtends) {
   EXPECT_FALSE(c.lookup(m, q, 2).state);
 }
 
+TEST(PrefixCache, SharedEntriesOutliveTheConversationsThatExtendThem) {
+  ListModel m;
+  PrefixCache c(4);
+  c.insert({1, 2, 3, 9}, state_of({1, 2, 3, 9}));
+  c.insert({1, 2, 3, 7, 7, 7}, state_of({1, 2, 3, 7, 7, 7}), /*cold=*/true);
+  // The longest common prefix counts hot entries only, prefixes of the query or not.
+  std::vector<int32_t> q = {1, 2, 3, 7, 7, 8};
+  EXPECT_EQ(c.longest_common_prefix(q), 3u);
+  std::vector<int32_t> q2 = {1, 2, 3, 9, 5};
+  EXPECT_EQ(c.longest_common_prefix(q2), 4u);
+  std::vector<int32_t> q3 = {4};
+  EXPECT_EQ(c.longest_common_prefix(q3), 0u);
+  c.insert({1, 2, 3}, state_of({1, 2, 3}), /*cold=*/false, /*shared=*/true);
+  // A conversation's hot entry extending the shared prefix leaves it in place (a plain one goes).
+  c.insert({1, 2, 3, 9, 5, 5}, state_of({1, 2, 3, 9, 5, 5}));
+  std::vector<int32_t> other = {1, 2, 3, 4, 4};
+  EXPECT_EQ(c.lookup(m, other, 4).n_tokens, 3);
+  std::vector<int32_t> q4 = {1, 2, 3, 9, 6};
+  EXPECT_EQ(c.lookup(m, q4, 4).n_tokens, 3) << "{1,2,3,9} was superseded by its extension";
+  // Its own key replaces it.
+  c.insert({1, 2, 3}, state_of({1, 2, 3}));
+  EXPECT_EQ(c.lookup(m, other, 4).n_tokens, 3);
+}
+
 TEST(PrefixCache, ZeroCapacityStoresNothing) {
   ListModel m;
   PrefixCache c(0);
