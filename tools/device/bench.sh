@@ -231,7 +231,15 @@ run() {
   [ -n "${KEEP_SYNTH:-}" ] || rm -rf "$synth_dir"
   echo "== tansy bench table"
   [ -f "$OUT/bench.log" ] && grep -v "^tansy bench: round" "$OUT/bench.log" | tail -60
-  echo "device/bench.sh: done in $(( $(date +%s) - start )) s"
+  # The device tool brings back at most 8 files from $OUT: the logs travel as one archive beside
+  # the JSON results.
+  (
+    cd "$OUT" || exit
+    logs=()
+    for f in ./*.log env.txt; do [ -f "$f" ] && logs+=("${f#./}"); done
+    if [ "${#logs[@]}" -gt 0 ]; then tar -cJf logs.tar.xz -- "${logs[@]}" && rm -f -- "${logs[@]}"; fi
+  )
+  echo "device/bench.sh: done in $(( $(date +%s) - start )) s; in \$OUT:" "$OUT"/*
 }
 
 case "${1:-}" in
