@@ -183,7 +183,9 @@ std::string Engine::describe_capacity() const {
 }
 
 Engine::CacheStats Engine::cache_stats() const {
-  return {hits_.load(), misses_.load(), cached_tokens_total_.load(), entries_.load(), cache_.capacity()};
+  const size_t entries = entries_.load();
+  return {hits_.load(), misses_.load(),    cached_tokens_total_.load(), evictions_.load(),
+          entries,      cache_.capacity(), entries * state_bytes_};
 }
 
 Engine::Load Engine::load() const {
@@ -202,6 +204,7 @@ Engine::Load Engine::load() const {
 void Engine::publish() {
   hits_ = cache_.hits();
   misses_ = cache_.misses();
+  evictions_ = cache_.evictions();
   entries_ = cache_.size();
   running_n_ = int(running_.size());
   states_used_ = running_.size() + cache_.size() + (spare_ ? 1 : 0);

@@ -144,8 +144,9 @@ class Engine {
   Load load() const;
 
   struct CacheStats {
-    uint64_t hits = 0, misses = 0, cached_tokens = 0;
+    uint64_t hits = 0, misses = 0, cached_tokens = 0, evictions = 0;
     size_t entries = 0, capacity = 0;
+    size_t bytes = 0;  // at most: entries * state_bytes()
   };
   CacheStats cache_stats() const;
 
@@ -182,7 +183,7 @@ class Engine {
   std::thread thread_;
 
   // Copies of the loop's counters, readable (by /metrics) while it runs.
-  std::atomic<uint64_t> hits_{0}, misses_{0}, cached_tokens_total_{0}, steps_{0};
+  std::atomic<uint64_t> hits_{0}, misses_{0}, cached_tokens_total_{0}, steps_{0}, evictions_{0};
   std::atomic<size_t> entries_{0}, states_used_{0};
   std::atomic<int> running_n_{0}, max_step_seqs_{0};
 };

@@ -46,7 +46,10 @@ std::unique_ptr<SequenceState> PrefixCache::insert(std::vector<int32_t> tokens,
     entries_.push_back({std::move(tokens), std::move(state), shared, true});
   else
     entries_.push_front({std::move(tokens), std::move(state), shared, false});
-  while (entries_.size() > capacity_) drop(std::prev(entries_.end()));
+  while (entries_.size() > capacity_) {
+    drop(std::prev(entries_.end()));
+    ++evictions_;
+  }
   return freed;
 }
 
@@ -66,6 +69,7 @@ std::unique_ptr<SequenceState> PrefixCache::pop_lru() {
   if (entries_.empty()) return nullptr;
   std::unique_ptr<SequenceState> s = std::move(entries_.back().state);
   entries_.pop_back();
+  ++evictions_;
   return s;
 }
 

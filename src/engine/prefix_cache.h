@@ -43,6 +43,8 @@ class PrefixCache {
   size_t size() const { return entries_.size(); }
   uint64_t hits() const { return hits_; }
   uint64_t misses() const { return misses_; }
+  // Entries let go of for room (over capacity, or pop_lru), not those replaced by a newer state.
+  uint64_t evictions() const { return evictions_; }
 
  private:
   struct Entry {
@@ -53,7 +55,7 @@ class PrefixCache {
   };
   size_t capacity_;
   std::list<Entry> entries_;  // most recently used first
-  uint64_t hits_ = 0, misses_ = 0;
+  uint64_t hits_ = 0, misses_ = 0, evictions_ = 0;
 };
 
 }  // namespace tansy

@@ -129,6 +129,13 @@ std::string Metrics::render(const Snapshot& s) const {
   o += fmt::format("tansy_prefix_cache_entries {}\n", s.cache_entries);
   head("tansy_prefix_cache_capacity", "gauge", "Most sequence states the prefix cache holds.");
   o += fmt::format("tansy_prefix_cache_capacity {}\n", s.cache_capacity);
+  head("tansy_prefix_cache_evictions_total", "counter",
+       "States the prefix cache let go of for room (over its capacity, or a request needed the pool's "
+       "place).");
+  o += fmt::format("tansy_prefix_cache_evictions_total {}\n", s.cache_evictions);
+  head("tansy_prefix_cache_bytes", "gauge",
+       "Memory the prefix cache's states may take: entries times a state of the context limit.");
+  o += fmt::format("tansy_prefix_cache_bytes {}\n", s.cache_bytes);
   head("tansy_time_to_first_token_seconds", "histogram",
        "From request arrival to the first generated token.");
   ttft_.render(o, "tansy_time_to_first_token_seconds");

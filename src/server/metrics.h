@@ -47,8 +47,8 @@ class Metrics {
     int running = 0, max_running = 0;
     size_t pool_states = 0, pool_used = 0;
     uint64_t engine_steps = 0;
-    uint64_t cache_hits = 0, cache_misses = 0, cache_tokens = 0;
-    size_t cache_entries = 0, cache_capacity = 0;
+    uint64_t cache_hits = 0, cache_misses = 0, cache_tokens = 0, cache_evictions = 0;
+    size_t cache_entries = 0, cache_capacity = 0, cache_bytes = 0;
   };
   std::string render(const Snapshot& s) const;
 

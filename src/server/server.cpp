@@ -903,6 +903,8 @@ struct Server::Impl {
       s.cache_tokens = c.cached_tokens;
       s.cache_entries = c.entries;
       s.cache_capacity = c.capacity;
+      s.cache_evictions = c.evictions;
+      s.cache_bytes = c.bytes;
       res.set_content(metrics.render(s), "text/plain; version=0.0.4; charset=utf-8");
     });
   }

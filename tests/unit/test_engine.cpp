@@ -3,9 +3,13 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bench/synth.h"
@@ -76,6 +80,10 @@ class FakeModel : public Model {
   const tansy::ModelConfig& config() const override { return cfg_; }
   std::string backend_name() const override { return "fake"; }
   size_t state_bytes(int n) const override { return size_t(n) * 4; }
+  std::optional<size_t> free_state_memory() const override { return free_bytes; }
+  std::optional<size_t> free_bytes;  // what the engine sizes its pool from (nullopt: unknown)
+  int max_batch() const override { return batch; }
+  int batch = 1;  // > 1: Model's default forward_batch (each piece alone), host samplers
   std::unique_ptr<SequenceState> new_state(int max_tokens) override {
     auto s = std::make_unique<FakeState>();
     s->max_tokens = max_tokens;
@@ -665,4 +673,57 @@ TEST(Engine, AsyncFeedSamplerAndCancelKeepStateAndCacheInAgreement) {
     EXPECT_EQ(e.res.cached_tokens, int(prompt.size()) + chosen - 1);
     EXPECT_EQ(e.tokens, oracle(ext, 10));
   }
+}
+
+// A pool of 4 states for 2 requests in flight and a cache of 8 entries: the cache lets go of its
+// least recently used states whenever a request needs the room, never of a running request's, so
+// every answer stays exact; the states held never exceed the pool.
+TEST(Engine, ThePoolBoundsTheStatesAndTheCacheGivesWay) {
+  auto m = std::make_unique<FakeModel>();
+  FakeModel* fake = m.get();
+  // 1 GiB is kept for the backend's other uses; 5 states of 1,024 tokens (4 bytes each) fit, one
+  // of which stays free for a cache hit's copy.
+  fake->free_bytes = (size_t(1) << 30) + 5 * 4096;
+  fake->batch = 4;
+  EngineOptions o;
+  o.max_seq = 1024;
+  o.prefill_chunk = 7;
+  o.prefix_cache_entries = 8;
+  o.max_running = 2;
+  Engine e(std::move(m), synth_tokenizer(), o);
+  EXPECT_EQ(e.max_running(), 2);
+  EXPECT_EQ(e.pool_states(), 4u);
+  std::atomic<bool> done{false};
+  std::atomic<size_t> most{0};
+  std::thread watch([&] {
+    while (!done) {
+      most = std::max(most.load(), e.load().states_used);
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+  });
+  std::vector<std::thread> th;
+  std::vector<std::vector<int32_t>> got(6);
+  std::vector<std::vector<int32_t>> prompts;
+  for (int c = 0; c < 6; ++c) prompts.push_back(prompt_of(20 + c, 40 + c));
+  for (int c = 0; c < 6; ++c)
+    th.emplace_back([&, c] {
+      GenRequest r = greedy_request(prompts[size_t(c)], 12);
+      r.ignore_eos = true;
+      r.cache_cut = 10;
+      e.generate(r, [&](const GenStep& s) {
+        if (s.token >= 0) got[size_t(c)].push_back(s.token);
+        return true;
+      });
+    });
+  for (auto& t : th) t.join();
+  done = true;
+  watch.join();
+  for (int c = 0; c < 6; ++c) EXPECT_EQ(got[size_t(c)], oracle(prompts[size_t(c)], 12)) << c;
+  EXPECT_LE(most.load(), 4u);
+  EXPECT_LE(e.load().states_used, 4u);
+  EXPECT_GT(e.cache_stats().evictions, 0u) << "12 states were offered to a cache with room for 2-3";
+  // Too little memory for even one state is a startup error naming the limit.
+  auto small = std::make_unique<FakeModel>();
+  small->free_bytes = size_t(1) << 30;
+  EXPECT_THROW(Engine(std::move(small), synth_tokenizer(), o), tansy::Error);
 }

@@ -215,8 +215,10 @@ TEST(PrefixCache, LongestPrefixWithinLimitAndLru) {
   EXPECT_EQ(c.hits(), 3u);
   EXPECT_EQ(c.misses(), 1u);
   // {1,2} was used last, so inserting a third entry evicts {1,2,3,4}.
+  EXPECT_EQ(c.evictions(), 0u);
   c.insert({5, 6}, state_of({5, 6}));
   EXPECT_EQ(c.size(), 2u);
+  EXPECT_EQ(c.evictions(), 1u);
   EXPECT_EQ(c.lookup(m, q, q.size() - 1).n_tokens, 2);
   // A restored copy is private: changing it leaves the entry intact.
   auto h2 = c.lookup(m, q, 4);
