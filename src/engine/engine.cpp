@@ -173,12 +173,13 @@ Engine::~Engine() {
 std::string Engine::describe_capacity() const {
   std::string why;
   if (run_cap_ == model_->max_batch() && run_cap_ < opt_.max_running)
-    why = fmt::format(" (the {} backend feeds at most {} per step)", model_->backend_plan(), run_cap_);
+    why = fmt::format(" (the {} backend feeds at most {} sequence{} per step)", model_->backend_plan(), run_cap_,
+                      run_cap_ == 1 ? "" : "s");
   else if (run_cap_ < opt_.max_running)
     why = " (all that fit in memory)";
   return fmt::format(
-      "{} sequences in flight{}; a pool of {} states of up to {} tokens ({:.1f} MiB each) for them "
-      "and the prefix cache",
+      "requests in flight at once: {}{}; a pool of {} sequence states of up to {} tokens ({:.1f} MiB "
+      "each) for them and the prefix cache",
       run_cap_, why, pool_states_, opt_.max_seq, double(state_bytes_) / (1 << 20));
 }
 
