@@ -168,13 +168,16 @@ Engine::~Engine() {
   }
   cv_.notify_all();
   thread_.join();
+  // Every request has ended; its caller may still be handing out its last steps.
+  std::unique_lock lk(callers_mu_);
+  callers_cv_.wait(lk, [&] { return callers_ == 0; });
 }
 
 std::string Engine::describe_capacity() const {
   std::string why;
   if (run_cap_ == model_->max_batch() && run_cap_ < opt_.max_running)
-    why = fmt::format(" (the {} backend feeds at most {} sequence{} per step)", model_->backend_plan(), run_cap_,
-                      run_cap_ == 1 ? "" : "s");
+    why = fmt::format(" (the {} backend feeds at most {} sequence{} per step)", model_->backend_plan(),
+                      run_cap_, run_cap_ == 1 ? "" : "s");
   else if (run_cap_ < opt_.max_running)
     why = " (all that fit in memory)";
   return fmt::format(
@@ -208,7 +211,7 @@ void Engine::publish() {
   evictions_ = cache_.evictions();
   entries_ = cache_.size();
   running_n_ = int(running_.size());
-  states_used_ = running_.size() + cache_.size() + (spare_ ? 1 : 0);
+  states_used_ = states_used();
 }
 
 void Engine::keep_spare(std::unique_ptr<SequenceState> s) {
@@ -217,9 +220,10 @@ void Engine::keep_spare(std::unique_ptr<SequenceState> s) {
 
 // Lets go of the spare state, then of the least recently used cache entries, until at most
 // pool_states - keep_free states are held.
+size_t Engine::states_used() const { return running_.size() + cache_.size() + (spare_ ? 1 : 0); }
+
 void Engine::make_room(size_t keep_free) {
-  auto used = [&] { return running_.size() + cache_.size() + (spare_ ? 1 : 0); };
-  while (used() + keep_free > pool_states_) {
+  while (states_used() + keep_free > pool_states_) {
     if (spare_)
       spare_.reset();
     else if (cache_.size() > 0)
@@ -241,6 +245,19 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
   for (int32_t id : req.prompt)
     TANSY_CHECK(id >= 0 && id < vocab, "token id {} is outside the vocabulary [0, {})", id, vocab);
 
+  // Counted until the very end, so that the engine outlives every call (~Engine waits).
+  struct Caller {
+    Engine& e;
+    explicit Caller(Engine& en) : e(en) {
+      std::lock_guard lk(e.callers_mu_);
+      ++e.callers_;
+    }
+    ~Caller() {
+      std::lock_guard lk(e.callers_mu_);
+      --e.callers_;
+      e.callers_cv_.notify_all();
+    }
+  } caller(*this);
   auto seq = std::make_shared<Seq>(req, tok_);
   {
     std::lock_guard lk(mu_);
@@ -250,6 +267,18 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
   cv_.notify_all();
   bool started = false, cancelled = false;
   std::deque<GenStep> got;
+  // The engine reads `req` until the sequence is done: leaving early (a callback threw) cancels
+  // it and waits for that.
+  struct Leave {
+    Seq& s;
+    bool armed = true;
+    ~Leave() {
+      if (!armed) return;
+      s.cancel = true;
+      std::unique_lock lk(s.mu);
+      s.cv.wait(lk, [&] { return s.done; });
+    }
+  } leave{*seq};
   for (;;) {
     bool done, admitted;
     {
@@ -266,11 +295,19 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
     }
     for (const GenStep& s : got)
       if (!cancelled && !on_step(s)) cancelled = true;
+    if (got.size() >= size_t(kMaxStepsAhead)) {  // the engine may have set it aside: wake it
+      {
+        std::lock_guard lk(mu_);
+        drained_ = true;
+      }
+      cv_.notify_all();
+    }
     got.clear();
     if (done) break;
     if (!cancelled && req.cancelled && req.cancelled()) cancelled = true;
     if (cancelled) seq->cancel = true;
   }
+  leave.armed = false;
   if (seq->error) std::rethrow_exception(seq->error);
   GenResult res = seq->res;
   if (cancelled) res.finish = Finish::kCancelled;
@@ -302,9 +339,30 @@ void Engine::loop() {
       waiting_.pop_front();
     }
     lk.unlock();
-    step(admit);
+    bool fed = true;
+    try {
+      fed = step(admit);
+    } catch (...) {
+      // Nothing in a step should throw past its sequences; if something does, every sequence
+      // in flight ends with the error rather than the server.
+      auto e = std::current_exception();
+      for (auto& sp : admit) {
+        std::unique_lock g(sp->mu);
+        const bool done = sp->done;
+        g.unlock();
+        if (!done && std::find(running_.begin(), running_.end(), sp) == running_.end()) fail_seq(*sp, e);
+      }
+      while (!running_.empty()) fail_seq(*running_.front(), e);
+    }
     admit.clear();
     lk.lock();
+    // Every sequence waits for its caller: sleep until one of them takes its steps (or a new
+    // request can start).
+    if (!fed)
+      cv_.wait_for(lk, std::chrono::milliseconds(20), [&] {
+        return stop_ || drained_ || (!waiting_.empty() && int(running_.size()) < run_cap_);
+      });
+    drained_ = false;
   }
   // Shutting down: everything still in flight ends cancelled.
   std::vector<std::shared_ptr<Seq>> left(waiting_.begin(), waiting_.end());
@@ -314,6 +372,7 @@ void Engine::loop() {
   running_.clear();
   for (auto& s : left) {
     s->sampler.reset();
+    s->state.reset();  // here, before the model goes: a caller may hold the sequence longer
     s->res.finish = Finish::kCancelled;
     s->mark_done();
   }
@@ -394,8 +453,16 @@ void Engine::prepare_choice(Seq& s) {
   }
 }
 
-void Engine::step(std::vector<std::shared_ptr<Seq>>& admitted) {
+bool Engine::step(std::vector<std::shared_ptr<Seq>>& admitted) {
+  const auto now = std::chrono::steady_clock::now();
   for (auto& sp : admitted) {
+    Seq& w = *sp;
+    if (w.cancel || now >= w.req.deadline) {  // as in the line: it never got its place
+      w.res.prompt_tokens = int(w.req.prompt.size());
+      w.res.finish = w.cancel ? Finish::kCancelled : Finish::kTimeout;
+      w.mark_done();
+      continue;
+    }
     try {
       admit(*sp);
       running_.push_back(sp);
@@ -406,7 +473,6 @@ void Engine::step(std::vector<std::shared_ptr<Seq>>& admitted) {
   }
   publish();
   // Leaving, out of time: the state keeps what was fed (the prefix cache may keep it).
-  const auto now = std::chrono::steady_clock::now();
   for (size_t i = 0; i < running_.size();) {
     Seq& s = *running_[i];
     if (s.cancel || now >= s.req.deadline)
@@ -414,7 +480,7 @@ void Engine::step(std::vector<std::shared_ptr<Seq>>& admitted) {
     else
       ++i;
   }
-  if (running_.empty()) return;
+  if (running_.empty()) return true;
 
   // One token of every decoding sequence; prompt pieces, in arrival order, under the budget.
   struct Part {
@@ -452,10 +518,7 @@ void Engine::step(std::vector<std::shared_ptr<Seq>>& admitted) {
     entries.push_back({s.state.get(), ids, s.choice_fed ? s.sampler.get() : nullptr});
     parts.push_back({&s, n_piece, chooses});
   }
-  if (entries.empty()) {  // every sequence waits for its caller
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    return;
-  }
+  if (entries.empty()) return false;  // every sequence waits for its caller
   try {
     model_->feed_batch(entries);
   } catch (...) {
@@ -463,7 +526,7 @@ void Engine::step(std::vector<std::shared_ptr<Seq>>& admitted) {
     auto e = std::current_exception();
     for (const Part& p : parts) fail_seq(*p.s, e);
     publish();
-    return;
+    return true;
   }
   ++steps_;
   if (int(parts.size()) > max_step_seqs_) max_step_seqs_ = int(parts.size());
@@ -474,11 +537,7 @@ void Engine::step(std::vector<std::shared_ptr<Seq>>& admitted) {
     if (parts[i].n_prompt > 0) {
       s.pos += parts[i].n_prompt;
       const bool own = size_t(s.pos) == s.cut, shared = size_t(s.pos) == s.shared_cut;
-      if ((own || shared) && !s.decoding()) {
-        make_room(1);
-        keep_spare(
-            cache_.insert(s.fed, model_->clone_state(*s.state), /*cold=*/false, /*shared=*/shared && !own));
-      }
+      if ((own || shared) && !s.decoding()) snapshot(s, shared && !own);
     }
     if (parts[i].chooses) {
       try {
@@ -489,6 +548,19 @@ void Engine::step(std::vector<std::shared_ptr<Seq>>& admitted) {
     }
   }
   publish();
+  return true;
+}
+
+// Keeps a copy of the state at a cut in the prefix cache, when the pool has room for it. A copy
+// that fails (out of memory) only costs the cache an entry.
+void Engine::snapshot(Seq& s, bool shared) {
+  make_room(1);
+  if (states_used() + 1 > pool_states_) return;
+  try {
+    keep_spare(cache_.insert(s.fed, model_->clone_state(*s.state), /*cold=*/false, shared));
+  } catch (const std::exception&) {
+    make_room(0);
+  }
 }
 
 void Engine::choose(Seq& s) {
@@ -564,21 +636,36 @@ void Engine::finish(Seq& s, Finish f) {
   // docs/API.md), the next turn resumes from the cut inside the prompt, because the template
   // re-renders the answer; an end state kept hot would evict the cuts of other conversations.
   // A sequence that ends before its prompt is in keeps nothing but the reusable state.
-  if (s.decoding())
-    keep_spare(cache_.insert(std::move(s.fed), std::move(s.state), /*cold=*/s.req.cache_cut > 0));
-  else
-    keep_spare(std::move(s.state));
-  running_.erase(std::remove_if(running_.begin(), running_.end(), [&](auto& p) { return p.get() == &s; }),
-                 running_.end());
+  std::shared_ptr<Seq> keep = take(s);  // the caller may have left: this may be the last owner
+  try {
+    if (s.decoding())
+      keep_spare(cache_.insert(std::move(s.fed), std::move(s.state), /*cold=*/s.req.cache_cut > 0));
+    else
+      keep_spare(std::move(s.state));
+    make_room(0);
+  } catch (...) {
+    s.state.reset();  // the answer is complete: a state the cache could not take is dropped
+  }
   publish();
   s.mark_done();
 }
 
+// Removes `s` from the running sequences, returning the engine's reference to it.
+std::shared_ptr<Engine::Seq> Engine::take(Seq& s) {
+  std::shared_ptr<Seq> keep;
+  for (auto it = running_.begin(); it != running_.end(); ++it)
+    if (it->get() == &s) {
+      keep = std::move(*it);
+      running_.erase(it);
+      break;
+    }
+  return keep;
+}
+
 void Engine::fail_seq(Seq& s, std::exception_ptr e) {
+  std::shared_ptr<Seq> keep = take(s);
   s.sampler.reset();
   s.state.reset();
-  running_.erase(std::remove_if(running_.begin(), running_.end(), [&](auto& p) { return p.get() == &s; }),
-                 running_.end());
   publish();
   {
     std::lock_guard g(s.mu);

@@ -53,7 +53,8 @@ bool is_plain_greedy(const SamplingParams& p);
 
 // A sequence whose caller has not taken this many of its steps yet sits out the engine's steps
 // until it does: a client that reads slowly (or has left, unnoticed until its next read) costs
-// at most this much work ahead, and holds up nobody else.
+// at most about twice this much work ahead (the caller takes the queue whole, then sends it),
+// and holds up nobody else.
 constexpr int kMaxStepsAhead = 16;
 
 enum class Finish { kStop, kLength, kCancelled, kTimeout };
@@ -113,7 +114,7 @@ GenerationDefaults load_generation_defaults(const std::filesystem::path& model_d
 class Engine {
  public:
   Engine(std::unique_ptr<Model> model, Tokenizer tokenizer, const EngineOptions& opt);
-  ~Engine();  // requests still in flight end cancelled
+  ~Engine();  // requests still in flight end cancelled; waits for their callers to return
 
   const Tokenizer& tokenizer() const { return tok_; }
   const ModelConfig& config() const { return model_->config(); }
@@ -153,9 +154,12 @@ class Engine {
  private:
   struct Seq;
   void loop();
-  void step(std::vector<std::shared_ptr<Seq>>& admit);
+  bool step(std::vector<std::shared_ptr<Seq>>& admit);  // false: nothing could be fed
   void admit(Seq& s);
   void make_room(size_t keep_free);
+  size_t states_used() const;
+  void snapshot(Seq& s, bool shared);
+  std::shared_ptr<Seq> take(Seq& s);
   void prepare_choice(Seq& s);
   void choose(Seq& s);
   void finish(Seq& s, Finish f);
@@ -180,6 +184,10 @@ class Engine {
   std::condition_variable cv_;
   std::deque<std::shared_ptr<Seq>> waiting_;
   bool stop_ = false;
+  bool drained_ = false;   // a caller took a full queue of steps: a sequence set aside may go on
+  std::mutex callers_mu_;  // guards callers_: the calls inside generate()
+  std::condition_variable callers_cv_;
+  int callers_ = 0;
   std::thread thread_;
 
   // Copies of the loop's counters, readable (by /metrics) while it runs.

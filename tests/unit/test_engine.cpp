@@ -63,6 +63,14 @@ uint64_t mix(uint64_t z) {
 struct FakeState : SequenceState {
   std::vector<int32_t> toks;
   int max_tokens = 0;
+  std::shared_ptr<std::atomic<int>> live;  // the model's count of its states alive
+  FakeState() = default;
+  FakeState(const FakeState& o) : toks(o.toks), max_tokens(o.max_tokens), live(o.live) {
+    if (live) ++*live;
+  }
+  ~FakeState() override {
+    if (live) --*live;
+  }
   int n_tokens() const override { return int(toks.size()); }
 };
 
@@ -87,11 +95,20 @@ class FakeModel : public Model {
   std::unique_ptr<SequenceState> new_state(int max_tokens) override {
     auto s = std::make_unique<FakeState>();
     s->max_tokens = max_tokens;
+    s->live = live;
+    ++*live;
     return s;
   }
   std::unique_ptr<SequenceState> clone_state(const SequenceState& s) override {
+    if (clone_fails) tansy::fail("fake model: out of memory (clone_state)");
     return std::make_unique<FakeState>(dynamic_cast<const FakeState&>(s));
   }
+  ~FakeModel() override {
+    if (live_at_destruction) *live_at_destruction = live->load();
+  }
+  std::shared_ptr<std::atomic<int>> live = std::make_shared<std::atomic<int>>(0);
+  int* live_at_destruction = nullptr;  // set: receives the states still alive when the model goes
+  bool clone_fails = false;
   void forward(SequenceState& state, std::span<const int32_t> ids, std::span<float> logits,
                bool all) override {
     auto& st = dynamic_cast<FakeState&>(state);
@@ -726,4 +743,81 @@ TEST(Engine, ThePoolBoundsTheStatesAndTheCacheGivesWay) {
   auto small = std::make_unique<FakeModel>();
   small->free_bytes = size_t(1) << 30;
   EXPECT_THROW(Engine(std::move(small), synth_tokenizer(), o), tansy::Error);
+}
+
+// What the engine's thread does when things go wrong around it: a caller whose callback throws
+// gets the exception and its request is stopped (the engine goes on serving); a state copy that
+// fails costs only the cache entry; with memory for a single state the cut is not copied at all;
+// and a caller still in its callback at shutdown holds no state past the model.
+TEST(Engine, ThrowingCallersFailingCopiesTightPoolsAndShutdown) {
+  const auto prompt = prompt_of(30, 8);
+  {
+    Harness h(true);
+    GenRequest r = greedy_request(prompt, 40);
+    r.ignore_eos = true;
+    int seen = 0;
+    EXPECT_THROW(h.engine->generate(r,
+                                    [&](const GenStep&) {
+                                      if (++seen == 3) throw std::runtime_error("client code failed");
+                                      return true;
+                                    }),
+                 std::runtime_error);
+    EXPECT_EQ(h.engine->load().running, 0) << "the request was stopped before generate() returned";
+    Outcome o = h.run(greedy_request(prompt, 5));
+    EXPECT_EQ(o.tokens, oracle(prompt, 5));
+  }
+  {
+    Harness h(true);
+    h.model->clone_fails = true;
+    GenRequest r = greedy_request(prompt, 6);
+    r.cache_cut = 12;
+    Outcome o = h.run(r);
+    EXPECT_EQ(o.tokens, oracle(prompt, 6));
+    EXPECT_EQ(o.res.finish, Finish::kLength);
+  }
+  {
+    auto m = std::make_unique<FakeModel>();
+    m->free_bytes = (size_t(1) << 30) + 2 * 4096;  // 2 states fit: 1 in the pool, 1 for a copy
+    FakeModel* fake = m.get();
+    EngineOptions o;
+    o.max_seq = 1024;
+    o.prefill_chunk = 7;
+    Engine e(std::move(m), synth_tokenizer(), o);
+    EXPECT_EQ(e.pool_states(), 1u);
+    for (int k = 0; k < 3; ++k) {
+      GenRequest r = greedy_request(prompt_of(25, 60 + k), 4);
+      r.cache_cut = 20;
+      std::vector<int32_t> got;
+      e.generate(r, [&](const GenStep& st) {
+        if (st.token >= 0) got.push_back(st.token);
+        // The running state, and at most one copy beside it while the request runs.
+        EXPECT_LE(fake->live->load(), 1);
+        return true;
+      });
+      EXPECT_EQ(got, oracle(prompt_of(25, 60 + k), 4));
+      EXPECT_LE(e.load().states_used, 1u);
+    }
+  }
+  {
+    int live_at_end = -1;
+    std::thread caller;
+    std::atomic<bool> in_callback{false};
+    {
+      auto m = std::make_unique<FakeModel>();
+      m->live_at_destruction = &live_at_end;
+      Engine e(std::move(m), synth_tokenizer(), EngineOptions{});
+      caller = std::thread([&] {
+        GenRequest r = greedy_request(prompt, 50);
+        r.ignore_eos = true;
+        e.generate(r, [&](const GenStep&) {
+          in_callback = true;
+          std::this_thread::sleep_for(std::chrono::milliseconds(40));
+          return true;
+        });
+      });
+      while (!in_callback) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }  // the engine goes while its caller sleeps in the callback
+    caller.join();
+    EXPECT_EQ(live_at_end, 0) << "a state outlived its model";
+  }
 }
