@@ -7,13 +7,14 @@ function conversationKey(r) {
   var h = r.headersIn['X-Conversation-Id'] || r.headersIn['X-Session-Id'];
   if (h) return h;
   if (r.method !== 'POST') return '';
-  var text = r.requestText;  // the whole body (nginx.conf keeps it in one memory buffer)
-  if (!text) return '';
   var body;
   try {
+    // The whole body: nginx.conf keeps it in one memory buffer (njs throws for one in a file).
+    var text = r.requestText;
+    if (!text) return '';
     body = JSON.parse(text);
   } catch (e) {
-    return '';  // the replica answers the malformed body with its own 400
+    return '';  // a malformed body: the replica answers it with its own 400
   }
   if (body === null || typeof body !== 'object' || Array.isArray(body)) return '';
   var fields = ['prompt_cache_key', 'user'];

@@ -126,6 +126,13 @@ class Cluster:
         return [self.metric(i, "tansy_requests_total", endpoint=CHAT, status=status) for i in range(self.n)]
 
     def stop(self):
+        """Stops the launcher with SIGTERM; returns its exit status and the processes it started
+        that were still running after it exited (killed here, so that a failing test leaves none)."""
+        started = []
+        for path in os.listdir(self.run_dir):
+            if (path.startswith("replica-") and path.endswith(".pid")) or path == "nginx-master.pid":
+                with open(os.path.join(self.run_dir, path)) as f:
+                    started.append(int(f.read()))
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -134,7 +141,10 @@ class Cluster:
                 self.proc.kill()
                 self.proc.wait()
         self.out.close()
-        return self.proc.returncode
+        left = [p for p in started if alive(p)]
+        for p in left:
+            os.kill(p, signal.SIGKILL)
+        return self.proc.returncode, left
 
 
 def alive(pid):
@@ -151,7 +161,8 @@ def cluster(tiny_model, tmp_path_factory, nginx_bin):
     c = Cluster(tiny_model, tmp_path_factory.mktemp("cluster"), nginx_bin, 3,
                 "--prefix-cache", "8", "--max-body-mb", "1", "--timeout", "120")
     yield c
-    c.stop()
+    _, left = c.stop()
+    assert not left, f"still running after the launcher stopped: {left}"
 
 
 def chat(cluster, content, max_tokens=4, headers=None, **extra):
@@ -211,12 +222,17 @@ def test_requests_without_a_key_spread_over_the_replicas(cluster):
     assert all(g >= 3 for g in gained), gained  # least connections: each replica takes a share
 
 
-def test_keys_spread_over_the_replicas(cluster):
+def test_keys_spread_over_the_replicas_and_each_keeps_its_own(cluster):
     before = cluster.answered()
-    for k in range(30):
-        chat(cluster, "keyed", prompt_cache_key=f"spread-key-{k}")
+    keys = [f"spread-key-{k}-{time.time()}" for k in range(30)]
+    for _ in range(2):
+        for k in keys:
+            chat(cluster, "keyed", prompt_cache_key=k)
     gained = [a - b for a, b in zip(cluster.answered(), before)]
-    assert sum(gained) == 30 and all(g > 0 for g in gained), gained
+    assert sum(gained) == 60 and all(g > 0 for g in gained), gained
+    for k in keys:
+        lines = cluster.log_lines(lambda line: f'key="{k}"' in line, 2)
+        assert len({line.split('upstream="')[1].split('"')[0] for line in lines}) == 1, lines
 
 
 @pytest.mark.parametrize("how", ["prompt_cache_key", "user", "X-Conversation-Id", "X-Session-Id"])
@@ -441,7 +457,8 @@ def test_an_overloaded_replica_is_skipped_and_everything_stops(tiny_model, tmp_p
         pids = [c.pid(0), c.pid(1), c.nginx_pid()]
         assert all(alive(p) for p in pids)
     finally:
-        rc = c.stop()
+        rc, left = c.stop()
     assert rc == 0, c.output()
+    assert not left, f"still running after the launcher stopped: {left}"
     assert not any(alive(p) for p in pids), pids
     assert "tansy-cluster: stopping" in c.output()
