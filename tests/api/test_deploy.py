@@ -448,12 +448,20 @@ def test_an_overloaded_replica_is_skipped_and_everything_stops(tiny_model, tmp_p
             for i in range(2):
                 futs.append(pool.submit(chat, c, f"busy {i}", 400, None, ignore_eos=True, prompt_cache_key=key))
                 time.sleep(0.3)
+            # Both replicas busy: a third gets the last one's 503, as a replica would answer it.
+            third = requests.post(c.url + CHAT, timeout=60, json={
+                "model": MODEL_ID, "messages": [{"role": "user", "content": "busy 2"}], "max_tokens": 4,
+                "prompt_cache_key": key})
             answers = [f.result() for f in futs]
         assert all(a["usage"]["completion_tokens"] == 400 for a in answers)
-        assert c.metric(0, "tansy_requests_total", endpoint=CHAT, status=503) == 1
+        assert third.status_code == 503 and third.json()["error"]["code"] == "queue_full", third.text
+        assert third.headers.get("Retry-After") == "1"
+        assert c.metric(0, "tansy_requests_total", endpoint=CHAT, status=503) == 2
+        assert c.metric(1, "tansy_requests_total", endpoint=CHAT, status=503) == 1
         gained = [a - b for a, b in zip(c.answered(), before)]
         assert gained == [1, 1], gained  # the first on replica 0, the second on 1
         assert c.log_lines(lambda line: 'upstream_status="503, 200"' in line)
+        assert c.log_lines(lambda line: 'upstream_status="503, 503"' in line)
         pids = [c.pid(0), c.pid(1), c.nginx_pid()]
         assert all(alive(p) for p in pids)
     finally:
