@@ -38,15 +38,17 @@ function route(r) {
 }
 
 // The event that ends a cut stream, in the stream's own API.
-function cutEvent(uri) {
+function cutEvent(r, uri) {
   var msg = 'the tansy replica serving this stream stopped before the response was complete ' +
       '(the text so far is truncated); retry the request';
   if (uri.indexOf('/v1/messages') === 0)
     return 'event: error\ndata: ' +
         JSON.stringify({type: 'error', error: {type: 'api_error', message: msg}}) + '\n\n';
-  if (uri.indexOf('/v1/responses') === 0)
-    return 'event: error\ndata: ' +
-        JSON.stringify({type: 'error', code: 'replica_failed', message: msg, param: null}) + '\n\n';
+  if (uri.indexOf('/v1/responses') === 0) {
+    var e = {type: 'error', code: 'replica_failed', message: msg, param: null};
+    if (r.variables.tansy_seq !== '') e.sequence_number = Number(r.variables.tansy_seq) + 1;
+    return 'event: error\ndata: ' + JSON.stringify(e) + '\n\n';
+  }
   return 'data: ' +
       JSON.stringify({error: {message: msg, type: 'server_error', param: null, code: 'replica_failed'}}) +
       '\n\ndata: [DONE]\n\n';
@@ -60,10 +62,19 @@ function cutEvent(uri) {
 function cut(r, data, flags) {
   if (data.length === 0 && !flags.last && upstreamFinished(r) && isEventStream(r)) {
     r.error('tansy: stream cut by its replica (' + r.variables.upstream_addr + '): sent the client an error event');
-    r.sendBuffer(cutEvent(r.uri), {last: true, flush: true});
+    r.sendBuffer(cutEvent(r, r.uri), {last: true, flush: true});
     return;
   }
+  if (data.length > 0 && r.uri.indexOf('/v1/responses') === 0) noteSequence(r, data);
   r.sendBuffer(data, flags);
+}
+
+// The Responses API numbers its events: the last number sent, so that a cut event follows it
+// (an event split across two buffers may leave the number of the one before).
+function noteSequence(r, data) {
+  var re = /"sequence_number":(\d+)/g, m, last = null;
+  while ((m = re.exec(data)) !== null) last = m[1];
+  if (last !== null) r.variables.tansy_seq = last;
 }
 
 function isEventStream(r) {

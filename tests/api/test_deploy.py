@@ -470,3 +470,102 @@ def test_an_overloaded_replica_is_skipped_and_everything_stops(tiny_model, tmp_p
     assert not left, f"still running after the launcher stopped: {left}"
     assert not any(alive(p) for p in pids), pids
     assert "tansy-cluster: stopping" in c.output()
+
+
+class CutReplica:
+    """A stand-in replica on loopback: answers /health, and answers a stream with the opening bytes
+    of a real replica's stream, then drops the connection, as a replica that dies mid-stream does."""
+
+    def __init__(self, openings):
+        self.openings = openings  # path -> the bytes of a stream's first events
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.closed = False
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self):
+        while not self.closed:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self.answer, args=(conn,), daemon=True).start()
+
+    def answer(self, conn):
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = conn.recv(65536)
+                if not chunk:
+                    return
+                data += chunk
+            head, body = data.split(b"\r\n\r\n", 1)
+            lines = head.decode().split("\r\n")
+            path = lines[0].split(" ")[1]
+            length = next((int(h.split(":", 1)[1]) for h in lines[1:] if h.lower().startswith("content-length:")), 0)
+            while len(body) < length:
+                body += conn.recv(65536)
+            if path == "/health":
+                payload = b'{"status":"ok"}'
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+                return
+            opening = self.openings[path]
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         + b"%x\r\n%s\r\n" % (len(opening), opening))
+            time.sleep(0.3)  # the client has the opening events; then the "replica" dies
+
+    def close(self):
+        self.closed = True
+        self.sock.close()
+
+
+def stream_opening(cluster, path, body, events=3):
+    """The first events of a real replica's stream for this request, as bytes."""
+    with requests.post(cluster.url + path, json=body, stream=True, timeout=60,
+                       headers={"x-api-key": "unused"}) as r:
+        assert r.status_code == 200, r.text
+        data = b""
+        for chunk in r.iter_content(chunk_size=None):
+            data += chunk
+            if data.count(b"\n\n") >= events:
+                break
+    return b"\n\n".join(data.split(b"\n\n")[:events]) + b"\n\n"
+
+
+def test_cut_streams_of_the_other_apis_end_with_their_error_events(cluster, tiny_model, tmp_path_factory,
+                                                                 nginx_bin):
+    import anthropic
+    from openai import OpenAI
+    messages = {"model": MODEL_ID, "max_tokens": 50, "stream": True,
+                "messages": [{"role": "user", "content": "hello"}]}
+    responses = {"model": MODEL_ID, "input": "hello", "max_output_tokens": 50, "stream": True}
+    fake = CutReplica({"/v1/messages": stream_opening(cluster, "/v1/messages", messages),
+                       "/v1/responses": stream_opening(cluster, "/v1/responses", responses)})
+    # A balancer only, in front of a replica it did not start (the several-machines layout).
+    c = Cluster(tiny_model, tmp_path_factory.mktemp("cluster-cut"), nginx_bin, 0,
+                launcher_flags=("--upstream", f"127.0.0.1:{fake.port}"))
+    try:
+        ac = anthropic.Anthropic(base_url=c.url, api_key="unused", max_retries=0, timeout=60)
+        seen = []
+        with pytest.raises(anthropic.APIStatusError) as e:
+            with ac.messages.stream(model=MODEL_ID, max_tokens=50,
+                                    messages=[{"role": "user", "content": "hello"}]) as s:
+                for ev in s:
+                    seen.append(ev.type)
+        assert "message_start" in seen, seen
+        assert e.value.body["error"]["type"] == "api_error", e.value.body
+        assert "stopped before the response was complete" in e.value.body["error"]["message"]
+
+        oc = OpenAI(base_url=c.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        events = list(oc.responses.create(model=MODEL_ID, input="hello", max_output_tokens=50, stream=True))
+        assert events[0].type == "response.created", [ev.type for ev in events]
+        last = events[-1]
+        assert last.type == "error" and last.code == "replica_failed", last
+        assert last.sequence_number == events[-2].sequence_number + 1, (events[-2], last)
+    finally:
+        _, left = c.stop()
+        fake.close()
+    assert not left, left
