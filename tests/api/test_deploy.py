@@ -569,3 +569,40 @@ def test_cut_streams_of_the_other_apis_end_with_their_error_events(cluster, tiny
         _, left = c.stop()
         fake.close()
     assert not left, left
+
+
+def test_gpu_replicas_get_one_device_each_and_keep_it_across_restarts(tiny_model, tmp_path, nginx_bin):
+    # No GPU here: a wrapper records the device each replica was given, then runs the real binary
+    # (on the CPU, as `--backend auto` picks without one).
+    wrapper = tmp_path / "tansy-wrapper"
+    wrapper.write_text('#!/bin/sh\n'
+                       'port=""; prev=""\n'
+                       'for a in "$@"; do [ "$prev" = --port ] && port="$a"; prev="$a"; done\n'
+                       f'echo "$CUDA_VISIBLE_DEVICES" >> "{tmp_path}/device-$port"\n'
+                       f'exec "{TANSY}" "$@"\n')
+    wrapper.chmod(0o755)
+    base = free_ports(2)
+    out = open(tmp_path / "launcher.out", "w")
+    proc = subprocess.Popen([LAUNCHER, "--gpus", "3,5", "--base-port", str(base), "--no-balancer",
+                             "--tansy", str(wrapper), "--run-dir", str(tmp_path / "run"), "--",
+                             "--model", tiny_model, "--served-model-name", MODEL_ID, "--max-seq", "1024",
+                             "--threads", "1"], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 60
+        while "tansy-cluster: ready" not in (tmp_path / "launcher.out").read_text():
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "launcher.out").read_text()
+            time.sleep(0.1)
+        first = int((tmp_path / "run" / "replica-1.pid").read_text())
+        os.kill(first, signal.SIGKILL)
+        deadline = time.time() + 30
+        while not (tmp_path / f"device-{base + 1}").exists() or \
+                len((tmp_path / f"device-{base + 1}").read_text().split()) < 2:
+            assert time.time() < deadline, (tmp_path / "launcher.out").read_text()
+            time.sleep(0.1)
+        assert (tmp_path / f"device-{base}").read_text().split() == ["3"]
+        assert (tmp_path / f"device-{base + 1}").read_text().split() == ["5", "5"]  # restarted on its GPU
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=40)
+        out.close()
+    assert proc.returncode == 0
