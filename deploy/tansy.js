@@ -65,7 +65,7 @@ function cut(r, data, flags) {
     r.sendBuffer(cutEvent(r, r.uri), {last: true, flush: true});
     return;
   }
-  if (data.length > 0 && r.uri.indexOf('/v1/responses') === 0) noteSequence(r, data);
+  if (data.length > 0 && r.uri.indexOf('/v1/responses') === 0 && isEventStream(r)) noteSequence(r, data);
   r.sendBuffer(data, flags);
 }
 

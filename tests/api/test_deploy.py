@@ -606,3 +606,4 @@ def test_gpu_replicas_get_one_device_each_and_keep_it_across_restarts(tiny_model
         proc.wait(timeout=40)
         out.close()
     assert proc.returncode == 0
+
