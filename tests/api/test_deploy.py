@@ -607,3 +607,34 @@ def test_gpu_replicas_get_one_device_each_and_keep_it_across_restarts(tiny_model
         out.close()
     assert proc.returncode == 0
 
+
+
+@pytest.mark.parametrize("drain", [10, 1])
+def test_stopping_drains_the_streams_in_flight_then_cuts_them_with_the_error(tiny_model, tmp_path_factory,
+                                                                            nginx_bin, drain):
+    c = Cluster(tiny_model, tmp_path_factory.mktemp(f"cluster-stop-{drain}"), nginx_bin, 1,
+                launcher_flags=("--drain", str(drain)))
+    body = {"model": MODEL_ID, "prompt": "a long answer", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    lines, left = [], []
+    try:
+        pids = [c.pid(0), c.nginx_pid()]
+        with requests.post(c.url + "/v1/completions", json=body, stream=True, timeout=60) as r:
+            it = r.iter_lines()
+            lines.append(next(it))
+            t0 = time.time()
+            c.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            with pytest.raises(requests.ConnectionError):  # no new connections once stopping
+                requests.get(c.url + "/health", timeout=5)
+            lines += [line for line in it if line]
+        took = time.time() - t0
+        assert c.proc.wait(timeout=40) == 0, c.output()
+    finally:
+        _, left = c.stop()
+    assert not left and not any(alive(p) for p in pids), (left, pids)
+    assert lines[-1] == b"data: [DONE]", lines[-3:]
+    if drain == 10:  # the stream (about 3 s) finished within the drain
+        assert b'"finish_reason":"length"' in lines[-2], lines[-3:]
+    else:  # cut after 1 s when its replica was stopped, and said so
+        assert json.loads(lines[-2][6:])["error"]["code"] == "replica_failed", lines[-3:]
+        assert took < 10, took
