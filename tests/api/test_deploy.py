@@ -477,7 +477,7 @@ class CutReplica:
     of a real replica's stream, then drops the connection, as a replica that dies mid-stream does."""
 
     def __init__(self, openings):
-        self.openings = openings  # path -> the bytes of a stream's first events
+        self.openings = openings  # path -> (the bytes of a stream's first events, seconds until the cut)
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(16)
@@ -512,13 +512,16 @@ class CutReplica:
                 conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
                              b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
                 return
-            opening = self.openings[path]
+            opening, hold = self.openings[path]
             conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
                          + b"%x\r\n%s\r\n" % (len(opening), opening))
-            time.sleep(0.3)  # the client has the opening events; then the "replica" dies
+            time.sleep(hold)  # the client has the opening events; then the "replica" dies
 
     def close(self):
+        if self.closed:
+            return
         self.closed = True
+        self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() (closing alone would not, on Linux)
         self.sock.close()
 
 
@@ -542,11 +545,14 @@ def test_cut_streams_of_the_other_apis_end_with_their_error_events(cluster, tiny
     messages = {"model": MODEL_ID, "max_tokens": 50, "stream": True,
                 "messages": [{"role": "user", "content": "hello"}]}
     responses = {"model": MODEL_ID, "input": "hello", "max_output_tokens": 50, "stream": True}
-    fake = CutReplica({"/v1/messages": stream_opening(cluster, "/v1/messages", messages),
-                       "/v1/responses": stream_opening(cluster, "/v1/responses", responses)})
+    chat_body = {"model": MODEL_ID, "max_tokens": 50, "stream": True,
+                 "messages": [{"role": "user", "content": "hello"}]}
+    fake = CutReplica({"/v1/messages": (stream_opening(cluster, "/v1/messages", messages), 0.3),
+                       "/v1/responses": (stream_opening(cluster, "/v1/responses", responses), 0.3),
+                       CHAT: (stream_opening(cluster, CHAT, chat_body), 3)})
     # A balancer only, in front of a replica it did not start (the several-machines layout).
     c = Cluster(tiny_model, tmp_path_factory.mktemp("cluster-cut"), nginx_bin, 0,
-                launcher_flags=("--upstream", f"127.0.0.1:{fake.port}"))
+                launcher_flags=("--upstream", f"127.0.0.1:{fake.port}", "--per-client", "2"))
     try:
         ac = anthropic.Anthropic(base_url=c.url, api_key="unused", max_retries=0, timeout=60)
         seen = []
@@ -565,6 +571,21 @@ def test_cut_streams_of_the_other_apis_end_with_their_error_events(cluster, tiny
         last = events[-1]
         assert last.type == "error" and last.code == "replica_failed", last
         assert last.sequence_number == events[-2].sequence_number + 1, (events[-2], last)
+
+        # Two streams held open: a third connection from this address is over --per-client 2.
+        held = [requests.post(c.url + CHAT, json=chat_body, stream=True, timeout=30) for _ in range(2)]
+        over = requests.post(c.url + CHAT, json=chat_body, timeout=30)
+        assert over.status_code == 503 and over.json()["error"]["code"] == "too_many_connections", over.text
+        for r in held:
+            assert r.status_code == 200
+            r.close()
+
+        # No replica answers at all: nginx's own 502, in the API's error shape.
+        fake.close()
+        time.sleep(0.5)
+        gone = requests.post(c.url + CHAT, json=chat_body, timeout=30)
+        assert gone.status_code == 502 and gone.json()["error"]["code"] == "no_replica", gone.text
+        assert gone.headers.get("Retry-After") == "1"
     finally:
         _, left = c.stop()
         fake.close()
