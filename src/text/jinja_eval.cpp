@@ -1390,6 +1390,7 @@ Value Interp::binary(int op, const Value& a, const Value& b) {
       __int128 times = std::max<__int128>(0, as_int(*n));
       size_t unit = seq->t == T::Str ? seq->sv().size() : seq->list->size() * 16;
       if (unit && times > (__int128)(lim_.max_output / unit)) check_size(lim_.max_output + 1);
+      if (unit == 0) times = 0;  // an empty sequence repeated is empty however many times: no loop
       if (seq->t == T::Str) {
         Text t;
         for (__int128 k = 0; k < times; ++k) t.append(*seq->s);

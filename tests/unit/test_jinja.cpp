@@ -68,6 +68,11 @@ TEST(Jinja, HostileTemplatesHitTheirBounds) {
   EXPECT_EQ(render("{{ (-1) ** 913333333333333333333333 }}|{{ (-1) ** 1000000000000 }}"), "-1|1");
   EXPECT_EQ(render("{{ 0**1**913333333333333333333333 + 1 }}"), "1");
   EXPECT_EQ(render("{{ 3 ** 4 }}|{{ (-2) ** 3 }}"), "81|-8");
+  // An empty sequence repeated a huge number of times (fuzz_template: it looped that many times
+  // without ever growing the output).
+  EXPECT_EQ(render("{{ '' * 6666666666666666 }}|{{ ([] * 6666666666666666) | length }}|{{ 'ab' * 2 }}"),
+            "|0|abab");
+  EXPECT_EQ(render("{{ 6666666666666666 * '' }}|{{ (0 * 'x') * 6666666666666666 }}"), "|");
   EXPECT_TRUE(contains(render_error("{{ 2 ** 913333333333333333333333 }}"), "out of the supported range"));
   Limits small;
   small.max_steps = 1000;
