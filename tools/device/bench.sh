@@ -21,12 +21,15 @@
 # bench.json (issue 5: within 5%). Then, on the same server, tools/concurrency_bench.py (issue 16,
 # docs/BENCHMARK.md "Concurrency (issue 16)"): CONCURRENCY_LEVELS requests sent together, both
 # workloads, 4,096-token prompts, 256 new tokens, into concurrency.json (its table goes to stdout).
-# Its share of the time is CONCURRENCY_CAP (default 120 s), reserved from tansy bench's; the tool
+# It runs only with CONCURRENCY=1: one call does not hold the GPU tests, the whole contract, the
+# latency step, the peer and it (measured at ad86d88: with it, the GPU tests and the bench ran out
+# of their caps). Its share of the time is CONCURRENCY_CAP (default 120 s), reserved from tansy bench's; the tool
 # gets that as --time-budget-s, skips the levels that its previous level's time per request says
 # will not fit (recorded as skipped in the JSON) and cuts off a stream that outlasts it (counted as
 # failed). While the server runs one request at a time, a level's time grows with its number of
 # requests (1 + 4 + 16 + 64 per workload), so with the default cap the largest levels may be
-# skipped; a concurrency-focused call sets SKIP_BENCH=1 SKIP_PEER=1 CONCURRENCY_CAP=400.
+# skipped; a concurrency-focused call sets CONCURRENCY=1 SKIP_GPU_TESTS=1 SKIP_BENCH=1 SKIP_PEER=1
+# CONCURRENCY_CAP=400.
 # The server gets --max-queue and --max-connections-per-client above the largest level (its
 # defaults, 16 and 64, would answer 503 at 64), before SERVER_ARGS, which may override them.
 # With --prefix-cache 0 the shared-prefix workload gets no prefix reuse; SERVER_ARGS can set
@@ -133,6 +136,7 @@ server_step() {
 }
 
 run() {
+  [ -n "${CONCURRENCY:-}" ] || SKIP_CONCURRENCY=1
   : "${OUT:?OUT must name the output folder}"
   if [ -f out/device.tar.xz ]; then rm -rf "$DEV" && mkdir -p "$DEV" && tar -xJf out/device.tar.xz -C "$DEV" || return 1; fi
   [ -x "$DEV/tansy" ] || { echo "device/bench.sh: $DEV/tansy missing (run 'prepare' here and carry out/device.tar.xz)"; return 1; }
