@@ -5,6 +5,7 @@
 //   file                  what
 //   attention/decode.cu   qk_norm_rope, split-K decode attention (+ fused decode kernel), merge
 //   attention/prefill.cu  causal flash attention on tensor cores (prefill)
+//   attention/prefill_wgmma.cu  the same on Hopper's warpgroup tensor cores (wgmma, TMA)
 #pragma once
 #include <cstdint>
 
@@ -88,5 +89,19 @@ struct AttnPrefillArgs {
 };
 
 void attention_prefill(const AttnPrefillArgs& a, cudaStream_t stream);
+
+// Throws unless `a` is a valid attention_prefill call (the checks both kernels share).
+void attention_prefill_check(const AttnPrefillArgs& a);
+
+// The warpgroup kernel (prefill_wgmma.cu: wgmma, tensor copies, producer/consumer warps), same
+// arguments and results. Supports n_heads / n_kv dividing 128 (1, 2, 4, 8, 16).
+bool attention_prefill_wgmma_supports(const AttnPrefillArgs& a);
+void attention_prefill_wgmma(const AttnPrefillArgs& a, cudaStream_t stream);
+
+// Which kernel attention_prefill runs (a test/measurement hook; the default is kMmaSync). kWgmma
+// falls back to kMmaSync for groups attention_prefill_wgmma does not support.
+enum class AttnPrefillKernel { kMmaSync, kWgmma };
+void attention_prefill_set_kernel(AttnPrefillKernel k);
+AttnPrefillKernel attention_prefill_current_kernel();
 
 }  // namespace tansy::cuda
