@@ -335,6 +335,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     issue_s(j);
     wgmma_commit();
     bulk::mbar_wait(&bar->v_full[sp], unsigned((j - 1) / kStages) & 1);
+    wgmma_fence();  // the wait is a branch: keep ptxas from injecting its own fence
     issue_pv(j - 1);
     wgmma_commit();
     wgmma_wait<1>();  // S_j done; P_{j-1}·V_{j-1} may still run
