@@ -4,6 +4,8 @@
 // NaN bytes first; tolerances in gpu_test_util.h.
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -233,11 +235,23 @@ struct AttnCase {
   int n_random;  // sampled query rows when n > 256
 };
 
-void check_attention(const AttnCase& c) {
+// The prefill kernel under test: attention_prefill with its default (mma.sync) or the warpgroup
+// kernel called directly (so that an unsupported shape fails instead of falling back).
+enum class Prefill { kDefault, kWgmma };
+
+void run_prefill(const cuda::AttnPrefillArgs& a, Prefill k) {
+  if (k == Prefill::kWgmma)
+    cuda::attention_prefill_wgmma(a, 0);
+  else
+    cuda::attention_prefill(a, 0);
+}
+
+void check_attention(const AttnCase& c, Prefill kernel = Prefill::kDefault) {
   constexpr int hd = cuda::kHeadDim;
   const int ctx = c.p0 + c.n, pad_rows = 40;
-  const std::string label = "attention heads " + str(c.n_heads) + "/" + str(c.n_kv) + " p0=" + str(c.p0) +
-                            " n=" + str(c.n) + (c.gate ? " gated" : "");
+  const std::string label = std::string(kernel == Prefill::kWgmma ? "wgmma " : "") + "attention heads " +
+                            str(c.n_heads) + "/" + str(c.n_kv) + " p0=" + str(c.p0) + " n=" + str(c.n) +
+                            (c.gate ? " gated" : "");
   // Cache [ctx + pad, n_kv, 256]: rows past ctx hold NaN, which must never leak into the output.
   const size_t kv_row = size_t(c.n_kv) * hd;
   auto K = randn(size_t(ctx) * kv_row), V = randn(size_t(ctx) * kv_row);
@@ -255,7 +269,8 @@ void check_attention(const AttnCase& c) {
   round_bf16_inplace(qg);
   auto dq = to_device_bf16(qg);
   const int64_t ldo = int64_t(c.n_heads) * hd;
-  DeviceBuffer<bf16> out(size_t(c.n) * ldo);
+  constexpr int kGuardRows = 2;  // past the last row: must stay untouched
+  DeviceBuffer<bf16> out(size_t(c.n + kGuardRows) * ldo);
   poison(out);
 
   cuda::AttnPrefillArgs a;
@@ -276,9 +291,12 @@ void check_attention(const AttnCase& c) {
   a.out = out.get();
   a.out_stride_t = ldo;
   a.out_stride_h = hd;
-  cuda::attention_prefill(a, 0);
-  const auto got_all = from_device_bf16(out.get(), out.size());
+  run_prefill(a, kernel);
+  const auto got_all = from_device_bf16(out.get(), size_t(c.n) * ldo);
   EXPECT_TRUE(all_finite(got_all)) << label << ": unwritten or non-finite output";
+  const auto guard = from_device_bf16(out.get() + size_t(c.n) * ldo, size_t(kGuardRows) * ldo);
+  EXPECT_TRUE(std::all_of(guard.begin(), guard.end(), [](float x) { return std::isnan(x); }))
+      << label << ": wrote past the last row";
 
   const auto rows = rows_to_check(c.n, c.n_random);
   std::vector<float> ref(rows.size() * ldo);
@@ -317,6 +335,188 @@ TEST(Attention, PrefillLongContext) {
   check_attention({16, 2, 32768 - 600, 600, false, 3});
 }
 
+// The warpgroup kernel (prefill_wgmma.cu) against the CPU: the real heads at lengths across the
+// 64-key tile and 128-row block (16 positions) edges, continuing caches (first positions at and
+// just before a tile end), and the tiny models' groups it supports (1, 2, 4, 16).
+TEST(Attention, PrefillWgmma) {
+  for (int n : {1, 7, 64, 65, 127, 128, 129, 1000, 4096})
+    check_attention({16, 2, 0, n, n % 2 == 1, 24}, Prefill::kWgmma);
+  const AttnCase cases[] = {
+      {16, 2, 37, 200, true, 0}, {16, 2, 1000, 3, false, 0},       {16, 2, 62, 20, true, 0},
+      {16, 2, 63, 5, false, 0},  {16, 2, 126, 140, true, 0},       {16, 2, 1, 16, false, 0},
+      {4, 2, 0, 65, false, 0},   {2, 2, 5, 33, true, 0},           {16, 1, 0, 40, true, 0},
+      {8, 2, 3, 300, false, 0},  {16, 2, 32768 - 64, 64, true, 0},
+  };
+  for (const auto& c : cases) check_attention(c, Prefill::kWgmma);
+}
+
+// Random bf16 values in [-scale, scale) from a hash of the index: fills gigabytes on the device.
+__global__ void fill_random_bf16(bf16* p, size_t n, uint32_t seed, float scale) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 0x9E3779B1u ^ uint32_t(i >> 32) * 0x85EBCA77u ^ seed;
+    h ^= h >> 15;
+    h *= 0x2C1B3C6Du;
+    h ^= h >> 12;
+    h *= 0x297A2D39u;
+    h ^= h >> 15;
+    p[i] = __float2bfloat16((float(h >> 8) * (1.f / 8388608.f) - 1.f) * scale);
+  }
+}
+
+// One causal prefill of n tokens from position 0 at the real heads (16/2, q in the q_proj
+// layout, gated), on device-filled random data.
+struct LongPrefill {
+  int n;
+  DeviceBuffer<bf16> q, k, v, out_a, out_b;
+  cuda::AttnPrefillArgs a;
+  explicit LongPrefill(int n_)
+      : n(n_),
+        q(size_t(n_) * 16 * 512),
+        k(size_t(n_) * 2 * 256),
+        v(size_t(n_) * 2 * 256),
+        out_a(size_t(n_) * 16 * 256),
+        out_b(size_t(n_) * 16 * 256) {
+    // uniform q in [-4, 4) (std 2.3), k in [-1, 1) (std 0.58): scaled scores of std ~1.3, a
+    // softmax neither flat nor one-hot
+    fill_random_bf16<<<1024, 256>>>(q.get(), q.size(), 1u, 4.f);
+    fill_random_bf16<<<1024, 256>>>(k.get(), k.size(), 2u, 1.f);
+    fill_random_bf16<<<1024, 256>>>(v.get(), v.size(), 3u, 1.f);
+    CUDA_CHECK(cudaGetLastError());
+    poison(out_a);
+    poison(out_b);
+    a.q = q.get();
+    a.q_stride_t = 16 * 512;
+    a.q_stride_h = 512;
+    a.k_cache = k.get();
+    a.v_cache = v.get();
+    a.p0 = 0;
+    a.n = n;
+    a.n_heads = 16;
+    a.n_kv = 2;
+    a.gate = q.get() + 256;
+    a.gate_stride_t = 16 * 512;
+    a.gate_stride_h = 512;
+    a.out_stride_t = 16 * 256;
+    a.out_stride_h = 256;
+  }
+  void run(Prefill kernel, bf16* out) {
+    a.out = out;
+    run_prefill(a, kernel);
+  }
+  // causal: sum over queries of (i+1) keys, 2 products (QK, PV) of 2*256 flop each, 16 heads
+  double flop() const { return 4.0 * 256 * 16 * (double(n) * (n + 1) / 2); }
+};
+
+// The selection hook: with kWgmma, attention_prefill runs the warpgroup kernel (its output
+// bit-identical to calling it, and not to the mma.sync kernel's), and falls back to mma.sync for
+// a group the warpgroup kernel does not support (6: a tiny model).
+TEST(Attention, PrefillKernelHook) {
+  EXPECT_EQ(cuda::attention_prefill_current_kernel(), cuda::AttnPrefillKernel::kMmaSync) << "default";
+  LongPrefill L(500);
+  DeviceBuffer<bf16> out_c(L.out_a.size());
+  L.run(Prefill::kDefault, L.out_a.get());
+  L.run(Prefill::kWgmma, L.out_b.get());
+  {
+    struct Scope {
+      Scope() { cuda::attention_prefill_set_kernel(cuda::AttnPrefillKernel::kWgmma); }
+      ~Scope() { cuda::attention_prefill_set_kernel(cuda::AttnPrefillKernel::kMmaSync); }
+    } scope;
+    L.run(Prefill::kDefault, out_c.get());
+    check_attention({6, 1, 10, 70, true, 0});  // falls back (and is right)
+  }
+  const auto mma = from_device_bf16(L.out_a.get(), L.out_a.size());
+  const auto wg = from_device_bf16(L.out_b.get(), L.out_b.size());
+  const auto hooked = from_device_bf16(out_c.get(), out_c.size());
+  EXPECT_TRUE(all_finite(hooked));
+  size_t same_as_wg = 0, same_as_mma = 0;
+  for (size_t i = 0; i < hooked.size(); ++i) {
+    same_as_wg += hooked[i] == wg[i];
+    same_as_mma += hooked[i] == mma[i];
+  }
+  EXPECT_EQ(same_as_wg, hooked.size()) << "hooked attention_prefill is the wgmma kernel";
+  EXPECT_LT(same_as_mma, hooked.size()) << "... and not the mma.sync one";
+  cuda::AttnPrefillArgs a;
+  a.n_heads = 6;
+  a.n_kv = 1;
+  EXPECT_FALSE(cuda::attention_prefill_wgmma_supports(a));
+  a.n_heads = 16;
+  a.n_kv = 2;
+  EXPECT_TRUE(cuda::attention_prefill_wgmma_supports(a));
+}
+
+// 16,384 tokens: the warpgroup kernel against the mma.sync kernel on every output, and sampled
+// rows against the CPU (each reference row costs up to 16K keys x 16 heads).
+TEST(Attention, PrefillWgmmaLong) {
+  const int n = 16384;
+  LongPrefill L(n);
+  L.run(Prefill::kDefault, L.out_a.get());
+  L.run(Prefill::kWgmma, L.out_b.get());
+  const auto ref_gpu = from_device_bf16(L.out_a.get(), L.out_a.size());
+  const auto got = from_device_bf16(L.out_b.get(), L.out_b.size());
+  EXPECT_TRUE(all_finite(got)) << "wgmma 16K: unwritten or non-finite output";
+  EXPECT_REL(got, ref_gpu, kTolBf16, "wgmma vs mma.sync attention, 16/2 heads, n=16384, gated");
+
+  const auto rows = rows_to_check(n, 4);
+  const auto hq = from_device_bf16(L.q.get(), L.q.size());
+  const auto hk = from_device_bf16(L.k.get(), L.k.size());
+  const auto hv = from_device_bf16(L.v.get(), L.v.size());
+  const int64_t ldo = 16 * 256;
+  std::vector<float> ref(rows.size() * ldo);
+  ThreadPool::global().parallel_for(int64_t(rows.size()), [&](int64_t r0, int64_t r1) {
+    std::vector<float> q(ldo);
+    for (int64_t ri = r0; ri < r1; ++ri) {
+      const int i = rows[ri];
+      for (int h = 0; h < 16; ++h)
+        std::copy_n(hq.begin() + int64_t(i) * 8192 + h * 512, 256, q.begin() + h * 256);
+      float* o = ref.data() + ri * ldo;
+      cpu::attention(q.data(), hk.data(), hv.data(), i + 1, 16, 2, 256, o);
+      for (int h = 0; h < 16; ++h)
+        for (int d = 0; d < 256; ++d) o[h * 256 + d] *= sigmoid(hq[int64_t(i) * 8192 + h * 512 + 256 + d]);
+    }
+  });
+  EXPECT_REL(take_rows(got, ldo, int(ldo), rows), ref, kTolBf16, "wgmma attention n=16384 vs the CPU");
+}
+
+// Both kernels at 4,096, 32,768 and 131,072 tokens (one layer's causal attention, 16/2 heads,
+// gated): median ms and TFLOP/s, and their outputs compared. Runs only with TANSY_ATTN_TIMING=1.
+TEST(Attention, PrefillTiming) {
+  if (!std::getenv("TANSY_ATTN_TIMING")) GTEST_SKIP() << "set TANSY_ATTN_TIMING=1";
+  std::printf("attention prefill, 16/2 heads, causal from position 0, gated (median)\n");
+  for (const int n : {4096, 32768, 131072}) {
+    LongPrefill L(n);
+    const int reps = n <= 4096 ? 21 : n <= 32768 ? 7 : 3;
+    double ms[2];
+    for (int k = 0; k < 2; ++k) {
+      const Prefill kernel = k == 0 ? Prefill::kDefault : Prefill::kWgmma;
+      bf16* out = k == 0 ? L.out_a.get() : L.out_b.get();
+      cudaEvent_t e0, e1;
+      CUDA_CHECK(cudaEventCreate(&e0));
+      CUDA_CHECK(cudaEventCreate(&e1));
+      L.run(kernel, out);  // warm-up
+      CUDA_CHECK(cudaDeviceSynchronize());
+      std::vector<float> t(reps);
+      for (auto& x : t) {
+        CUDA_CHECK(cudaEventRecord(e0, 0));
+        L.run(kernel, out);
+        CUDA_CHECK(cudaEventRecord(e1, 0));
+        CUDA_CHECK(cudaEventSynchronize(e1));
+        CUDA_CHECK(cudaEventElapsedTime(&x, e0, e1));
+      }
+      CUDA_CHECK(cudaEventDestroy(e0));
+      CUDA_CHECK(cudaEventDestroy(e1));
+      std::sort(t.begin(), t.end());
+      ms[k] = t[reps / 2];
+      std::printf("  n=%-7d %-9s %9.3f ms  %6.1f TFLOP/s\n", n, k == 0 ? "mma.sync" : "wgmma", ms[k],
+                  L.flop() / (ms[k] * 1e9));
+    }
+    std::printf("  n=%-7d wgmma speedup x%.2f\n", n, ms[0] / ms[1]);
+    const auto a = from_device_bf16(L.out_a.get(), L.out_a.size());
+    const auto b = from_device_bf16(L.out_b.get(), L.out_b.size());
+    EXPECT_TRUE(all_finite(b)) << "wgmma n=" << n;
+    EXPECT_REL(b, a, kTolBf16, "  wgmma vs mma.sync, n=" + str(n));
+  }
+}
+
 TEST(Attention, PrefillRejectsBadShapes) {
   DeviceBuffer<bf16> buf(4 * 4096);
   cuda::AttnPrefillArgs a;
@@ -338,6 +538,10 @@ TEST(Attention, PrefillRejectsBadShapes) {
   a.q_stride_h = 512;
   a.n = 0;
   EXPECT_THROW(cuda::attention_prefill(a, 0), Error);
+  EXPECT_THROW(cuda::attention_prefill_wgmma(a, 0), Error);  // the shared checks
+  a.n = 1;
+  a.n_heads = 12;  // group 6: not a divisor of the wgmma kernel's 128 rows
+  EXPECT_THROW(cuda::attention_prefill_wgmma(a, 0), Error);
 }
 
 }  // namespace

@@ -43,19 +43,19 @@
 namespace tansy::cuda {
 namespace {
 
-constexpr int D = kHeadDim;           // 256
-constexpr int BM = 128;               // query rows per block
-constexpr int BN = 64;                // keys per tile
-constexpr int kStages = 2;            // K and V stages each
-constexpr int kDBlocks = D / 64;      // 128-byte row slabs per 256-wide row
+constexpr int D = kHeadDim;       // 256
+constexpr int BM = 128;           // query rows per block
+constexpr int BN = 64;            // keys per tile
+constexpr int kStages = 2;        // K and V stages each
+constexpr int kDBlocks = D / 64;  // 128-byte row slabs per 256-wide row
 constexpr int kConsumerWarps = BM / 16;
 constexpr int kThreads = (kConsumerWarps + 4) * 32;  // + the producer warpgroup
-constexpr int kQSlab = BM * 128;                   // one d-block of Q (16 KB)
-constexpr int kKVSlab = BN * 128;                  // one d-block of a K or V tile (8 KB)
-constexpr int kQBytes = kDBlocks * kQSlab;         // 64 KB
-constexpr int kKVBytes = kDBlocks * kKVSlab;       // 32 KB
-constexpr int kOffK = kQBytes;                     // K stages
-constexpr int kOffV = kOffK + kStages * kKVBytes;  // V stages
+constexpr int kQSlab = BM * 128;                     // one d-block of Q (16 KB)
+constexpr int kKVSlab = BN * 128;                    // one d-block of a K or V tile (8 KB)
+constexpr int kQBytes = kDBlocks * kQSlab;           // 64 KB
+constexpr int kKVBytes = kDBlocks * kKVSlab;         // 32 KB
+constexpr int kOffK = kQBytes;                       // K stages
+constexpr int kOffV = kOffK + kStages * kKVBytes;    // V stages
 constexpr int kOffBar = kOffV + kStages * kKVBytes;
 constexpr int kSmem = kOffBar + 128 + 1024;  // + barriers, + the in-kernel 1024-byte alignment
 static_assert(kQSlab % 1024 == 0 && kKVSlab % 1024 == 0, "swizzle atoms are 1024-byte aligned");
@@ -71,8 +71,9 @@ __device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], uint64_t desc_a, ui
       "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
+        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+        "+f"(d[30]), "+f"(d[31])
       : "l"(desc_a), "l"(desc_b), "r"(scale_d)
       : "memory");
 }
@@ -94,27 +95,30 @@ __device__ __forceinline__ void wgmma_rs_n256_tb(float (&d)[128], const uint32_t
       "}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
-        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]),
-        "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]),
-        "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]),
-        "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]),
-        "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
+        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),
+        "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
+        "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]),
+        "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]),
+        "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]),
+        "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]),
+        "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]),
+        "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]),
+        "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]),
+        "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]),
+        "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]),
+        "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]),
+        "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1)
       : "memory");
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
 template <int N>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
@@ -240,7 +244,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t q_addr = base + uint32_t(wg * 64 * 128);
 
   const float sl2 = 1.4426950408889634f / 16.f;  // log2(e)/sqrt(256): scores go straight into exp2
-  float o[D / 2];                                 // 64 x 256 per warpgroup
+  float o[D / 2];                                // 64 x 256 per warpgroup
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
   float s[BN / 2];  // 64 x 64 scores per warpgroup
@@ -409,11 +413,12 @@ CUtensorMap bf16_map(const void* ptr, int dim1, int dim2, int64_t stride1_bytes,
   const cuuint64_t strides[2] = {cuuint64_t(stride1_bytes), cuuint64_t(stride2_bytes)};
   const cuuint32_t box[3] = {64, cuuint32_t(box1), cuuint32_t(box2)}, estrides[3] = {1, 1, 1};
   CUtensorMap map{};
-  const CUresult r = tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(ptr), dims,
-                                          strides, box, estrides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                          CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) fail("attention_prefill (wgmma): cuTensorMapEncodeTiled of {} failed ({})", what, int(r));
+  const CUresult r =
+      tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(ptr), dims, strides,
+                           box, estrides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                           CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    fail("attention_prefill (wgmma): cuTensorMapEncodeTiled of {} failed ({})", what, int(r));
   return map;
 }
 
@@ -434,16 +439,16 @@ void attention_prefill_wgmma(const AttnPrefillArgs& a, cudaStream_t stream) {
   TANSY_CHECK(row_tiles * a.n_kv < (int64_t(1) << 31), "attention_prefill (wgmma): grid too large");
   const int kv_len = a.p0 + a.n;
   const int64_t kv_row_bytes = int64_t(a.n_kv) * D * 2;
-  const CUtensorMap qm =
-      bf16_map(a.q, a.n_heads, a.n, a.q_stride_h * 2, a.q_stride_t * 2, G, BM / G, "q");
+  const CUtensorMap qm = bf16_map(a.q, a.n_heads, a.n, a.q_stride_h * 2, a.q_stride_t * 2, G, BM / G, "q");
   const CUtensorMap km = bf16_map(a.k_cache, a.n_kv, kv_len, D * 2, kv_row_bytes, 1, BN, "k_cache");
   const CUtensorMap vm = bf16_map(a.v_cache, a.n_kv, kv_len, D * 2, kv_row_bytes, 1, BN, "v_cache");
-  static const bool attr_set = cudaFuncSetAttribute(attention_prefill_wgmma_kernel,
-                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                    kSmem) == cudaSuccess;
-  TANSY_CHECK(attr_set, "attention_prefill (wgmma): cannot reserve {} bytes of shared memory per block", kSmem);
+  static const bool attr_set =
+      cudaFuncSetAttribute(attention_prefill_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           kSmem) == cudaSuccess;
+  TANSY_CHECK(attr_set, "attention_prefill (wgmma): cannot reserve {} bytes of shared memory per block",
+              kSmem);
   attention_prefill_wgmma_kernel<<<unsigned(row_tiles * a.n_kv), kThreads, kSmem, stream>>>(qm, km, vm, a, G,
-                                                                                          int(row_tiles));
+                                                                                            int(row_tiles));
   launch_check("attention_prefill (wgmma)");
 }
 
