@@ -27,11 +27,19 @@ import sys
 
 import numpy as np
 
-D, BM, BN, STAGES, DBLK = 256, 128, 64, 2, 4
-Q_SLAB, KV_SLAB = BM * 128, BN * 128
-Q_BYTES, KV_BYTES = DBLK * Q_SLAB, DBLK * KV_SLAB
-OFF_K = Q_BYTES
-OFF_V = OFF_K + STAGES * KV_BYTES
+D, BM, STAGES, DBLK = 256, 128, 2, 4
+Q_SLAB = BM * 128
+Q_BYTES = DBLK * Q_SLAB
+
+
+def set_tile(bn):
+    """The kernel's Cfg<BN> (keys per tile)."""
+    global BN, KV_SLAB, KV_BYTES, OFF_K, OFF_V
+    BN = bn
+    KV_SLAB = BN * 128
+    KV_BYTES = DBLK * KV_SLAB
+    OFF_K = Q_BYTES
+    OFF_V = OFF_K + STAGES * KV_BYTES
 
 
 def swz(addr):
@@ -273,7 +281,7 @@ def check_algorithm():
     cases = [(0, 1, 8), (0, 7, 8), (0, 64, 8), (0, 65, 8), (0, 127, 8), (0, 128, 8), (0, 129, 8),
              (0, 200, 8), (37, 200, 8), (1000, 3, 8), (0, 1000, 8), (60, 9, 8), (56, 16, 8),
              (0, 65, 2), (10, 70, 1), (5, 33, 1), (0, 40, 16), (3, 300, 4), (127, 2, 16),
-             (62, 20, 8), (63, 5, 8), (126, 140, 8)]  # first positions at and just before a tile end
+             (62, 20, 8), (63, 5, 8), (126, 140, 8), (78, 20, 8), (79, 3, 8), (158, 30, 8)]  # first positions at and just before a tile end
     for p0, n, G in cases:
         kv_len = p0 + n
         q = bf16(rng.standard_normal((n, G, D)) * 1.5)
@@ -416,10 +424,13 @@ def check_grid():
 
 
 if __name__ == "__main__":
-    check_descriptors()
-    check_operands()
-    check_fragments()
     check_grid()
     check_barriers()
-    check_algorithm()
+    for bn in (64, 80):
+        set_tile(bn)
+        print(f"-- BN = {bn} keys per tile")
+        check_descriptors()
+        check_operands()
+        check_fragments()
+        check_algorithm()
     sys.exit(0)

@@ -335,19 +335,34 @@ TEST(Attention, PrefillLongContext) {
   check_attention({16, 2, 32768 - 600, 600, false, 3});
 }
 
-// The warpgroup kernel (prefill_wgmma.cu) against the CPU: the real heads at lengths across the
-// 64-key tile and 128-row block (16 positions) edges, continuing caches (first positions at and
-// just before a tile end), and the tiny models' groups it supports (1, 2, 4, 16).
+// Runs the warpgroup kernel with `keys` per K/V tile, restoring the default after.
+struct WgmmaTileScope {
+  int saved = cuda::attention_prefill_wgmma_tile();
+  explicit WgmmaTileScope(int keys) { cuda::attention_prefill_wgmma_set_tile(keys); }
+  ~WgmmaTileScope() { cuda::attention_prefill_wgmma_set_tile(saved); }
+};
+constexpr int kWgmmaTiles[] = {80, 64};
+
+// The warpgroup kernel (prefill_wgmma.cu) against the CPU, both tile sizes: the real heads at
+// lengths across the key-tile and 128-row block (16 positions) edges, continuing caches (first
+// positions at and just before a tile end), and the tiny models' groups it supports (1, 2, 4, 16).
 TEST(Attention, PrefillWgmma) {
-  for (int n : {1, 7, 64, 65, 127, 128, 129, 1000, 4096})
-    check_attention({16, 2, 0, n, n % 2 == 1, 24}, Prefill::kWgmma);
-  const AttnCase cases[] = {
-      {16, 2, 37, 200, true, 0}, {16, 2, 1000, 3, false, 0},       {16, 2, 62, 20, true, 0},
-      {16, 2, 63, 5, false, 0},  {16, 2, 126, 140, true, 0},       {16, 2, 1, 16, false, 0},
-      {4, 2, 0, 65, false, 0},   {2, 2, 5, 33, true, 0},           {16, 1, 0, 40, true, 0},
-      {8, 2, 3, 300, false, 0},  {16, 2, 32768 - 64, 64, true, 0},
-  };
-  for (const auto& c : cases) check_attention(c, Prefill::kWgmma);
+  EXPECT_EQ(cuda::attention_prefill_wgmma_tile(), 80) << "default tile";
+  for (const int keys : kWgmmaTiles) {
+    WgmmaTileScope scope(keys);
+    std::printf("  -- %d keys per tile\n", keys);
+    for (int n : {1, 7, 64, 65, 127, 128, 129, 1000, 4096})
+      check_attention({16, 2, 0, n, n % 2 == 1, 24}, Prefill::kWgmma);
+    const AttnCase cases[] = {
+        {16, 2, 37, 200, true, 0},  {16, 2, 1000, 3, false, 0},       {16, 2, 62, 20, true, 0},
+        {16, 2, 63, 5, false, 0},   {16, 2, 78, 20, true, 0},         {16, 2, 79, 3, false, 0},
+        {16, 2, 126, 140, true, 0}, {16, 2, 158, 30, false, 0},       {16, 2, 1, 16, false, 0},
+        {4, 2, 0, 65, false, 0},    {2, 2, 5, 33, true, 0},           {16, 1, 0, 40, true, 0},
+        {8, 2, 3, 300, false, 0},   {16, 2, 32768 - 64, 64, true, 0},
+    };
+    for (const auto& c : cases) check_attention(c, Prefill::kWgmma);
+  }
+  EXPECT_THROW(cuda::attention_prefill_wgmma_set_tile(96), Error);
 }
 
 // Random bf16 values in [-scale, scale) from a hash of the index: fills gigabytes on the device.
@@ -444,17 +459,13 @@ TEST(Attention, PrefillKernelHook) {
   EXPECT_TRUE(cuda::attention_prefill_wgmma_supports(a));
 }
 
-// 16,384 tokens: the warpgroup kernel against the mma.sync kernel on every output, and sampled
-// rows against the CPU (each reference row costs up to 16K keys x 16 heads).
+// 16,384 tokens: the warpgroup kernel (both tiles) against the mma.sync kernel on every output,
+// and sampled rows against the CPU (each reference row costs up to 16K keys x 16 heads).
 TEST(Attention, PrefillWgmmaLong) {
   const int n = 16384;
   LongPrefill L(n);
   L.run(Prefill::kDefault, L.out_a.get());
-  L.run(Prefill::kWgmma, L.out_b.get());
   const auto ref_gpu = from_device_bf16(L.out_a.get(), L.out_a.size());
-  const auto got = from_device_bf16(L.out_b.get(), L.out_b.size());
-  EXPECT_TRUE(all_finite(got)) << "wgmma 16K: unwritten or non-finite output";
-  EXPECT_REL(got, ref_gpu, kTolBf16, "wgmma vs mma.sync attention, 16/2 heads, n=16384, gated");
 
   const auto rows = rows_to_check(n, 4);
   const auto hq = from_device_bf16(L.q.get(), L.q.size());
@@ -474,24 +485,38 @@ TEST(Attention, PrefillWgmmaLong) {
         for (int d = 0; d < 256; ++d) o[h * 256 + d] *= sigmoid(hq[int64_t(i) * 8192 + h * 512 + 256 + d]);
     }
   });
-  EXPECT_REL(take_rows(got, ldo, int(ldo), rows), ref, kTolBf16, "wgmma attention n=16384 vs the CPU");
+  EXPECT_REL(take_rows(ref_gpu, ldo, int(ldo), rows), ref, kTolBf16, "mma.sync attention n=16384 vs the CPU");
+  for (const int keys : kWgmmaTiles) {
+    WgmmaTileScope scope(keys);
+    poison(L.out_b);
+    L.run(Prefill::kWgmma, L.out_b.get());
+    const auto got = from_device_bf16(L.out_b.get(), L.out_b.size());
+    const std::string what = "wgmma (" + str(keys) + " keys per tile) attention n=16384";
+    EXPECT_TRUE(all_finite(got)) << what << ": unwritten or non-finite output";
+    EXPECT_REL(got, ref_gpu, kTolBf16, what + " vs mma.sync, 16/2 heads, gated");
+    EXPECT_REL(take_rows(got, ldo, int(ldo), rows), ref, kTolBf16, what + " vs the CPU");
+  }
 }
 
-// Both kernels at 4,096, 32,768 and 131,072 tokens (one layer's causal attention, 16/2 heads,
-// gated): median ms and TFLOP/s, and their outputs compared. Runs only with TANSY_ATTN_TIMING=1.
+// Both kernels (the warpgroup one at both tiles) at 4,096, 32,768 and 131,072 tokens (one layer's
+// causal attention, 16/2 heads, gated, from position 0): median ms and TFLOP/s, and the outputs
+// compared with the mma.sync kernel's. Runs only with TANSY_ATTN_TIMING=1.
 TEST(Attention, PrefillTiming) {
   if (!std::getenv("TANSY_ATTN_TIMING")) GTEST_SKIP() << "set TANSY_ATTN_TIMING=1";
   std::printf("attention prefill, 16/2 heads, causal from position 0, gated (median)\n");
   for (const int n : {4096, 32768, 131072}) {
     LongPrefill L(n);
     const int reps = n <= 4096 ? 21 : n <= 32768 ? 7 : 3;
-    double ms[2];
-    for (int k = 0; k < 2; ++k) {
+    double ms[3];
+    const char* names[3] = {"mma.sync", "wgmma/80", "wgmma/64"};
+    for (int k = 0; k < 3; ++k) {
       const Prefill kernel = k == 0 ? Prefill::kDefault : Prefill::kWgmma;
+      WgmmaTileScope scope(k == 2 ? 64 : 80);
       bf16* out = k == 0 ? L.out_a.get() : L.out_b.get();
       cudaEvent_t e0, e1;
       CUDA_CHECK(cudaEventCreate(&e0));
       CUDA_CHECK(cudaEventCreate(&e1));
+      if (k > 0) poison(L.out_b);
       L.run(kernel, out);  // warm-up
       CUDA_CHECK(cudaDeviceSynchronize());
       std::vector<float> t(reps);
@@ -506,14 +531,15 @@ TEST(Attention, PrefillTiming) {
       CUDA_CHECK(cudaEventDestroy(e1));
       std::sort(t.begin(), t.end());
       ms[k] = t[reps / 2];
-      std::printf("  n=%-7d %-9s %9.3f ms  %6.1f TFLOP/s\n", n, k == 0 ? "mma.sync" : "wgmma", ms[k],
-                  L.flop() / (ms[k] * 1e9));
+      std::printf("  n=%-7d %-9s %9.3f ms  %6.1f TFLOP/s  (x%.2f)\n", n, names[k], ms[k],
+                  L.flop() / (ms[k] * 1e9), ms[0] / ms[k]);
+      if (k > 0) {
+        const auto a = from_device_bf16(L.out_a.get(), L.out_a.size());
+        const auto b = from_device_bf16(L.out_b.get(), L.out_b.size());
+        EXPECT_TRUE(all_finite(b)) << names[k] << " n=" << n;
+        EXPECT_REL(b, a, kTolBf16, std::string("  ") + names[k] + " vs mma.sync, n=" + str(n));
+      }
     }
-    std::printf("  n=%-7d wgmma speedup x%.2f\n", n, ms[0] / ms[1]);
-    const auto a = from_device_bf16(L.out_a.get(), L.out_a.size());
-    const auto b = from_device_bf16(L.out_b.get(), L.out_b.size());
-    EXPECT_TRUE(all_finite(b)) << "wgmma n=" << n;
-    EXPECT_REL(b, a, kTolBf16, "  wgmma vs mma.sync, n=" + str(n));
   }
 }
 

@@ -97,6 +97,9 @@ void attention_prefill_check(const AttnPrefillArgs& a);
 // arguments and results. Supports n_heads / n_kv dividing 128 (1, 2, 4, 8, 16).
 bool attention_prefill_wgmma_supports(const AttnPrefillArgs& a);
 void attention_prefill_wgmma(const AttnPrefillArgs& a, cudaStream_t stream);
+// Keys per K/V tile of the warpgroup kernel, 64 or 80 (default 80); a measurement hook.
+void attention_prefill_wgmma_set_tile(int keys);
+int attention_prefill_wgmma_tile();
 
 // Which kernel attention_prefill runs (a test/measurement hook; the default is kMmaSync). kWgmma
 // falls back to kMmaSync for groups attention_prefill_wgmma does not support.

@@ -13,11 +13,14 @@
 //
 // Shared memory (1024-aligned; every tile stored as 128-byte rows of 64 bf16 in the 128-byte
 // swizzle that TMA writes and wgmma reads, 16-byte chunk c of row r at c ^ (r % 8)):
-//   Q  [4 d-blocks][128 rows][64 d]   64 KB, loaded once
-//   K  [2 stages][4 d-blocks][64 keys][64 d]   2 x 32 KB
-//   V  [2 stages][4 d-blocks][64 keys][64 d]   2 x 32 KB
-// + mbarriers: 197,760 bytes in all. Keys per tile BN = 64: the S accumulators (64 x 64 per
-// warpgroup = 32 registers) fit beside the 128 of O; two stages of K and V is what 227 KB holds.
+//   Q  [4 d-blocks][128 rows][64 d]            64 KB, loaded once
+//   K  [2 stages][4 d-blocks][BN keys][64 d]   2 x BN/2 KB
+//   V  [2 stages][4 d-blocks][BN keys][64 d]   2 x BN/2 KB
+// + mbarriers. BN (keys per tile) is 80 by default, as FlashAttention-3 picks for head_dim 256:
+// the S accumulators (64 x BN per warpgroup = 40 registers) fit beside the 128 of O and the 20 of
+// P under 240, and Q + two stages of K and V fill 224 of the 227 KB (230,528 bytes); fewer tiles
+// than BN = 64 (also built, 197,760 bytes) means fewer per-tile costs (the O rescale, the waits).
+// Two stages is what the shared memory holds either way.
 //
 // Per tile j, each consumer warpgroup: S_j = Q·K_jᵀ as 16 wgmma m64n64k16 (both operands from
 // shared memory, K-major), then, while S_j runs, O += P_{j-1}·V_{j-1} as 4 wgmma m64n256k16 with P
@@ -45,24 +48,29 @@ namespace {
 
 constexpr int D = kHeadDim;       // 256
 constexpr int BM = 128;           // query rows per block
-constexpr int BN = 64;            // keys per tile
 constexpr int kStages = 2;        // K and V stages each
 constexpr int kDBlocks = D / 64;  // 128-byte row slabs per 256-wide row
 constexpr int kConsumerWarps = BM / 16;
 constexpr int kThreads = (kConsumerWarps + 4) * 32;  // + the producer warpgroup
 constexpr int kQSlab = BM * 128;                     // one d-block of Q (16 KB)
-constexpr int kKVSlab = BN * 128;                    // one d-block of a K or V tile (8 KB)
 constexpr int kQBytes = kDBlocks * kQSlab;           // 64 KB
-constexpr int kKVBytes = kDBlocks * kKVSlab;         // 32 KB
-constexpr int kOffK = kQBytes;                       // K stages
-constexpr int kOffV = kOffK + kStages * kKVBytes;    // V stages
-constexpr int kOffBar = kOffV + kStages * kKVBytes;
-constexpr int kSmem = kOffBar + 128 + 1024;  // + barriers, + the in-kernel 1024-byte alignment
-static_assert(kQSlab % 1024 == 0 && kKVSlab % 1024 == 0, "swizzle atoms are 1024-byte aligned");
-static_assert(kSmem <= 227 * 1024, "shared memory per block");
+static_assert(kQSlab % 1024 == 0, "swizzle atoms are 1024-byte aligned");
 
-// d (+)= A·B, A (64 x 16) and B (16 x 64) both K-major in shared memory; scale_d 0 overwrites d.
-__device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+// Keys per tile BN (64 or 80, a multiple of 16 and of the 8-row swizzle atom).
+template <int BN>
+struct Cfg {
+  static constexpr int kKVSlab = BN * 128;                    // one d-block of a K or V tile
+  static constexpr int kKVBytes = kDBlocks * kKVSlab;         // a K or V stage
+  static constexpr int kOffK = kQBytes;                       // K stages
+  static constexpr int kOffV = kOffK + kStages * kKVBytes;    // V stages
+  static constexpr int kOffBar = kOffV + kStages * kKVBytes;  // barriers
+  static constexpr int kSmem = kOffBar + 128 + 1024;          // + the in-kernel 1024-byte alignment
+  static_assert(BN % 16 == 0 && kKVSlab % 1024 == 0, "swizzle atoms are 1024-byte aligned");
+  static_assert(kSmem <= 227 * 1024, "shared memory per block");
+};
+
+// d (+)= A·B, A (64 x 16) and B (16 x BN) both K-major in shared memory; scale_d 0 overwrites d.
+__device__ __forceinline__ void wgmma_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int scale_d) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
@@ -74,6 +82,23 @@ __device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], uint64_t desc_a, ui
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
         "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
         "+f"(d[30]), "+f"(d[31])
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d)
+      : "memory");
+}
+__device__ __forceinline__ void wgmma_ss(float (&d)[40], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39"
+      "}, %40, %41, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
+        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),
+        "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
       : "l"(desc_a), "l"(desc_b), "r"(scale_d)
       : "memory");
 }
@@ -130,9 +155,10 @@ __device__ __forceinline__ void fence_regs(float (&r)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
-__device__ __forceinline__ void fence_regs(uint32_t (&r)[BN / 16][4]) {
+template <int N>
+__device__ __forceinline__ void fence_regs(uint32_t (&r)[N][4]) {
 #pragma unroll
-  for (int i = 0; i < BN / 16; ++i)
+  for (int i = 0; i < N; ++i)
 #pragma unroll
     for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
 }
@@ -170,16 +196,18 @@ struct Barriers {
   uint64_t q, k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
 };
 
+template <int BN>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_prefill_wgmma_kernel(const __grid_constant__ CUtensorMap q_map,
                                    const __grid_constant__ CUtensorMap k_map,
                                    const __grid_constant__ CUtensorMap v_map, const AttnPrefillArgs a, int G,
                                    int row_tiles) {
+  using C = Cfg<BN>;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw_addr = tc::smem_addr(smem_raw);
   unsigned char* const smem = smem_raw + ((1024 - (raw_addr & 1023)) & 1023);
   const uint32_t base = tc::smem_addr(smem);
-  Barriers* const bar = reinterpret_cast<Barriers*>(smem + kOffBar);
+  Barriers* const bar = reinterpret_cast<Barriers*>(smem + C::kOffBar);
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   // Longest rows first, the KV heads interleaved.
@@ -215,14 +243,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int s = j % kStages;
         const unsigned parity = unsigned(j / kStages - 1) & 1;
         if (j >= kStages) bulk::mbar_wait(&bar->k_empty[s], parity);
-        bulk::mbar_expect_tx(&bar->k_full[s], kKVBytes);
+        bulk::mbar_expect_tx(&bar->k_full[s], C::kKVBytes);
         for (int db = 0; db < kDBlocks; ++db)
-          tensor_copy_3d(base + kOffK + s * kKVBytes + db * kKVSlab, &k_map, db * 64, kvh, j * BN,
+          tensor_copy_3d(base + C::kOffK + s * C::kKVBytes + db * C::kKVSlab, &k_map, db * 64, kvh, j * BN,
                          &bar->k_full[s]);
         if (j >= kStages) bulk::mbar_wait(&bar->v_empty[s], parity);
-        bulk::mbar_expect_tx(&bar->v_full[s], kKVBytes);
+        bulk::mbar_expect_tx(&bar->v_full[s], C::kKVBytes);
         for (int db = 0; db < kDBlocks; ++db)
-          tensor_copy_3d(base + kOffV + s * kKVBytes + db * kKVSlab, &v_map, db * 64, kvh, j * BN,
+          tensor_copy_3d(base + C::kOffV + s * C::kKVBytes + db * C::kKVSlab, &v_map, db * 64, kvh, j * BN,
                          &bar->v_full[s]);
       }
     }
@@ -247,7 +275,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   float o[D / 2];                                // 64 x 256 per warpgroup
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-  float s[BN / 2];  // 64 x 64 scores per warpgroup
+  float s[BN / 2];  // 64 x BN scores per warpgroup
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) s[i] = 0.f;
   uint32_t p[BN / 16][4];  // P as A fragments, one per 16 keys
@@ -255,21 +283,21 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // S = Q·K_jᵀ: d-step kk reads 32 bytes at 32·(kk % 4) into the rows of d-block kk / 4.
   auto issue_s = [&](int j) {
-    const uint32_t k_addr = base + kOffK + uint32_t((j % kStages) * kKVBytes);
+    const uint32_t k_addr = base + C::kOffK + uint32_t((j % kStages) * C::kKVBytes);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       const uint32_t off = uint32_t((kk % 4) * 32);
-      wgmma_ss_n64(s, desc_sw128(q_addr + uint32_t((kk / 4) * kQSlab) + off, 16),
-                   desc_sw128(k_addr + uint32_t((kk / 4) * kKVSlab) + off, 16), kk > 0);
+      wgmma_ss(s, desc_sw128(q_addr + uint32_t((kk / 4) * kQSlab) + off, 16),
+               desc_sw128(k_addr + uint32_t((kk / 4) * C::kKVSlab) + off, 16), kk > 0);
     }
   };
   // O += P·V_j: key step kc is rows 16·kc .. 16·kc+15 of every d-block (two 8-row groups, 2048
-  // bytes in); the 4 d-blocks of 64 columns are kKVSlab apart (the leading byte offset).
+  // bytes in); the 4 d-blocks of 64 columns are C::kKVSlab apart (the leading byte offset).
   auto issue_pv = [&](int j) {
-    const uint32_t v_addr = base + kOffV + uint32_t((j % kStages) * kKVBytes);
+    const uint32_t v_addr = base + C::kOffV + uint32_t((j % kStages) * C::kKVBytes);
 #pragma unroll
     for (int kc = 0; kc < BN / 16; ++kc)
-      wgmma_rs_n256_tb(o, p[kc], desc_sw128(v_addr + uint32_t(kc * 16 * 128), kKVSlab));
+      wgmma_rs_n256_tb(o, p[kc], desc_sw128(v_addr + uint32_t(kc * 16 * 128), C::kKVSlab));
   };
   // Masks S_j (tiles reaching past the warpgroup's first position; keys >= p0 + n lie past every
   // query position, so this masks them too), updates the running max and sum, and leaves
@@ -429,6 +457,37 @@ bool attention_prefill_wgmma_supports(const AttnPrefillArgs& a) {
   return G >= 1 && a.n_heads == G * a.n_kv && BM % G == 0;
 }
 
+namespace {
+
+template <int BN>
+void launch(const AttnPrefillArgs& a, int G, int64_t row_tiles, cudaStream_t stream) {
+  using C = Cfg<BN>;
+  const int kv_len = a.p0 + a.n;
+  const int64_t kv_row_bytes = int64_t(a.n_kv) * D * 2;
+  const CUtensorMap qm = bf16_map(a.q, a.n_heads, a.n, a.q_stride_h * 2, a.q_stride_t * 2, G, BM / G, "q");
+  const CUtensorMap km = bf16_map(a.k_cache, a.n_kv, kv_len, D * 2, kv_row_bytes, 1, BN, "k_cache");
+  const CUtensorMap vm = bf16_map(a.v_cache, a.n_kv, kv_len, D * 2, kv_row_bytes, 1, BN, "v_cache");
+  static const bool attr_set =
+      cudaFuncSetAttribute(attention_prefill_wgmma_kernel<BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           C::kSmem) == cudaSuccess;
+  TANSY_CHECK(attr_set, "attention_prefill (wgmma): cannot reserve {} bytes of shared memory per block",
+              C::kSmem);
+  attention_prefill_wgmma_kernel<BN>
+      <<<unsigned(row_tiles * a.n_kv), kThreads, C::kSmem, stream>>>(qm, km, vm, a, G, int(row_tiles));
+  launch_check("attention_prefill (wgmma)");
+}
+
+int g_keys_per_tile = 80;
+
+}  // namespace
+
+void attention_prefill_wgmma_set_tile(int keys) {
+  TANSY_CHECK(keys == 64 || keys == 80, "attention_prefill (wgmma): {} keys per tile is not built (64, 80)",
+              keys);
+  g_keys_per_tile = keys;
+}
+int attention_prefill_wgmma_tile() { return g_keys_per_tile; }
+
 void attention_prefill_wgmma(const AttnPrefillArgs& a, cudaStream_t stream) {
   attention_prefill_check(a);
   TANSY_CHECK(attention_prefill_wgmma_supports(a),
@@ -437,19 +496,10 @@ void attention_prefill_wgmma(const AttnPrefillArgs& a, cudaStream_t stream) {
   const int G = a.n_heads / a.n_kv;
   const int64_t row_tiles = (int64_t(a.n) * G + BM - 1) / BM;
   TANSY_CHECK(row_tiles * a.n_kv < (int64_t(1) << 31), "attention_prefill (wgmma): grid too large");
-  const int kv_len = a.p0 + a.n;
-  const int64_t kv_row_bytes = int64_t(a.n_kv) * D * 2;
-  const CUtensorMap qm = bf16_map(a.q, a.n_heads, a.n, a.q_stride_h * 2, a.q_stride_t * 2, G, BM / G, "q");
-  const CUtensorMap km = bf16_map(a.k_cache, a.n_kv, kv_len, D * 2, kv_row_bytes, 1, BN, "k_cache");
-  const CUtensorMap vm = bf16_map(a.v_cache, a.n_kv, kv_len, D * 2, kv_row_bytes, 1, BN, "v_cache");
-  static const bool attr_set =
-      cudaFuncSetAttribute(attention_prefill_wgmma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           kSmem) == cudaSuccess;
-  TANSY_CHECK(attr_set, "attention_prefill (wgmma): cannot reserve {} bytes of shared memory per block",
-              kSmem);
-  attention_prefill_wgmma_kernel<<<unsigned(row_tiles * a.n_kv), kThreads, kSmem, stream>>>(qm, km, vm, a, G,
-                                                                                            int(row_tiles));
-  launch_check("attention_prefill (wgmma)");
+  if (g_keys_per_tile == 64)
+    launch<64>(a, G, row_tiles, stream);
+  else
+    launch<80>(a, G, row_tiles, stream);
 }
 
 }  // namespace tansy::cuda
