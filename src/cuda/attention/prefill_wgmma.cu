@@ -31,6 +31,10 @@
 // its product. Stage handover on mbarriers: full (the producer's expect_tx + the copies' bytes),
 // empty (one arrival per consumer warp, 8).
 //
+// The key range is not split: one block per 128 rows, so fewer than 132 blocks (prompts under
+// 1,056 tokens at 8 heads per KV head, 2 KV heads) leave multiprocessors idle however long the
+// cache before them is, as with the mma.sync kernel.
+//
 // Out-of-range rows come from the tensor maps' bounds: Q positions >= n and keys >= p0 + n are
 // zero-filled by the copies, so nothing past the cache's written rows is ever read.
 #include <cuda.h>
