@@ -422,6 +422,87 @@ struct LongPrefill {
   double flop() const { return 4.0 * 256 * 16 * (double(n) * (n + 1) / 2); }
 };
 
+// Where a wrong element of a probe output came from: the reference index holding its value (a
+// layout bug shows as a permutation), printed for the first few mismatches.
+void explain_mismatches(const std::vector<float>& got, const std::vector<float>& ref, int cols,
+                        const char* what) {
+  int shown = 0;
+  for (size_t i = 0; i < got.size() && shown < 6; ++i) {
+    if (std::fabs(got[i] - ref[i]) <= 1e-3f * (1.f + std::fabs(ref[i]))) continue;
+    long match = -1;
+    for (size_t j = 0; j < ref.size(); ++j)
+      if (std::fabs(got[i] - ref[j]) <= 1e-4f * (1.f + std::fabs(ref[j]))) {
+        match = long(j);
+        break;
+      }
+    std::printf("    %s [%zu][%zu] = %g, want %g; the value of [%ld][%ld]\n", what, i / cols, i % cols,
+                got[i], ref[i], match < 0 ? -1 : match / cols, match < 0 ? -1 : match % cols);
+    ++shown;
+  }
+}
+
+// The warpgroup kernel's parts alone (attention_prefill_wgmma_probe): the tensor copies of Q
+// (16 positions x 8 heads of kv head 0 in the q_proj layout), K and V, their swizzled shared
+// layout, the Q·Kᵀ descriptors (K-major) and the P·V ones (V N-major) with P as register
+// fragments, both tiles. f32 products of bf16 values: only the summation order differs.
+TEST(Attention, PrefillWgmmaProbe) {
+  constexpr int hd = 256, NH = 16, NKV = 2, G = 8, n = 16, p0 = 100, kv_len = p0 + n;
+  const int64_t ldq = int64_t(NH) * 2 * hd + 16;
+  auto qg = randn(size_t(n) * ldq);
+  round_bf16_inplace(qg);
+  auto K = randn(size_t(kv_len) * NKV * hd), V = randn(size_t(kv_len) * NKV * hd);
+  round_bf16_inplace(K);
+  round_bf16_inplace(V);
+  auto dq = to_device_bf16(qg), dK = to_device_bf16(K), dV = to_device_bf16(V);
+  DeviceBuffer<bf16> out(size_t(n) * NH * hd);
+  cuda::AttnPrefillArgs a;
+  a.q = dq.get();
+  a.q_stride_t = ldq;
+  a.q_stride_h = 2 * hd;
+  a.k_cache = dK.get();
+  a.v_cache = dV.get();
+  a.p0 = p0;
+  a.n = n;
+  a.n_heads = NH;
+  a.n_kv = NKV;
+  a.out = out.get();
+  a.out_stride_t = NH * hd;
+  a.out_stride_h = hd;
+  for (const int keys : kWgmmaTiles) {
+    WgmmaTileScope scope(keys);
+    std::vector<float> P(size_t(128) * keys);
+    for (auto& x : P) x = round_bf16(std::uniform_real_distribution<float>(0.f, 1.f)(rng()));
+    auto dP = to_device_bf16(P);
+    DeviceBuffer<float> S(size_t(128) * keys), O(size_t(128) * hd);
+    poison(S);
+    poison(O);
+    cuda::attention_prefill_wgmma_probe(a, dP.get(), S.get(), O.get(), 0);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<float> s_got(S.size()), o_got(O.size());
+    CUDA_CHECK(cudaMemcpy(s_got.data(), S.get(), S.bytes(), cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(o_got.data(), O.get(), O.bytes(), cudaMemcpyDeviceToHost));
+    std::vector<float> s_ref(S.size()), o_ref(O.size(), 0.f);
+    for (int r = 0; r < 128; ++r) {
+      const float* q = &qg[size_t(r / G) * ldq + size_t(r % G) * 2 * hd];  // kv head 0: heads 0 .. G-1
+      for (int k = 0; k < keys; ++k) {
+        double acc = 0;
+        for (int d = 0; d < hd; ++d) acc += double(q[d]) * K[size_t(k) * NKV * hd + d];
+        s_ref[size_t(r) * keys + k] = float(acc);
+      }
+      for (int d = 0; d < hd; ++d) {
+        double acc = 0;
+        for (int k = 0; k < keys; ++k) acc += double(P[size_t(r) * keys + k]) * V[size_t(k) * NKV * hd + d];
+        o_ref[size_t(r) * hd + d] = float(acc);
+      }
+    }
+    const std::string tag = " (" + str(keys) + " keys per tile)";
+    EXPECT_REL(s_got, s_ref, 1e-5, "probe S = Q·Kᵀ" + tag);
+    EXPECT_REL(o_got, o_ref, 1e-5, "probe O = P·V" + tag);
+    if (rel_err(s_got, s_ref) > 1e-5) explain_mismatches(s_got, s_ref, keys, "S");
+    if (rel_err(o_got, o_ref) > 1e-5) explain_mismatches(o_got, o_ref, hd, "O");
+  }
+}
+
 // The selection hook: with kWgmma, attention_prefill runs the warpgroup kernel (its output
 // bit-identical to calling it, and not to the mma.sync kernel's), and falls back to mma.sync for
 // a group the warpgroup kernel does not support (6: a tiny model).

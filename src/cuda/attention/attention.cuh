@@ -100,6 +100,12 @@ void attention_prefill_wgmma(const AttnPrefillArgs& a, cudaStream_t stream);
 // Keys per K/V tile of the warpgroup kernel, 64 or 80 (default 80); a measurement hook.
 void attention_prefill_wgmma_set_tile(int keys);
 int attention_prefill_wgmma_tile();
+// Test probe of the warpgroup kernel's parts: the first 128 flattened query rows of kv head 0 and
+// keys 0 .. BN-1 (BN = the tile above) through its tensor maps, shared layout and wgmma calls;
+// writes S = Q·Kᵀ (unscaled, f32 [128][BN]) and O = P·V (f32 [128][256]) for P given as bf16
+// [128][BN]. Rows are flattened as in the kernel (row r: position r / G, head r % G).
+void attention_prefill_wgmma_probe(const AttnPrefillArgs& a, const __nv_bfloat16* p, float* s_out,
+                                   float* o_out, cudaStream_t stream);
 
 // Which kernel attention_prefill runs (a test/measurement hook; the default is kMmaSync). kWgmma
 // falls back to kMmaSync for groups attention_prefill_wgmma does not support.

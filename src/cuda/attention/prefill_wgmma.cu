@@ -196,6 +196,39 @@ __device__ __forceinline__ void setmaxnreg_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
+// S = Q·Kᵀ for one warpgroup: Q's 64 rows at q_addr in d-blocks kQSlab apart, K's BN rows at k_addr
+// in d-blocks Cfg<BN>::kKVSlab apart; d-step kk reads 32 bytes at 32·(kk % 4) into the rows of
+// d-block kk / 4. Overwrites s.
+template <int BN>
+__device__ __forceinline__ void issue_s(float (&s)[BN / 2], uint32_t q_addr, uint32_t k_addr) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const uint32_t off = uint32_t((kk % 4) * 32);
+    wgmma_ss(s, desc_sw128(q_addr + uint32_t((kk / 4) * kQSlab) + off, 16),
+             desc_sw128(k_addr + uint32_t((kk / 4) * Cfg<BN>::kKVSlab) + off, 16), kk > 0);
+  }
+}
+// O += P·V: key step kc is rows 16·kc .. 16·kc+15 of every d-block (two 8-row groups, 2048 bytes
+// in); the 4 d-blocks of 64 columns are Cfg<BN>::kKVSlab apart (the leading byte offset).
+template <int BN>
+__device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&p)[BN / 16][4],
+                                         uint32_t v_addr) {
+#pragma unroll
+  for (int kc = 0; kc < BN / 16; ++kc)
+    wgmma_rs_n256_tb(o, p[kc], desc_sw128(v_addr + uint32_t(kc * 16 * 128), Cfg<BN>::kKVSlab));
+}
+// P for keys 16·kc ..: rows g / g+8, keys 2c, 2c+1 and 2c+8, 2c+9 (mma.m16n8k16's A fragment),
+// from the S accumulators.
+template <int BN>
+__device__ __forceinline__ void make_p(uint32_t (&p)[BN / 16][4], const float (&s)[BN / 2]) {
+#pragma unroll
+  for (int kc = 0; kc < BN / 16; ++kc) {
+    p[kc][0] = tc::pack_bf16(s[8 * kc + 0], s[8 * kc + 1]);
+    p[kc][1] = tc::pack_bf16(s[8 * kc + 2], s[8 * kc + 3]);
+    p[kc][2] = tc::pack_bf16(s[8 * kc + 4], s[8 * kc + 5]);
+    p[kc][3] = tc::pack_bf16(s[8 * kc + 6], s[8 * kc + 7]);
+  }
+}
 struct Barriers {
   uint64_t q, k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
 };
@@ -285,24 +318,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint32_t p[BN / 16][4];  // P as A fragments, one per 16 keys
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
-  // S = Q·K_jᵀ: d-step kk reads 32 bytes at 32·(kk % 4) into the rows of d-block kk / 4.
-  auto issue_s = [&](int j) {
-    const uint32_t k_addr = base + C::kOffK + uint32_t((j % kStages) * C::kKVBytes);
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint32_t off = uint32_t((kk % 4) * 32);
-      wgmma_ss(s, desc_sw128(q_addr + uint32_t((kk / 4) * kQSlab) + off, 16),
-               desc_sw128(k_addr + uint32_t((kk / 4) * C::kKVSlab) + off, 16), kk > 0);
-    }
-  };
-  // O += P·V_j: key step kc is rows 16·kc .. 16·kc+15 of every d-block (two 8-row groups, 2048
-  // bytes in); the 4 d-blocks of 64 columns are C::kKVSlab apart (the leading byte offset).
-  auto issue_pv = [&](int j) {
-    const uint32_t v_addr = base + C::kOffV + uint32_t((j % kStages) * C::kKVBytes);
-#pragma unroll
-    for (int kc = 0; kc < BN / 16; ++kc)
-      wgmma_rs_n256_tb(o, p[kc], desc_sw128(v_addr + uint32_t(kc * 16 * 128), C::kKVSlab));
-  };
   // Masks S_j (tiles reaching past the warpgroup's first position; keys >= p0 + n lie past every
   // query position, so this masks them too), updates the running max and sum, and leaves
   // exp(S - max) in s; returns the factor the earlier output must be scaled by, per row.
@@ -336,16 +351,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       l[h] = l[h] * alpha[h] + sum;  // per-thread partial; the quad's partials are summed at the end
     }
   };
-  // P for keys 16·kc ..: rows g / g+8, keys 2c, 2c+1 and 2c+8, 2c+9 (mma.m16n8k16's A fragment).
-  auto make_p = [&] {
-#pragma unroll
-    for (int kc = 0; kc < BN / 16; ++kc) {
-      p[kc][0] = tc::pack_bf16(s[8 * kc + 0], s[8 * kc + 1]);
-      p[kc][1] = tc::pack_bf16(s[8 * kc + 2], s[8 * kc + 3]);
-      p[kc][2] = tc::pack_bf16(s[8 * kc + 4], s[8 * kc + 5]);
-      p[kc][3] = tc::pack_bf16(s[8 * kc + 6], s[8 * kc + 7]);
-    }
-  };
   auto release = [&](uint64_t* b) {
     if (lane == 0) bulk::mbar_arrive(b);
   };
@@ -353,7 +358,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   bulk::mbar_wait(&bar->q, 0);
   bulk::mbar_wait(&bar->k_full[0], 0);
   wgmma_fence();
-  issue_s(0);
+  issue_s<BN>(s, q_addr, base + C::kOffK);
   wgmma_commit();
   wgmma_wait<0>();
   fence_regs(s);
@@ -362,17 +367,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     float alpha[2];
     softmax(0, alpha);  // O is zero: nothing to rescale
   }
-  make_p();
+  make_p<BN>(p, s);
 
   for (int j = 1; j < n_tiles; ++j) {
     const int st = j % kStages, sp = (j - 1) % kStages;
     bulk::mbar_wait(&bar->k_full[st], unsigned(j / kStages) & 1);
     wgmma_fence();
-    issue_s(j);
+    issue_s<BN>(s, q_addr, base + C::kOffK + uint32_t(st * C::kKVBytes));
     wgmma_commit();
     bulk::mbar_wait(&bar->v_full[sp], unsigned((j - 1) / kStages) & 1);
     wgmma_fence();  // the wait is a branch: keep ptxas from injecting its own fence
-    issue_pv(j - 1);
+    issue_pv<BN>(o, p, base + C::kOffV + uint32_t(sp * C::kKVBytes));
     wgmma_commit();
     wgmma_wait<1>();  // S_j done; P_{j-1}·V_{j-1} may still run
     fence_regs(s);
@@ -385,13 +390,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     release(&bar->v_empty[sp]);
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
-    make_p();
+    make_p<BN>(p, s);
   }
   {
     const int sp = (n_tiles - 1) % kStages;
     bulk::mbar_wait(&bar->v_full[sp], unsigned((n_tiles - 1) / kStages) & 1);
     wgmma_fence();
-    issue_pv(n_tiles - 1);
+    issue_pv<BN>(o, p, base + C::kOffV + uint32_t(sp * C::kKVBytes));
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(o);
@@ -422,6 +427,66 @@ __global__ void __launch_bounds__(kThreads, 1)
       *reinterpret_cast<__nv_bfloat162*>(out + col) = __floats2bfloat162_rn(v0, v1);
     }
   }
+}
+
+// The building blocks alone, for tests: tile 0 of kv head 0 (the first 128 rows of Q, keys 0 ..
+// BN-1) through the kernel's tensor maps, shared layout and wgmma calls, each warpgroup on its
+// own 64 rows: S = Q·Kᵀ written raw, then O = P·V with P read from global memory.
+template <int BN>
+__global__ void __launch_bounds__(256, 1)
+    attention_wgmma_probe_kernel(const __grid_constant__ CUtensorMap q_map,
+                                 const __grid_constant__ CUtensorMap k_map,
+                                 const __grid_constant__ CUtensorMap v_map, const __nv_bfloat16* p_in,
+                                 float* s_out, float* o_out) {
+  using C = Cfg<BN>;
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw_addr = tc::smem_addr(smem_raw);
+  unsigned char* const smem = smem_raw + ((1024 - (raw_addr & 1023)) & 1023);
+  const uint32_t base = tc::smem_addr(smem);
+  uint64_t* const bar = reinterpret_cast<uint64_t*>(smem + C::kOffBar);
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  if (tid == 0) {
+    bulk::mbar_init(bar);
+    bulk::fence_init();
+  }
+  __syncthreads();
+  if (tid == 0) {
+    bulk::mbar_expect_tx(bar, kQBytes + 2 * C::kKVBytes);
+    for (int db = 0; db < kDBlocks; ++db) {
+      tensor_copy_3d(base + db * kQSlab, &q_map, db * 64, 0, 0, bar);
+      tensor_copy_3d(base + C::kOffK + db * C::kKVSlab, &k_map, db * 64, 0, 0, bar);
+      tensor_copy_3d(base + C::kOffV + db * C::kKVSlab, &v_map, db * 64, 0, 0, bar);
+    }
+  }
+  bulk::mbar_wait(bar, 0);
+  const int wg = warp / 4, w = warp % 4, g = lane / 4, c = lane % 4;
+  auto row_of = [&](int i) { return wg * 64 + w * 16 + g + 8 * ((i >> 1) & 1); };
+  auto col_of = [&](int i) { return 8 * (i >> 2) + 2 * c + (i & 1); };
+  float s[BN / 2];
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) s[i] = 0.f;
+  wgmma_fence();
+  issue_s<BN>(s, base + uint32_t(wg * 64 * 128), base + C::kOffK);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_regs(s);
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) s_out[row_of(i) * BN + col_of(i)] = s[i];
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) s[i] = __bfloat162float(p_in[row_of(i) * BN + col_of(i)]);
+  uint32_t p[BN / 16][4];
+  make_p<BN>(p, s);
+  float o[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+  wgmma_fence();
+  issue_pv<BN>(o, p, base + C::kOffV);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_regs(o);
+  fence_regs(p);
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o_out[row_of(i) * D + col_of(i)] = o[i];
 }
 
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
@@ -463,21 +528,42 @@ bool attention_prefill_wgmma_supports(const AttnPrefillArgs& a) {
 
 namespace {
 
+struct Maps {
+  CUtensorMap q, k, v;
+};
+template <int BN>
+Maps make_maps(const AttnPrefillArgs& a, int G) {
+  const int kv_len = a.p0 + a.n;
+  const int64_t kv_row_bytes = int64_t(a.n_kv) * D * 2;
+  return {bf16_map(a.q, a.n_heads, a.n, a.q_stride_h * 2, a.q_stride_t * 2, G, BM / G, "q"),
+          bf16_map(a.k_cache, a.n_kv, kv_len, D * 2, kv_row_bytes, 1, BN, "k_cache"),
+          bf16_map(a.v_cache, a.n_kv, kv_len, D * 2, kv_row_bytes, 1, BN, "v_cache")};
+}
+
+template <int BN>
+void probe(const AttnPrefillArgs& a, const __nv_bfloat16* p, float* s_out, float* o_out,
+           cudaStream_t stream) {
+  using C = Cfg<BN>;
+  const Maps m = make_maps<BN>(a, a.n_heads / a.n_kv);
+  static const bool attr_set =
+      cudaFuncSetAttribute(attention_wgmma_probe_kernel<BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           C::kSmem) == cudaSuccess;
+  TANSY_CHECK(attr_set, "attention_prefill_wgmma_probe: cannot reserve {} bytes of shared memory", C::kSmem);
+  attention_wgmma_probe_kernel<BN><<<1, 256, C::kSmem, stream>>>(m.q, m.k, m.v, p, s_out, o_out);
+  launch_check("attention_prefill_wgmma_probe");
+}
+
 template <int BN>
 void launch(const AttnPrefillArgs& a, int G, int64_t row_tiles, cudaStream_t stream) {
   using C = Cfg<BN>;
-  const int kv_len = a.p0 + a.n;
-  const int64_t kv_row_bytes = int64_t(a.n_kv) * D * 2;
-  const CUtensorMap qm = bf16_map(a.q, a.n_heads, a.n, a.q_stride_h * 2, a.q_stride_t * 2, G, BM / G, "q");
-  const CUtensorMap km = bf16_map(a.k_cache, a.n_kv, kv_len, D * 2, kv_row_bytes, 1, BN, "k_cache");
-  const CUtensorMap vm = bf16_map(a.v_cache, a.n_kv, kv_len, D * 2, kv_row_bytes, 1, BN, "v_cache");
+  const Maps m = make_maps<BN>(a, G);
   static const bool attr_set =
       cudaFuncSetAttribute(attention_prefill_wgmma_kernel<BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            C::kSmem) == cudaSuccess;
   TANSY_CHECK(attr_set, "attention_prefill (wgmma): cannot reserve {} bytes of shared memory per block",
               C::kSmem);
   attention_prefill_wgmma_kernel<BN>
-      <<<unsigned(row_tiles * a.n_kv), kThreads, C::kSmem, stream>>>(qm, km, vm, a, G, int(row_tiles));
+      <<<unsigned(row_tiles * a.n_kv), kThreads, C::kSmem, stream>>>(m.q, m.k, m.v, a, G, int(row_tiles));
   launch_check("attention_prefill (wgmma)");
 }
 
@@ -491,6 +577,16 @@ void attention_prefill_wgmma_set_tile(int keys) {
   g_keys_per_tile = keys;
 }
 int attention_prefill_wgmma_tile() { return g_keys_per_tile; }
+
+void attention_prefill_wgmma_probe(const AttnPrefillArgs& a, const __nv_bfloat16* p, float* s_out,
+                                   float* o_out, cudaStream_t stream) {
+  attention_prefill_check(a);
+  TANSY_CHECK(attention_prefill_wgmma_supports(a), "attention_prefill_wgmma_probe: unsupported group");
+  if (g_keys_per_tile == 64)
+    probe<64>(a, p, s_out, o_out, stream);
+  else
+    probe<80>(a, p, s_out, o_out, stream);
+}
 
 void attention_prefill_wgmma(const AttnPrefillArgs& a, cudaStream_t stream) {
   attention_prefill_check(a);
