@@ -247,13 +247,15 @@ def emulate(q, K, V, p0, n, G, kvh):
                 l = l * alpha + e.sum(axis=1)
                 return e, alpha
 
-            e, _ = softmax(0)
+            e, alpha = softmax(0)
             P = bf16(e)
             for j in range(1, n_tiles):
-                e, alpha = softmax(j)  # S_j (issued before P_{j-1}·V_{j-1}, independent of it)
-                o = o + P @ Vt[(j - 1) * BN:j * BN]  # P_{j-1}·V_{j-1} completes
+                # issue S_j; rescale O by alpha_{j-1}; O += P_{j-1}·V_{j-1}; softmax(S_j) -> alpha_j
                 o = o * alpha[:, None]
+                o = o + P @ Vt[(j - 1) * BN:j * BN]
+                e, alpha = softmax(j)
                 P = bf16(e)
+            o = o * alpha[:, None]
             o = o + P @ Vt[(n_tiles - 1) * BN:n_tiles * BN]
             o = o / l[:, None]
             for ri, r in enumerate(rows):
@@ -317,8 +319,19 @@ def check_barriers():
         def done(self, parity):  # try_wait.parity: the phase with this parity has completed
             return (self.phase & 1) != parity  # current (incomplete) phase parity differs
 
-    for n_tiles in list(range(1, 9)) + [17, 40]:
-        for seed in range(60):
+    class Named:  # bar.sync / bar.arrive with 256 threads: 2 warpgroups' worth of arrivals
+        def __init__(self):
+            self.arrived, self.phase = 0, 0
+
+        def arrive(self):
+            self.arrived += 1
+            if self.arrived == 2:
+                self.arrived = 0
+                self.phase += 1
+
+    for n_tiles, pingpong, seed in [(n, pp, s) for n in list(range(1, 9)) + [17, 40] for pp in (False, True)
+                                    for s in range(30)]:
+        if True:
             rnd = random.Random(seed * 1000 + n_tiles)
             kf = [Bar(1) for _ in range(STAGES)]
             vf = [Bar(1) for _ in range(STAGES)]
@@ -329,6 +342,7 @@ def check_barriers():
             k_readers = [set() for _ in range(STAGES)]
             v_readers = [set() for _ in range(STAGES)]
             inflight = []  # (kind, stage, tile)
+            named = [Named(), Named()]  # barrier 1 + w: warpgroup w's turn
 
             def producer():
                 for j in range(n_tiles):
@@ -369,16 +383,31 @@ def check_barriers():
                     for _ in range(4):
                         bars[s].arrive()
 
+                def named_sync(b):
+                    target = b.phase + 1
+                    b.arrive()
+                    while b.phase < target:
+                        yield
+
                 yield from wait_k(0)
                 yield
                 release(ke, k_readers, 0)
+                if pingpong and wg == 1:
+                    named[0].arrive()
                 for j in range(1, n_tiles):
                     yield from wait_k(j)
                     yield from wait_v(j - 1)
+                    if pingpong:
+                        yield from named_sync(named[wg])
+                    yield  # issue S_j, P_{j-1}·V_{j-1}
+                    if pingpong:
+                        named[1 - wg].arrive()
                     yield
                     release(ke, k_readers, j % STAGES)
                     yield
                     release(ve, v_readers, (j - 1) % STAGES)
+                if pingpong and wg == 0:
+                    yield from named_sync(named[0])
                 yield from wait_v(n_tiles - 1)
                 release(ve, v_readers, (n_tiles - 1) % STAGES)
 
@@ -387,7 +416,7 @@ def check_barriers():
             steps = 0
             while alive or inflight:
                 steps += 1
-                assert steps < 100000, f"deadlock (n_tiles {n_tiles}, seed {seed})"
+                assert steps < 100000, f"deadlock (n_tiles {n_tiles}, ping-pong {pingpong}, seed {seed})"
                 if inflight and rnd.random() < 0.3:  # a copy lands
                     kind, s, j = inflight.pop(rnd.randrange(len(inflight)))
                     if kind == "k":
@@ -404,7 +433,8 @@ def check_barriers():
                     next(actors[a])
                 except StopIteration:
                     alive.discard(a)
-    print("mbarrier protocol (random interleavings, 1..40 tiles): ok")
+            assert all(b.arrived == 0 for b in named), "a named barrier phase left open"
+    print("mbarrier protocol and ping-pong turns (random interleavings, 1..40 tiles): ok")
 
 
 def check_grid():

@@ -335,22 +335,34 @@ TEST(Attention, PrefillLongContext) {
   check_attention({16, 2, 32768 - 600, 600, false, 3});
 }
 
-// Runs the warpgroup kernel with `keys` per K/V tile, restoring the default after.
+// Runs the warpgroup kernel with `keys` per K/V tile (and ping-pong on or off), restoring the
+// defaults after.
 struct WgmmaTileScope {
   int saved = cuda::attention_prefill_wgmma_tile();
-  explicit WgmmaTileScope(int keys) { cuda::attention_prefill_wgmma_set_tile(keys); }
-  ~WgmmaTileScope() { cuda::attention_prefill_wgmma_set_tile(saved); }
+  bool saved_pp = cuda::attention_prefill_wgmma_pingpong();
+  explicit WgmmaTileScope(int keys, bool pingpong = true) {
+    cuda::attention_prefill_wgmma_set_tile(keys);
+    cuda::attention_prefill_wgmma_set_pingpong(pingpong);
+  }
+  ~WgmmaTileScope() {
+    cuda::attention_prefill_wgmma_set_tile(saved);
+    cuda::attention_prefill_wgmma_set_pingpong(saved_pp);
+  }
 };
 constexpr int kWgmmaTiles[] = {80, 64};
 
-// The warpgroup kernel (prefill_wgmma.cu) against the CPU, both tile sizes: the real heads at
+// The warpgroup kernel (prefill_wgmma.cu) against the CPU, both tile sizes with and without
+// ping-pong: the real heads at
 // lengths across the key-tile and 128-row block (16 positions) edges, continuing caches (first
 // positions at and just before a tile end), and the tiny models' groups it supports (1, 2, 4, 16).
 TEST(Attention, PrefillWgmma) {
   EXPECT_EQ(cuda::attention_prefill_wgmma_tile(), 80) << "default tile";
-  for (const int keys : kWgmmaTiles) {
-    WgmmaTileScope scope(keys);
-    std::printf("  -- %d keys per tile\n", keys);
+  EXPECT_TRUE(cuda::attention_prefill_wgmma_pingpong()) << "default schedule";
+  for (const int variant : {0, 1, 2, 3}) {
+    const int keys = kWgmmaTiles[variant / 2];
+    const bool pingpong = variant % 2 == 0;
+    WgmmaTileScope scope(keys, pingpong);
+    std::printf("  -- %d keys per tile, ping-pong %s\n", keys, pingpong ? "on" : "off");
     for (int n : {1, 7, 64, 65, 127, 128, 129, 1000, 4096})
       check_attention({16, 2, 0, n, n % 2 == 1, 24}, Prefill::kWgmma);
     const AttnCase cases[] = {
@@ -496,10 +508,10 @@ TEST(Attention, PrefillWgmmaProbe) {
       }
     }
     const std::string tag = " (" + str(keys) + " keys per tile)";
-    EXPECT_REL(s_got, s_ref, 1e-5, "probe S = Q·Kᵀ" + tag);
-    EXPECT_REL(o_got, o_ref, 1e-5, "probe O = P·V" + tag);
-    if (rel_err(s_got, s_ref) > 1e-5) explain_mismatches(s_got, s_ref, keys, "S");
-    if (rel_err(o_got, o_ref) > 1e-5) explain_mismatches(o_got, o_ref, hd, "O");
+    EXPECT_REL(s_got, s_ref, 1e-4, "probe S = Q·Kᵀ" + tag);
+    EXPECT_REL(o_got, o_ref, 1e-4, "probe O = P·V" + tag);
+    if (rel_err(s_got, s_ref) > 1e-4) explain_mismatches(s_got, s_ref, keys, "S");
+    if (rel_err(o_got, o_ref) > 1e-4) explain_mismatches(o_got, o_ref, hd, "O");
   }
 }
 
@@ -540,8 +552,8 @@ TEST(Attention, PrefillKernelHook) {
   EXPECT_TRUE(cuda::attention_prefill_wgmma_supports(a));
 }
 
-// 16,384 tokens: the warpgroup kernel (both tiles) against the mma.sync kernel on every output,
-// and sampled rows against the CPU (each reference row costs up to 16K keys x 16 heads).
+// 16,384 tokens: the warpgroup kernel (both tiles, ping-pong on and off) against the mma.sync kernel on every
+// output, and sampled rows against the CPU (each reference row costs up to 16K keys x 16 heads).
 TEST(Attention, PrefillWgmmaLong) {
   const int n = 16384;
   LongPrefill L(n);
@@ -567,32 +579,36 @@ TEST(Attention, PrefillWgmmaLong) {
     }
   });
   EXPECT_REL(take_rows(ref_gpu, ldo, int(ldo), rows), ref, kTolBf16, "mma.sync attention n=16384 vs the CPU");
-  for (const int keys : kWgmmaTiles) {
-    WgmmaTileScope scope(keys);
+  for (const int variant : {0, 1, 2, 3}) {
+    const int keys = kWgmmaTiles[variant / 2];
+    const bool pingpong = variant % 2 == 0;
+    WgmmaTileScope scope(keys, pingpong);
     poison(L.out_b);
     L.run(Prefill::kWgmma, L.out_b.get());
     const auto got = from_device_bf16(L.out_b.get(), L.out_b.size());
-    const std::string what = "wgmma (" + str(keys) + " keys per tile) attention n=16384";
+    const std::string what = "wgmma (" + str(keys) + " keys per tile, ping-pong " +
+                             (pingpong ? "on" : "off") + ") attention n=16384";
     EXPECT_TRUE(all_finite(got)) << what << ": unwritten or non-finite output";
     EXPECT_REL(got, ref_gpu, kTolBf16, what + " vs mma.sync, 16/2 heads, gated");
     EXPECT_REL(take_rows(got, ldo, int(ldo), rows), ref, kTolBf16, what + " vs the CPU");
   }
 }
 
-// Both kernels (the warpgroup one at both tiles) at 4,096, 32,768 and 131,072 tokens (one layer's
-// causal attention, 16/2 heads, gated, from position 0): median ms and TFLOP/s, and the outputs
-// compared with the mma.sync kernel's. Runs only with TANSY_ATTN_TIMING=1.
+// Both kernels (the warpgroup one at 80 and 64 keys per tile, "pp" = ping-pong) at 4,096, 32,768
+// and 131,072 tokens (one layer's causal attention, 16/2 heads, gated, from position 0): median ms
+// and TFLOP/s, and the outputs compared with the mma.sync kernel's. Runs only with
+// TANSY_ATTN_TIMING=1.
 TEST(Attention, PrefillTiming) {
   if (!std::getenv("TANSY_ATTN_TIMING")) GTEST_SKIP() << "set TANSY_ATTN_TIMING=1";
   std::printf("attention prefill, 16/2 heads, causal from position 0, gated (median)\n");
   for (const int n : {4096, 32768, 131072}) {
     LongPrefill L(n);
     const int reps = n <= 4096 ? 21 : n <= 32768 ? 7 : 3;
-    double ms[3];
-    const char* names[3] = {"mma.sync", "wgmma/80", "wgmma/64"};
-    for (int k = 0; k < 3; ++k) {
+    double ms[5];
+    const char* names[5] = {"mma.sync", "wgmma/80/pp", "wgmma/80", "wgmma/64/pp", "wgmma/64"};
+    for (int k = 0; k < 5; ++k) {
       const Prefill kernel = k == 0 ? Prefill::kDefault : Prefill::kWgmma;
-      WgmmaTileScope scope(k == 2 ? 64 : 80);
+      WgmmaTileScope scope(k >= 3 ? 64 : 80, k % 2 == 1);
       bf16* out = k == 0 ? L.out_a.get() : L.out_b.get();
       cudaEvent_t e0, e1;
       CUDA_CHECK(cudaEventCreate(&e0));
@@ -612,7 +628,7 @@ TEST(Attention, PrefillTiming) {
       CUDA_CHECK(cudaEventDestroy(e1));
       std::sort(t.begin(), t.end());
       ms[k] = t[reps / 2];
-      std::printf("  n=%-7d %-9s %9.3f ms  %6.1f TFLOP/s  (x%.2f)\n", n, names[k], ms[k],
+      std::printf("  n=%-7d %-12s %9.3f ms  %6.1f TFLOP/s  (x%.2f)\n", n, names[k], ms[k],
                   L.flop() / (ms[k] * 1e9), ms[0] / ms[k]);
       if (k > 0) {
         const auto a = from_device_bf16(L.out_a.get(), L.out_a.size());

@@ -100,6 +100,10 @@ void attention_prefill_wgmma(const AttnPrefillArgs& a, cudaStream_t stream);
 // Keys per K/V tile of the warpgroup kernel, 64 or 80 (default 80); a measurement hook.
 void attention_prefill_wgmma_set_tile(int keys);
 int attention_prefill_wgmma_tile();
+// Whether its two consumer warpgroups take turns issuing their products (FlashAttention-3's
+// ping-pong; default on); a measurement hook.
+void attention_prefill_wgmma_set_pingpong(bool on);
+bool attention_prefill_wgmma_pingpong();
 // Test probe of the warpgroup kernel's parts: the first 128 flattened query rows of kv head 0 and
 // keys 0 .. BN-1 (BN = the tile above) through its tensor maps, shared layout and wgmma calls;
 // writes S = Q·Kᵀ (unscaled, f32 [128][BN]) and O = P·V (f32 [128][256]) for P given as bf16

@@ -6,10 +6,10 @@
 // query heads and the block spans 128/G positions (16 on the real model: a nearly flat causal
 // frontier). Blocks run longest rows first over both KV heads (one linear grid).
 //
-// Warp roles (288 threads, one block per SM): warps 0-7 are two consumer warpgroups of 64 rows
-// each; warp 8 is the producer, whose lane 0 issues every tensor copy (TMA). Nine warps leave each
-// thread 224 registers, enough for the consumers' 128 f32 output accumulators + 32 score
-// accumulators + 16 P registers without setmaxnreg.
+// Warp roles (384 threads, one block per SM): warps 0-7 are two consumer warpgroups of 64 rows
+// each; warpgroup 2 is the producer, whose first lane issues every tensor copy (TMA). setmaxnreg
+// moves registers from the producer (24) to the consumers (240): their 128 f32 output
+// accumulators + BN/2 score accumulators + BN/4 P registers do not fit the 168 of an even split.
 //
 // Shared memory (1024-aligned; every tile stored as 128-byte rows of 64 bf16 in the 128-byte
 // swizzle that TMA writes and wgmma reads, 16-byte chunk c of row r at c ^ (r % 8)):
@@ -22,14 +22,16 @@
 // than BN = 64 (also built, 197,760 bytes) means fewer per-tile costs (the O rescale, the waits).
 // Two stages is what the shared memory holds either way.
 //
-// Per tile j, each consumer warpgroup: S_j = Q·K_jᵀ as 16 wgmma m64n64k16 (both operands from
-// shared memory, K-major), then, while S_j runs, O += P_{j-1}·V_{j-1} as 4 wgmma m64n256k16 with P
+// Per tile j, each consumer warpgroup (FlashAttention-3's intra-warpgroup overlap): issue
+// S_j = Q·K_jᵀ as 16 wgmma m64nBNk16 (both operands from shared memory, K-major); while it runs,
+// scale O to tile j-1's row max and issue O += P_{j-1}·V_{j-1} as BN/16 wgmma m64n256k16 with P
 // from registers (the S accumulators rounded to bf16 are exactly the A fragments) and V read
-// N-major (transposed) from the same swizzled rows; wait for S_j only, softmax it (mask on the
-// diagonal tiles, f32 online max/sum, exp2) while P_{j-1}·V_{j-1} still runs, then wait for that,
-// rescale O and form P_j. K_j is handed back to the producer as soon as S_j is done, V_{j-1} after
-// its product. Stage handover on mbarriers: full (the producer's expect_tx + the copies' bytes),
-// empty (one arrival per consumer warp, 8).
+// N-major (transposed) from the same swizzled rows; wait for S_j only and softmax it (mask on
+// the diagonal tiles, f32 online max/sum, exp2) while P_{j-1}·V_{j-1} still runs; wait for that
+// and form P_j. With ping-pong (default) the two warpgroups take turns issuing (named barriers),
+// so one's softmax overlaps the other's products. K_j is handed back to the producer as soon as
+// S_j is done, V_{j-1} after its product. Stage handover on mbarriers: full (the producer's
+// expect_tx + the copies' bytes), empty (one arrival per consumer warp, 8).
 //
 // The key range is not split: one block per 128 rows, so fewer than 132 blocks (prompts under
 // 1,056 tokens at 8 heads per KV head, 2 KV heads) leave multiprocessors idle however long the
@@ -229,11 +231,22 @@ __device__ __forceinline__ void make_p(uint32_t (&p)[BN / 16][4], const float (&
     p[kc][3] = tc::pack_bf16(s[8 * kc + 6], s[8 * kc + 7]);
   }
 }
+// Named barriers 1 and 2 (0 is __syncthreads) order the two consumer warpgroups' wgmma issues:
+// warpgroup w waits on barrier 1 + w (its own 128 threads + the other's 128 arrivals).
+template <int kId>
+__device__ __forceinline__ void named_sync() {
+  asm volatile("bar.sync %0, 256;\n" ::"n"(kId) : "memory");
+}
+template <int kId>
+__device__ __forceinline__ void named_arrive() {
+  asm volatile("bar.arrive %0, 256;\n" ::"n"(kId) : "memory");
+}
+
 struct Barriers {
   uint64_t q, k_full[kStages], v_full[kStages], k_empty[kStages], v_empty[kStages];
 };
 
-template <int BN>
+template <int BN, bool kPingPong>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_prefill_wgmma_kernel(const __grid_constant__ CUtensorMap q_map,
                                    const __grid_constant__ CUtensorMap k_map,
@@ -351,6 +364,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       l[h] = l[h] * alpha[h] + sum;  // per-thread partial; the quad's partials are summed at the end
     }
   };
+  auto rescale = [&](const float(&f)[2]) {
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] *= f[(i >> 1) & 1];
+  };
   auto release = [&](uint64_t* b) {
     if (lane == 0) bulk::mbar_arrive(b);
   };
@@ -363,38 +380,54 @@ __global__ void __launch_bounds__(kThreads, 1)
   wgmma_wait<0>();
   fence_regs(s);
   release(&bar->k_empty[0]);
-  {
-    float alpha[2];
-    softmax(0, alpha);  // O is zero: nothing to rescale
-  }
+  float alpha[2];  // the factor O is scaled by before the next P·V (tile 0's: O is zero anyway)
+  softmax(0, alpha);
   make_p<BN>(p, s);
 
+  // Ping-pong (kPingPong): the warpgroups take turns issuing a tile's products, so that one's
+  // softmax runs while the other's products hold the tensor cores. Warpgroup 1 lets 0 go first;
+  // each turn passes the other its next one; warpgroup 0 takes the last pass after the loop, so
+  // every barrier phase completes.
+  if (kPingPong && wg == 1) named_arrive<1>();
   for (int j = 1; j < n_tiles; ++j) {
     const int st = j % kStages, sp = (j - 1) % kStages;
     bulk::mbar_wait(&bar->k_full[st], unsigned(j / kStages) & 1);
+    bulk::mbar_wait(&bar->v_full[sp], unsigned((j - 1) / kStages) & 1);
+    if (kPingPong) {
+      if (wg == 0)
+        named_sync<1>();
+      else
+        named_sync<2>();
+    }
     wgmma_fence();
     issue_s<BN>(s, q_addr, base + C::kOffK + uint32_t(st * C::kKVBytes));
     wgmma_commit();
-    bulk::mbar_wait(&bar->v_full[sp], unsigned((j - 1) / kStages) & 1);
-    wgmma_fence();  // the wait is a branch: keep ptxas from injecting its own fence
+    // While S_j runs: O (up to tile j-2, at max m_{j-2}) to the max of tile j-1, then += P_{j-1}·V_{j-1}.
+    rescale(alpha);
+    wgmma_fence();
     issue_pv<BN>(o, p, base + C::kOffV + uint32_t(sp * C::kKVBytes));
     wgmma_commit();
+    if (kPingPong) {
+      if (wg == 0)
+        named_arrive<2>();
+      else
+        named_arrive<1>();
+    }
     wgmma_wait<1>();  // S_j done; P_{j-1}·V_{j-1} may still run
     fence_regs(s);
     release(&bar->k_empty[st]);
-    float alpha[2];
     softmax(j, alpha);
     wgmma_wait<0>();
     fence_regs(o);
     fence_regs(p);
     release(&bar->v_empty[sp]);
-#pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
     make_p<BN>(p, s);
   }
+  if (kPingPong && wg == 0) named_sync<1>();
   {
     const int sp = (n_tiles - 1) % kStages;
     bulk::mbar_wait(&bar->v_full[sp], unsigned((n_tiles - 1) / kStages) & 1);
+    rescale(alpha);
     wgmma_fence();
     issue_pv<BN>(o, p, base + C::kOffV + uint32_t(sp * C::kKVBytes));
     wgmma_commit();
@@ -553,21 +586,22 @@ void probe(const AttnPrefillArgs& a, const __nv_bfloat16* p, float* s_out, float
   launch_check("attention_prefill_wgmma_probe");
 }
 
-template <int BN>
+template <int BN, bool kPingPong>
 void launch(const AttnPrefillArgs& a, int G, int64_t row_tiles, cudaStream_t stream) {
   using C = Cfg<BN>;
   const Maps m = make_maps<BN>(a, G);
   static const bool attr_set =
-      cudaFuncSetAttribute(attention_prefill_wgmma_kernel<BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           C::kSmem) == cudaSuccess;
+      cudaFuncSetAttribute(attention_prefill_wgmma_kernel<BN, kPingPong>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem) == cudaSuccess;
   TANSY_CHECK(attr_set, "attention_prefill (wgmma): cannot reserve {} bytes of shared memory per block",
               C::kSmem);
-  attention_prefill_wgmma_kernel<BN>
+  attention_prefill_wgmma_kernel<BN, kPingPong>
       <<<unsigned(row_tiles * a.n_kv), kThreads, C::kSmem, stream>>>(m.q, m.k, m.v, a, G, int(row_tiles));
   launch_check("attention_prefill (wgmma)");
 }
 
 int g_keys_per_tile = 80;
+bool g_pingpong = true;
 
 }  // namespace
 
@@ -577,6 +611,8 @@ void attention_prefill_wgmma_set_tile(int keys) {
   g_keys_per_tile = keys;
 }
 int attention_prefill_wgmma_tile() { return g_keys_per_tile; }
+void attention_prefill_wgmma_set_pingpong(bool on) { g_pingpong = on; }
+bool attention_prefill_wgmma_pingpong() { return g_pingpong; }
 
 void attention_prefill_wgmma_probe(const AttnPrefillArgs& a, const __nv_bfloat16* p, float* s_out,
                                    float* o_out, cudaStream_t stream) {
@@ -597,9 +633,9 @@ void attention_prefill_wgmma(const AttnPrefillArgs& a, cudaStream_t stream) {
   const int64_t row_tiles = (int64_t(a.n) * G + BM - 1) / BM;
   TANSY_CHECK(row_tiles * a.n_kv < (int64_t(1) << 31), "attention_prefill (wgmma): grid too large");
   if (g_keys_per_tile == 64)
-    launch<64>(a, G, row_tiles, stream);
+    g_pingpong ? launch<64, true>(a, G, row_tiles, stream) : launch<64, false>(a, G, row_tiles, stream);
   else
-    launch<80>(a, G, row_tiles, stream);
+    g_pingpong ? launch<80, true>(a, G, row_tiles, stream) : launch<80, false>(a, G, row_tiles, stream);
 }
 
 }  // namespace tansy::cuda
