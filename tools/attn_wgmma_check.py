@@ -15,11 +15,12 @@ its 128-byte swizzle):
      the tensor maps, the tile count, the diagonal mask condition, the loop's order of S_j,
      P_{j-1}·V_{j-1}, alpha and P_j, bf16 P) against plain softmax attention, many shapes;
   5. the mbarrier protocol: the producer and the two consumer warpgroups under random
-     interleavings (parity waits as PTX defines them): no deadlock, no stage overwritten while
-     read, every tile read after it landed;
+     interleavings (parity waits as PTX defines them), with and without the ping-pong turns on
+     named barriers: no deadlock, no stage overwritten while read, every tile read after it
+     landed, no named-barrier phase left open;
   6. the grid: block -> (row tile, kv head) is a bijection, longest rows first.
 
-Run: .venv/bin/python tools/attn_wgmma_check.py   (numpy; a few seconds). It checks the model of
+Run: .venv/bin/python tools/attn_wgmma_check.py   (numpy; about a minute). It checks the model of
 the code, not the compiled kernel: the GPU tests in tests/gpu/test_attention.cu do that.
 """
 import random
@@ -302,8 +303,9 @@ def check_barriers():
     """Producer: for j: [j>=2: wait k_empty[s] parity (j/2-1)&1] expect k_full[s]; copies;
     [j>=2: wait v_empty[s] ...] expect v_full[s]; copies. Consumer (each of 2 warpgroups, 4 warps
     arriving): wait k_full[0] p0, S0, release k_empty[0]; for j>=1: wait k_full[j%2] p (j/2)&1,
-    wait v_full[(j-1)%2] p ((j-1)/2)&1, release k_empty[j%2] (after S_j), release v_empty[(j-1)%2];
-    end: wait v_full[(n-1)%2]."""
+    wait v_full[(j-1)%2] p ((j-1)/2)&1, [ping-pong: bar.sync 1+wg], issue, [bar.arrive 2-wg],
+    release k_empty[j%2] (after S_j), release v_empty[(j-1)%2]; warpgroup 1 arrives on barrier 1
+    before the loop and warpgroup 0 syncs on it after; end: wait v_full[(n-1)%2]."""
 
     class Bar:
         def __init__(self, count):
