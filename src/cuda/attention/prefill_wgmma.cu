@@ -155,7 +155,10 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 // Keeps the compiler from moving accesses of registers an asynchronous wgmma reads or writes
-// across its wait (and from reusing them while it runs).
+// across its wait (and from reusing them while it runs); before a wgmma_fence, it keeps ordinary
+// writes of a wgmma's registers (the O rescale, zeroing) ahead of the fence, where the PTX ISA
+// requires them (CUTLASS's warpgroup_fence_operand; without it the rescale's multiplies land
+// between the fence and the P·V wgmma in the PTX, which only ptxas's reordering makes safe).
 template <int N>
 __device__ __forceinline__ void fence_regs(float (&r)[N]) {
 #pragma unroll
@@ -374,6 +377,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   bulk::mbar_wait(&bar->q, 0);
   bulk::mbar_wait(&bar->k_full[0], 0);
+  fence_regs(s);
   wgmma_fence();
   issue_s<BN>(s, q_addr, base + C::kOffK);
   wgmma_commit();
@@ -404,6 +408,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma_commit();
     // While S_j runs: O (up to tile j-2, at max m_{j-2}) to the max of tile j-1, then += P_{j-1}·V_{j-1}.
     rescale(alpha);
+    fence_regs(o);
     wgmma_fence();
     issue_pv<BN>(o, p, base + C::kOffV + uint32_t(sp * C::kKVBytes));
     wgmma_commit();
@@ -428,6 +433,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int sp = (n_tiles - 1) % kStages;
     bulk::mbar_wait(&bar->v_full[sp], unsigned((n_tiles - 1) / kStages) & 1);
     rescale(alpha);
+    fence_regs(o);
     wgmma_fence();
     issue_pv<BN>(o, p, base + C::kOffV + uint32_t(sp * C::kKVBytes));
     wgmma_commit();
@@ -498,6 +504,7 @@ __global__ void __launch_bounds__(256, 1)
   float s[BN / 2];
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) s[i] = 0.f;
+  fence_regs(s);
   wgmma_fence();
   issue_s<BN>(s, base + uint32_t(wg * 64 * 128), base + C::kOffK);
   wgmma_commit();
@@ -512,6 +519,8 @@ __global__ void __launch_bounds__(256, 1)
   float o[D / 2];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+  fence_regs(o);
+  fence_regs(p);
   wgmma_fence();
   issue_pv<BN>(o, p, base + C::kOffV);
   wgmma_commit();
