@@ -4,6 +4,8 @@
 // NaN bytes first; tolerances in gpu_test_util.h.
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -233,11 +235,23 @@ struct AttnCase {
   int n_random;  // sampled query rows when n > 256
 };
 
-void check_attention(const AttnCase& c) {
+// The prefill kernel under test: attention_prefill with its default (mma.sync) or the warpgroup
+// kernel called directly (so that an unsupported shape fails instead of falling back).
+enum class Prefill { kDefault, kWgmma };
+
+void run_prefill(const cuda::AttnPrefillArgs& a, Prefill k) {
+  if (k == Prefill::kWgmma)
+    cuda::attention_prefill_wgmma(a, 0);
+  else
+    cuda::attention_prefill(a, 0);
+}
+
+void check_attention(const AttnCase& c, Prefill kernel = Prefill::kDefault) {
   constexpr int hd = cuda::kHeadDim;
   const int ctx = c.p0 + c.n, pad_rows = 40;
-  const std::string label = "attention heads " + str(c.n_heads) + "/" + str(c.n_kv) + " p0=" + str(c.p0) +
-                            " n=" + str(c.n) + (c.gate ? " gated" : "");
+  const std::string label = std::string(kernel == Prefill::kWgmma ? "wgmma " : "") + "attention heads " +
+                            str(c.n_heads) + "/" + str(c.n_kv) + " p0=" + str(c.p0) + " n=" + str(c.n) +
+                            (c.gate ? " gated" : "");
   // Cache [ctx + pad, n_kv, 256]: rows past ctx hold NaN, which must never leak into the output.
   const size_t kv_row = size_t(c.n_kv) * hd;
   auto K = randn(size_t(ctx) * kv_row), V = randn(size_t(ctx) * kv_row);
@@ -255,7 +269,8 @@ void check_attention(const AttnCase& c) {
   round_bf16_inplace(qg);
   auto dq = to_device_bf16(qg);
   const int64_t ldo = int64_t(c.n_heads) * hd;
-  DeviceBuffer<bf16> out(size_t(c.n) * ldo);
+  constexpr int kGuardRows = 2;  // past the last row: must stay untouched
+  DeviceBuffer<bf16> out(size_t(c.n + kGuardRows) * ldo);
   poison(out);
 
   cuda::AttnPrefillArgs a;
@@ -276,9 +291,12 @@ void check_attention(const AttnCase& c) {
   a.out = out.get();
   a.out_stride_t = ldo;
   a.out_stride_h = hd;
-  cuda::attention_prefill(a, 0);
-  const auto got_all = from_device_bf16(out.get(), out.size());
+  run_prefill(a, kernel);
+  const auto got_all = from_device_bf16(out.get(), size_t(c.n) * ldo);
   EXPECT_TRUE(all_finite(got_all)) << label << ": unwritten or non-finite output";
+  const auto guard = from_device_bf16(out.get() + size_t(c.n) * ldo, size_t(kGuardRows) * ldo);
+  EXPECT_TRUE(std::all_of(guard.begin(), guard.end(), [](float x) { return std::isnan(x); }))
+      << label << ": wrote past the last row";
 
   const auto rows = rows_to_check(c.n, c.n_random);
   std::vector<float> ref(rows.size() * ldo);
@@ -317,6 +335,311 @@ TEST(Attention, PrefillLongContext) {
   check_attention({16, 2, 32768 - 600, 600, false, 3});
 }
 
+// Runs the warpgroup kernel with `keys` per K/V tile (and ping-pong on or off), restoring the
+// defaults after.
+struct WgmmaTileScope {
+  int saved = cuda::attention_prefill_wgmma_tile();
+  bool saved_pp = cuda::attention_prefill_wgmma_pingpong();
+  explicit WgmmaTileScope(int keys, bool pingpong = true) {
+    cuda::attention_prefill_wgmma_set_tile(keys);
+    cuda::attention_prefill_wgmma_set_pingpong(pingpong);
+  }
+  ~WgmmaTileScope() {
+    cuda::attention_prefill_wgmma_set_tile(saved);
+    cuda::attention_prefill_wgmma_set_pingpong(saved_pp);
+  }
+};
+constexpr int kWgmmaTiles[] = {80, 64};
+
+// The warpgroup kernel (prefill_wgmma.cu) against the CPU, both tile sizes with and without
+// ping-pong: the real heads at
+// lengths across the key-tile and 128-row block (16 positions) edges, continuing caches (first
+// positions at and just before a tile end), and the tiny models' groups it supports (1, 2, 4, 16).
+TEST(Attention, PrefillWgmma) {
+  EXPECT_EQ(cuda::attention_prefill_wgmma_tile(), 80) << "default tile";
+  EXPECT_TRUE(cuda::attention_prefill_wgmma_pingpong()) << "default schedule";
+  for (const int variant : {0, 1, 2, 3}) {
+    const int keys = kWgmmaTiles[variant / 2];
+    const bool pingpong = variant % 2 == 0;
+    WgmmaTileScope scope(keys, pingpong);
+    std::printf("  -- %d keys per tile, ping-pong %s\n", keys, pingpong ? "on" : "off");
+    for (int n : {1, 7, 64, 65, 127, 128, 129, 1000, 4096})
+      check_attention({16, 2, 0, n, n % 2 == 1, 24}, Prefill::kWgmma);
+    const AttnCase cases[] = {
+        {16, 2, 37, 200, true, 0},  {16, 2, 1000, 3, false, 0},       {16, 2, 62, 20, true, 0},
+        {16, 2, 63, 5, false, 0},   {16, 2, 78, 20, true, 0},         {16, 2, 79, 3, false, 0},
+        {16, 2, 126, 140, true, 0}, {16, 2, 158, 30, false, 0},       {16, 2, 1, 16, false, 0},
+        {4, 2, 0, 65, false, 0},    {2, 2, 5, 33, true, 0},           {16, 1, 0, 40, true, 0},
+        {8, 2, 3, 300, false, 0},   {16, 2, 32768 - 64, 64, true, 0},
+    };
+    for (const auto& c : cases) check_attention(c, Prefill::kWgmma);
+  }
+  EXPECT_THROW(cuda::attention_prefill_wgmma_set_tile(96), Error);
+}
+
+// Random bf16 values in [-scale, scale) from a hash of the index: fills gigabytes on the device.
+__global__ void fill_random_bf16(bf16* p, size_t n, uint32_t seed, float scale) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 0x9E3779B1u ^ uint32_t(i >> 32) * 0x85EBCA77u ^ seed;
+    h ^= h >> 15;
+    h *= 0x2C1B3C6Du;
+    h ^= h >> 12;
+    h *= 0x297A2D39u;
+    h ^= h >> 15;
+    p[i] = __float2bfloat16((float(h >> 8) * (1.f / 8388608.f) - 1.f) * scale);
+  }
+}
+
+// One causal prefill of n tokens from position 0 at the real heads (16/2, q in the q_proj
+// layout, gated), on device-filled random data.
+struct LongPrefill {
+  int n;
+  DeviceBuffer<bf16> q, k, v, out_a, out_b;
+  cuda::AttnPrefillArgs a;
+  explicit LongPrefill(int n_)
+      : n(n_),
+        q(size_t(n_) * 16 * 512),
+        k(size_t(n_) * 2 * 256),
+        v(size_t(n_) * 2 * 256),
+        out_a(size_t(n_) * 16 * 256),
+        out_b(size_t(n_) * 16 * 256) {
+    // uniform q in [-4, 4) (std 2.3), k in [-1, 1) (std 0.58): scaled scores of std ~1.3, a
+    // softmax neither flat nor one-hot
+    fill_random_bf16<<<1024, 256>>>(q.get(), q.size(), 1u, 4.f);
+    fill_random_bf16<<<1024, 256>>>(k.get(), k.size(), 2u, 1.f);
+    fill_random_bf16<<<1024, 256>>>(v.get(), v.size(), 3u, 1.f);
+    CUDA_CHECK(cudaGetLastError());
+    poison(out_a);
+    poison(out_b);
+    a.q = q.get();
+    a.q_stride_t = 16 * 512;
+    a.q_stride_h = 512;
+    a.k_cache = k.get();
+    a.v_cache = v.get();
+    a.p0 = 0;
+    a.n = n;
+    a.n_heads = 16;
+    a.n_kv = 2;
+    a.gate = q.get() + 256;
+    a.gate_stride_t = 16 * 512;
+    a.gate_stride_h = 512;
+    a.out_stride_t = 16 * 256;
+    a.out_stride_h = 256;
+  }
+  void run(Prefill kernel, bf16* out) {
+    a.out = out;
+    run_prefill(a, kernel);
+  }
+  // causal: sum over queries of (i+1) keys, 2 products (QK, PV) of 2*256 flop each, 16 heads
+  double flop() const { return 4.0 * 256 * 16 * (double(n) * (n + 1) / 2); }
+};
+
+// Where a wrong element of a probe output came from: the reference index holding its value (a
+// layout bug shows as a permutation), printed for the first few mismatches.
+void explain_mismatches(const std::vector<float>& got, const std::vector<float>& ref, int cols,
+                        const char* what) {
+  int shown = 0;
+  for (size_t i = 0; i < got.size() && shown < 6; ++i) {
+    if (std::fabs(got[i] - ref[i]) <= 1e-3f * (1.f + std::fabs(ref[i]))) continue;
+    long match = -1;
+    for (size_t j = 0; j < ref.size(); ++j)
+      if (std::fabs(got[i] - ref[j]) <= 1e-4f * (1.f + std::fabs(ref[j]))) {
+        match = long(j);
+        break;
+      }
+    std::printf("    %s [%zu][%zu] = %g, want %g; the value of [%ld][%ld]\n", what, i / cols, i % cols,
+                got[i], ref[i], match < 0 ? -1 : match / cols, match < 0 ? -1 : match % cols);
+    ++shown;
+  }
+}
+
+// The warpgroup kernel's parts alone (attention_prefill_wgmma_probe): the tensor copies of Q
+// (16 positions x 8 heads of kv head 0 in the q_proj layout), K and V, their swizzled shared
+// layout, the Q·Kᵀ descriptors (K-major) and the P·V ones (V N-major) with P as register
+// fragments, both tiles. f32 products of bf16 values: only the summation order differs.
+TEST(Attention, PrefillWgmmaProbe) {
+  constexpr int hd = 256, NH = 16, NKV = 2, G = 8, n = 16, p0 = 100, kv_len = p0 + n;
+  const int64_t ldq = int64_t(NH) * 2 * hd + 16;
+  auto qg = randn(size_t(n) * ldq);
+  round_bf16_inplace(qg);
+  auto K = randn(size_t(kv_len) * NKV * hd), V = randn(size_t(kv_len) * NKV * hd);
+  round_bf16_inplace(K);
+  round_bf16_inplace(V);
+  auto dq = to_device_bf16(qg), dK = to_device_bf16(K), dV = to_device_bf16(V);
+  DeviceBuffer<bf16> out(size_t(n) * NH * hd);
+  cuda::AttnPrefillArgs a;
+  a.q = dq.get();
+  a.q_stride_t = ldq;
+  a.q_stride_h = 2 * hd;
+  a.k_cache = dK.get();
+  a.v_cache = dV.get();
+  a.p0 = p0;
+  a.n = n;
+  a.n_heads = NH;
+  a.n_kv = NKV;
+  a.out = out.get();
+  a.out_stride_t = NH * hd;
+  a.out_stride_h = hd;
+  for (const int keys : kWgmmaTiles) {
+    WgmmaTileScope scope(keys);
+    std::vector<float> P(size_t(128) * keys);
+    for (auto& x : P) x = round_bf16(std::uniform_real_distribution<float>(0.f, 1.f)(rng()));
+    auto dP = to_device_bf16(P);
+    DeviceBuffer<float> S(size_t(128) * keys), O(size_t(128) * hd);
+    poison(S);
+    poison(O);
+    cuda::attention_prefill_wgmma_probe(a, dP.get(), S.get(), O.get(), 0);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<float> s_got(S.size()), o_got(O.size());
+    CUDA_CHECK(cudaMemcpy(s_got.data(), S.get(), S.bytes(), cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(o_got.data(), O.get(), O.bytes(), cudaMemcpyDeviceToHost));
+    std::vector<float> s_ref(S.size()), o_ref(O.size(), 0.f);
+    for (int r = 0; r < 128; ++r) {
+      const float* q = &qg[size_t(r / G) * ldq + size_t(r % G) * 2 * hd];  // kv head 0: heads 0 .. G-1
+      for (int k = 0; k < keys; ++k) {
+        double acc = 0;
+        for (int d = 0; d < hd; ++d) acc += double(q[d]) * K[size_t(k) * NKV * hd + d];
+        s_ref[size_t(r) * keys + k] = float(acc);
+      }
+      for (int d = 0; d < hd; ++d) {
+        double acc = 0;
+        for (int k = 0; k < keys; ++k) acc += double(P[size_t(r) * keys + k]) * V[size_t(k) * NKV * hd + d];
+        o_ref[size_t(r) * hd + d] = float(acc);
+      }
+    }
+    const std::string tag = " (" + str(keys) + " keys per tile)";
+    EXPECT_REL(s_got, s_ref, 1e-4, "probe S = Q·Kᵀ" + tag);
+    EXPECT_REL(o_got, o_ref, 1e-4, "probe O = P·V" + tag);
+    if (rel_err(s_got, s_ref) > 1e-4) explain_mismatches(s_got, s_ref, keys, "S");
+    if (rel_err(o_got, o_ref) > 1e-4) explain_mismatches(o_got, o_ref, hd, "O");
+  }
+}
+
+// The selection hook: with kWgmma, attention_prefill runs the warpgroup kernel (its output
+// bit-identical to calling it, and not to the mma.sync kernel's), and falls back to mma.sync for
+// a group the warpgroup kernel does not support (6: a tiny model).
+TEST(Attention, PrefillKernelHook) {
+  EXPECT_EQ(cuda::attention_prefill_current_kernel(), cuda::AttnPrefillKernel::kMmaSync) << "default";
+  LongPrefill L(500);
+  DeviceBuffer<bf16> out_c(L.out_a.size());
+  L.run(Prefill::kDefault, L.out_a.get());
+  L.run(Prefill::kWgmma, L.out_b.get());
+  {
+    struct Scope {
+      Scope() { cuda::attention_prefill_set_kernel(cuda::AttnPrefillKernel::kWgmma); }
+      ~Scope() { cuda::attention_prefill_set_kernel(cuda::AttnPrefillKernel::kMmaSync); }
+    } scope;
+    L.run(Prefill::kDefault, out_c.get());
+    check_attention({6, 1, 10, 70, true, 0});  // falls back (and is right)
+  }
+  const auto mma = from_device_bf16(L.out_a.get(), L.out_a.size());
+  const auto wg = from_device_bf16(L.out_b.get(), L.out_b.size());
+  const auto hooked = from_device_bf16(out_c.get(), out_c.size());
+  EXPECT_TRUE(all_finite(hooked));
+  size_t same_as_wg = 0, same_as_mma = 0;
+  for (size_t i = 0; i < hooked.size(); ++i) {
+    same_as_wg += hooked[i] == wg[i];
+    same_as_mma += hooked[i] == mma[i];
+  }
+  EXPECT_EQ(same_as_wg, hooked.size()) << "hooked attention_prefill is the wgmma kernel";
+  EXPECT_LT(same_as_mma, hooked.size()) << "... and not the mma.sync one";
+  cuda::AttnPrefillArgs a;
+  a.n_heads = 6;
+  a.n_kv = 1;
+  EXPECT_FALSE(cuda::attention_prefill_wgmma_supports(a));
+  a.n_heads = 16;
+  a.n_kv = 2;
+  EXPECT_TRUE(cuda::attention_prefill_wgmma_supports(a));
+}
+
+// 16,384 tokens: the warpgroup kernel (both tiles, ping-pong on and off) against the mma.sync kernel on every
+// output, and sampled rows against the CPU (each reference row costs up to 16K keys x 16 heads).
+TEST(Attention, PrefillWgmmaLong) {
+  const int n = 16384;
+  LongPrefill L(n);
+  L.run(Prefill::kDefault, L.out_a.get());
+  const auto ref_gpu = from_device_bf16(L.out_a.get(), L.out_a.size());
+
+  const auto rows = rows_to_check(n, 4);
+  const auto hq = from_device_bf16(L.q.get(), L.q.size());
+  const auto hk = from_device_bf16(L.k.get(), L.k.size());
+  const auto hv = from_device_bf16(L.v.get(), L.v.size());
+  const int64_t ldo = 16 * 256;
+  std::vector<float> ref(rows.size() * ldo);
+  ThreadPool::global().parallel_for(int64_t(rows.size()), [&](int64_t r0, int64_t r1) {
+    std::vector<float> q(ldo);
+    for (int64_t ri = r0; ri < r1; ++ri) {
+      const int i = rows[ri];
+      for (int h = 0; h < 16; ++h)
+        std::copy_n(hq.begin() + int64_t(i) * 8192 + h * 512, 256, q.begin() + h * 256);
+      float* o = ref.data() + ri * ldo;
+      cpu::attention(q.data(), hk.data(), hv.data(), i + 1, 16, 2, 256, o);
+      for (int h = 0; h < 16; ++h)
+        for (int d = 0; d < 256; ++d) o[h * 256 + d] *= sigmoid(hq[int64_t(i) * 8192 + h * 512 + 256 + d]);
+    }
+  });
+  EXPECT_REL(take_rows(ref_gpu, ldo, int(ldo), rows), ref, kTolBf16, "mma.sync attention n=16384 vs the CPU");
+  for (const int variant : {0, 1, 2, 3}) {
+    const int keys = kWgmmaTiles[variant / 2];
+    const bool pingpong = variant % 2 == 0;
+    WgmmaTileScope scope(keys, pingpong);
+    poison(L.out_b);
+    L.run(Prefill::kWgmma, L.out_b.get());
+    const auto got = from_device_bf16(L.out_b.get(), L.out_b.size());
+    const std::string what = "wgmma (" + str(keys) + " keys per tile, ping-pong " +
+                             (pingpong ? "on" : "off") + ") attention n=16384";
+    EXPECT_TRUE(all_finite(got)) << what << ": unwritten or non-finite output";
+    EXPECT_REL(got, ref_gpu, kTolBf16, what + " vs mma.sync, 16/2 heads, gated");
+    EXPECT_REL(take_rows(got, ldo, int(ldo), rows), ref, kTolBf16, what + " vs the CPU");
+  }
+}
+
+// Both kernels (the warpgroup one at 80 and 64 keys per tile, "pp" = ping-pong) at 4,096, 32,768
+// and 131,072 tokens (one layer's causal attention, 16/2 heads, gated, from position 0): median ms
+// and TFLOP/s, and the outputs compared with the mma.sync kernel's. Runs only with
+// TANSY_ATTN_TIMING=1.
+TEST(Attention, PrefillTiming) {
+  if (!std::getenv("TANSY_ATTN_TIMING")) GTEST_SKIP() << "set TANSY_ATTN_TIMING=1";
+  std::printf("attention prefill, 16/2 heads, causal from position 0, gated (median)\n");
+  for (const int n : {4096, 32768, 131072}) {
+    LongPrefill L(n);
+    const int reps = n <= 4096 ? 21 : n <= 32768 ? 7 : 3;
+    double ms[5];
+    const char* names[5] = {"mma.sync", "wgmma/80/pp", "wgmma/80", "wgmma/64/pp", "wgmma/64"};
+    for (int k = 0; k < 5; ++k) {
+      const Prefill kernel = k == 0 ? Prefill::kDefault : Prefill::kWgmma;
+      WgmmaTileScope scope(k >= 3 ? 64 : 80, k % 2 == 1);
+      bf16* out = k == 0 ? L.out_a.get() : L.out_b.get();
+      cudaEvent_t e0, e1;
+      CUDA_CHECK(cudaEventCreate(&e0));
+      CUDA_CHECK(cudaEventCreate(&e1));
+      if (k > 0) poison(L.out_b);
+      L.run(kernel, out);  // warm-up
+      CUDA_CHECK(cudaDeviceSynchronize());
+      std::vector<float> t(reps);
+      for (auto& x : t) {
+        CUDA_CHECK(cudaEventRecord(e0, 0));
+        L.run(kernel, out);
+        CUDA_CHECK(cudaEventRecord(e1, 0));
+        CUDA_CHECK(cudaEventSynchronize(e1));
+        CUDA_CHECK(cudaEventElapsedTime(&x, e0, e1));
+      }
+      CUDA_CHECK(cudaEventDestroy(e0));
+      CUDA_CHECK(cudaEventDestroy(e1));
+      std::sort(t.begin(), t.end());
+      ms[k] = t[reps / 2];
+      std::printf("  n=%-7d %-12s %9.3f ms  %6.1f TFLOP/s  (x%.2f)\n", n, names[k], ms[k],
+                  L.flop() / (ms[k] * 1e9), ms[0] / ms[k]);
+      if (k > 0) {
+        const auto a = from_device_bf16(L.out_a.get(), L.out_a.size());
+        const auto b = from_device_bf16(L.out_b.get(), L.out_b.size());
+        EXPECT_TRUE(all_finite(b)) << names[k] << " n=" << n;
+        EXPECT_REL(b, a, kTolBf16, std::string("  ") + names[k] + " vs mma.sync, n=" + str(n));
+      }
+    }
+  }
+}
+
 TEST(Attention, PrefillRejectsBadShapes) {
   DeviceBuffer<bf16> buf(4 * 4096);
   cuda::AttnPrefillArgs a;
@@ -338,6 +661,10 @@ TEST(Attention, PrefillRejectsBadShapes) {
   a.q_stride_h = 512;
   a.n = 0;
   EXPECT_THROW(cuda::attention_prefill(a, 0), Error);
+  EXPECT_THROW(cuda::attention_prefill_wgmma(a, 0), Error);  // the shared checks
+  a.n = 1;
+  a.n_heads = 12;  // group 6: not a divisor of the wgmma kernel's 128 rows
+  EXPECT_THROW(cuda::attention_prefill_wgmma(a, 0), Error);
 }
 
 }  // namespace

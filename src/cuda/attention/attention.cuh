@@ -5,6 +5,7 @@
 //   file                  what
 //   attention/decode.cu   qk_norm_rope, split-K decode attention (+ fused decode kernel), merge
 //   attention/prefill.cu  causal flash attention on tensor cores (prefill)
+//   attention/prefill_wgmma.cu  the same on Hopper's warpgroup tensor cores (wgmma, TMA)
 #pragma once
 #include <cstdint>
 
@@ -88,5 +89,32 @@ struct AttnPrefillArgs {
 };
 
 void attention_prefill(const AttnPrefillArgs& a, cudaStream_t stream);
+
+// Throws unless `a` is a valid attention_prefill call (the checks both kernels share).
+void attention_prefill_check(const AttnPrefillArgs& a);
+
+// The warpgroup kernel (prefill_wgmma.cu: wgmma, tensor copies, producer/consumer warps), same
+// arguments and results. Supports n_heads / n_kv dividing 128 (1, 2, 4, 8, 16).
+bool attention_prefill_wgmma_supports(const AttnPrefillArgs& a);
+void attention_prefill_wgmma(const AttnPrefillArgs& a, cudaStream_t stream);
+// Keys per K/V tile of the warpgroup kernel, 64 or 80 (default 80); a measurement hook.
+void attention_prefill_wgmma_set_tile(int keys);
+int attention_prefill_wgmma_tile();
+// Whether its two consumer warpgroups take turns issuing their products (FlashAttention-3's
+// ping-pong; default on); a measurement hook.
+void attention_prefill_wgmma_set_pingpong(bool on);
+bool attention_prefill_wgmma_pingpong();
+// Test probe of the warpgroup kernel's parts: the first 128 flattened query rows of kv head 0 and
+// keys 0 .. BN-1 (BN = the tile above) through its tensor maps, shared layout and wgmma calls;
+// writes S = Q·Kᵀ (unscaled, f32 [128][BN]) and O = P·V (f32 [128][256]) for P given as bf16
+// [128][BN]. Rows are flattened as in the kernel (row r: position r / G, head r % G).
+void attention_prefill_wgmma_probe(const AttnPrefillArgs& a, const __nv_bfloat16* p, float* s_out,
+                                   float* o_out, cudaStream_t stream);
+
+// Which kernel attention_prefill runs (a test/measurement hook; the default is kMmaSync). kWgmma
+// falls back to kMmaSync for groups attention_prefill_wgmma does not support.
+enum class AttnPrefillKernel { kMmaSync, kWgmma };
+void attention_prefill_set_kernel(AttnPrefillKernel k);
+AttnPrefillKernel attention_prefill_current_kernel();
 
 }  // namespace tansy::cuda

@@ -193,7 +193,7 @@ bool aligned(const void* p, size_t n) { return reinterpret_cast<uintptr_t>(p) % 
 
 }  // namespace
 
-void attention_prefill(const AttnPrefillArgs& a, cudaStream_t stream) {
+void attention_prefill_check(const AttnPrefillArgs& a) {
   TANSY_CHECK(a.n >= 1 && a.p0 >= 0, "attention_prefill: bad n={} p0={}", a.n, a.p0);
   TANSY_CHECK(int64_t(a.p0) + a.n < (int64_t(1) << 31) / 2, "attention_prefill: context {} too long",
               int64_t(a.p0) + a.n);
@@ -209,6 +209,18 @@ void attention_prefill(const AttnPrefillArgs& a, cudaStream_t stream) {
               "attention_prefill: output strides must be even");
   TANSY_CHECK(!a.gate || (aligned(a.gate, 4) && a.gate_stride_t % 2 == 0 && a.gate_stride_h % 2 == 0),
               "attention_prefill: gate strides must be even");
+}
+
+static AttnPrefillKernel g_prefill_kernel = AttnPrefillKernel::kMmaSync;
+void attention_prefill_set_kernel(AttnPrefillKernel k) { g_prefill_kernel = k; }
+AttnPrefillKernel attention_prefill_current_kernel() { return g_prefill_kernel; }
+
+void attention_prefill(const AttnPrefillArgs& a, cudaStream_t stream) {
+  attention_prefill_check(a);
+  if (g_prefill_kernel == AttnPrefillKernel::kWgmma && attention_prefill_wgmma_supports(a)) {
+    attention_prefill_wgmma(a, stream);
+    return;
+  }
   const int G = a.n_heads / a.n_kv;
   const int64_t blocks = (int64_t(a.n) * G + BQ - 1) / BQ;
   TANSY_CHECK(blocks < (int64_t(1) << 31) && a.n_kv <= 65535, "attention_prefill: grid too large");
