@@ -235,18 +235,25 @@ struct AttnCase {
   int n_random;  // sampled query rows when n > 256
 };
 
-// The prefill kernel under test: attention_prefill with its default (mma.sync) or the warpgroup
-// kernel called directly (so that an unsupported shape fails instead of falling back).
-enum class Prefill { kDefault, kWgmma };
+// The prefill kernel under test: attention_prefill as selected (kDefault: the warpgroup kernel
+// where it supports the group), the mma.sync kernel (selected for the call), or the warpgroup
+// kernel called directly (so that an unsupported shape fails instead of taking mma.sync).
+enum class Prefill { kDefault, kMmaSync, kWgmma };
 
 void run_prefill(const cuda::AttnPrefillArgs& a, Prefill k) {
-  if (k == Prefill::kWgmma)
+  if (k == Prefill::kWgmma) {
     cuda::attention_prefill_wgmma(a, 0);
-  else
+  } else if (k == Prefill::kMmaSync) {
+    const cuda::AttnPrefillKernel saved = cuda::attention_prefill_current_kernel();
+    cuda::attention_prefill_set_kernel(cuda::AttnPrefillKernel::kMmaSync);
     cuda::attention_prefill(a, 0);
+    cuda::attention_prefill_set_kernel(saved);
+  } else {
+    cuda::attention_prefill(a, 0);
+  }
 }
 
-void check_attention(const AttnCase& c, Prefill kernel = Prefill::kDefault) {
+void check_attention(const AttnCase& c, Prefill kernel = Prefill::kMmaSync) {
   constexpr int hd = cuda::kHeadDim;
   const int ctx = c.p0 + c.n, pad_rows = 40;
   const std::string label = std::string(kernel == Prefill::kWgmma ? "wgmma " : "") + "attention heads " +
@@ -340,7 +347,7 @@ TEST(Attention, PrefillLongContext) {
 struct WgmmaTileScope {
   int saved = cuda::attention_prefill_wgmma_tile();
   bool saved_pp = cuda::attention_prefill_wgmma_pingpong();
-  explicit WgmmaTileScope(int keys, bool pingpong = true) {
+  explicit WgmmaTileScope(int keys, bool pingpong = false) {
     cuda::attention_prefill_wgmma_set_tile(keys);
     cuda::attention_prefill_wgmma_set_pingpong(pingpong);
   }
@@ -357,7 +364,7 @@ constexpr int kWgmmaTiles[] = {80, 64};
 // positions at and just before a tile end), and the tiny models' groups it supports (1, 2, 4, 16).
 TEST(Attention, PrefillWgmma) {
   EXPECT_EQ(cuda::attention_prefill_wgmma_tile(), 80) << "default tile";
-  EXPECT_TRUE(cuda::attention_prefill_wgmma_pingpong()) << "default schedule";
+  EXPECT_FALSE(cuda::attention_prefill_wgmma_pingpong()) << "default schedule";
   for (const int variant : {0, 1, 2, 3}) {
     const int keys = kWgmmaTiles[variant / 2];
     const bool pingpong = variant % 2 == 0;
@@ -519,19 +526,13 @@ TEST(Attention, PrefillWgmmaProbe) {
 // bit-identical to calling it, and not to the mma.sync kernel's), and falls back to mma.sync for
 // a group the warpgroup kernel does not support (6: a tiny model).
 TEST(Attention, PrefillKernelHook) {
-  EXPECT_EQ(cuda::attention_prefill_current_kernel(), cuda::AttnPrefillKernel::kMmaSync) << "default";
+  EXPECT_EQ(cuda::attention_prefill_current_kernel(), cuda::AttnPrefillKernel::kWgmma) << "default";
   LongPrefill L(500);
   DeviceBuffer<bf16> out_c(L.out_a.size());
-  L.run(Prefill::kDefault, L.out_a.get());
+  L.run(Prefill::kMmaSync, L.out_a.get());
   L.run(Prefill::kWgmma, L.out_b.get());
-  {
-    struct Scope {
-      Scope() { cuda::attention_prefill_set_kernel(cuda::AttnPrefillKernel::kWgmma); }
-      ~Scope() { cuda::attention_prefill_set_kernel(cuda::AttnPrefillKernel::kMmaSync); }
-    } scope;
-    L.run(Prefill::kDefault, out_c.get());
-    check_attention({6, 1, 10, 70, true, 0});  // falls back (and is right)
-  }
+  L.run(Prefill::kDefault, out_c.get());
+  check_attention({6, 1, 10, 70, true, 0}, Prefill::kDefault);  // a group it does not support: mma.sync
   const auto mma = from_device_bf16(L.out_a.get(), L.out_a.size());
   const auto wg = from_device_bf16(L.out_b.get(), L.out_b.size());
   const auto hooked = from_device_bf16(out_c.get(), out_c.size());
@@ -557,7 +558,7 @@ TEST(Attention, PrefillKernelHook) {
 TEST(Attention, PrefillWgmmaLong) {
   const int n = 16384;
   LongPrefill L(n);
-  L.run(Prefill::kDefault, L.out_a.get());
+  L.run(Prefill::kMmaSync, L.out_a.get());
   const auto ref_gpu = from_device_bf16(L.out_a.get(), L.out_a.size());
 
   const auto rows = rows_to_check(n, 4);
@@ -607,7 +608,7 @@ TEST(Attention, PrefillTiming) {
     double ms[5];
     const char* names[5] = {"mma.sync", "wgmma/80/pp", "wgmma/80", "wgmma/64/pp", "wgmma/64"};
     for (int k = 0; k < 5; ++k) {
-      const Prefill kernel = k == 0 ? Prefill::kDefault : Prefill::kWgmma;
+      const Prefill kernel = k == 0 ? Prefill::kMmaSync : Prefill::kWgmma;
       WgmmaTileScope scope(k >= 3 ? 64 : 80, k % 2 == 1);
       bf16* out = k == 0 ? L.out_a.get() : L.out_b.get();
       cudaEvent_t e0, e1;

@@ -101,7 +101,7 @@ void attention_prefill_wgmma(const AttnPrefillArgs& a, cudaStream_t stream);
 void attention_prefill_wgmma_set_tile(int keys);
 int attention_prefill_wgmma_tile();
 // Whether its two consumer warpgroups take turns issuing their products (FlashAttention-3's
-// ping-pong; default on); a measurement hook.
+// ping-pong; default off, measured slower here); a measurement hook.
 void attention_prefill_wgmma_set_pingpong(bool on);
 bool attention_prefill_wgmma_pingpong();
 // Test probe of the warpgroup kernel's parts: the first 128 flattened query rows of kv head 0 and
@@ -111,8 +111,8 @@ bool attention_prefill_wgmma_pingpong();
 void attention_prefill_wgmma_probe(const AttnPrefillArgs& a, const __nv_bfloat16* p, float* s_out,
                                    float* o_out, cudaStream_t stream);
 
-// Which kernel attention_prefill runs (a test/measurement hook; the default is kMmaSync). kWgmma
-// falls back to kMmaSync for groups attention_prefill_wgmma does not support.
+// Which kernel attention_prefill runs (a test/measurement hook; the default is kWgmma). kWgmma
+// runs the mma.sync kernel for the groups attention_prefill_wgmma does not support.
 enum class AttnPrefillKernel { kMmaSync, kWgmma };
 void attention_prefill_set_kernel(AttnPrefillKernel k);
 AttnPrefillKernel attention_prefill_current_kernel();

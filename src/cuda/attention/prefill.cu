@@ -211,7 +211,10 @@ void attention_prefill_check(const AttnPrefillArgs& a) {
               "attention_prefill: gate strides must be even");
 }
 
-static AttnPrefillKernel g_prefill_kernel = AttnPrefillKernel::kMmaSync;
+// The warpgroup kernel by default: 2.5-2.7x the mma.sync one at 32K and 128K tokens on the H200
+// (Attention.PrefillTiming, docs/PERFORMANCE.md's change log); mma.sync runs the groups it does
+// not support (a tiny model's).
+static AttnPrefillKernel g_prefill_kernel = AttnPrefillKernel::kWgmma;
 void attention_prefill_set_kernel(AttnPrefillKernel k) { g_prefill_kernel = k; }
 AttnPrefillKernel attention_prefill_current_kernel() { return g_prefill_kernel; }
 
