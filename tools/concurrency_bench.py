@@ -55,7 +55,9 @@ import os
 import sys
 import threading
 import time
-import urllib.parse
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from http_latency import Server as LatencyServer, vocab_from_model_dir  # noqa: E402  (the shared client)
 
 CONTRACT = {
     "version": 1,
@@ -91,12 +93,6 @@ def prompt_for(workload, k, prompt_tokens, prefix_tokens, vocab_size, prefix_ids
     return prefix + rule(SHARED_BASE + prefix_tokens + k * turn, turn, vocab_size)
 
 
-def vocab_from_model_dir(d):
-    with open(os.path.join(d, "config.json")) as f:
-        c = json.load(f)
-    return int(c.get("text_config", c)["vocab_size"])
-
-
 def percentile(values, q):
     """Linear interpolation between order statistics (numpy's default); None for no values."""
     if not values:
@@ -108,30 +104,11 @@ def percentile(values, q):
     return v[lo] + (v[hi] - v[lo]) * (x - lo)
 
 
-class Server:
-    def __init__(self, url, timeout):
-        u = urllib.parse.urlsplit(url)
-        if u.scheme != "http" or not u.hostname:
-            raise SystemExit(f"concurrency_bench: --url must be http://HOST:PORT, got {url!r}")
-        self.host, self.port, self.timeout = u.hostname, u.port or 80, timeout
-        self.base = u.path.rstrip("/")
+class Server(LatencyServer):
+    """http_latency.py's client; /metrics read with this tool's watched names."""
 
-    def conn(self, timeout=None):
-        c = http.client.HTTPConnection(self.host, self.port, timeout=timeout or self.timeout)
-        c.connect()
-        return c
-
-    def get(self, path):
-        c = self.conn(min(self.timeout, 30))
-        try:
-            c.request("GET", self.base + path)
-            r = c.getresponse()
-            body = r.read()
-            if r.status != 200:
-                raise RuntimeError(f"GET {path}: HTTP {r.status}: {body[:300]!r}")
-            return body.decode()
-        finally:
-            c.close()
+    def get(self, path, timeout=None):
+        return super().get(path, timeout or min(self.timeout, 30))
 
     def metrics(self):
         """The watched gauges and counters of /metrics that exist (labelled series keep their labels)."""

@@ -63,17 +63,17 @@ class Server:
     def __init__(self, url, timeout):
         u = urllib.parse.urlsplit(url)
         if u.scheme != "http" or not u.hostname:
-            raise SystemExit(f"http_latency: --url must be http://HOST:PORT, got {url!r}")
+            raise SystemExit(f"{os.path.basename(sys.argv[0])}: --url must be http://HOST:PORT, got {url!r}")
         self.host, self.port, self.timeout = u.hostname, u.port or 80, timeout
         self.base = u.path.rstrip("/")
 
-    def conn(self):
-        c = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+    def conn(self, timeout=None):
+        c = http.client.HTTPConnection(self.host, self.port, timeout=timeout or self.timeout)
         c.connect()
         return c
 
-    def get(self, path):
-        c = self.conn()
+    def get(self, path, timeout=None):
+        c = self.conn(timeout)
         try:
             c.request("GET", self.base + path)
             r = c.getresponse()
