@@ -503,8 +503,12 @@ bool Engine::step(std::vector<std::shared_ptr<Seq>>& admitted) {
     if (s.decoding()) {
       ids = std::span<const int32_t>(&s.to_feed, 1);
     } else {
+      // A piece's length depends on its own prompt only (--prefill-chunk, the cache cuts), never
+      // on what else is in the step, so that its arithmetic is the same alone or batched (a
+      // backend's prefill kernels may round differently for different piece lengths); the
+      // budget decides which prompts get a piece this step.
       if (budget <= 0) continue;
-      int end = std::min(n_prompt, s.pos + budget);
+      int end = std::min(n_prompt, s.pos + opt_.prefill_chunk);
       for (size_t c : {s.cut, s.shared_cut})
         if (c > size_t(s.pos) && c < size_t(end)) end = int(c);
       n_piece = end - s.pos;

@@ -133,8 +133,7 @@ std::unique_ptr<TokenSampler> Model::make_greedy_sampler(int limit) {
   return make_host_sampler(SamplerSpec{greedy, {}, limit, -1});
 }
 
-void Model::feed_batch(std::span<const FeedEntry> entries) {
-  if (entries.empty()) return;
+void Model::check_batch(std::span<const FeedEntry> entries) const {
   if (int(entries.size()) > max_batch())
     fail("feed_batch: {} sequences exceed the backend's batch of {}", entries.size(), max_batch());
   for (size_t i = 0; i < entries.size(); ++i) {
@@ -142,7 +141,19 @@ void Model::feed_batch(std::span<const FeedEntry> entries) {
     for (size_t j = 0; j < i; ++j)
       if (entries[j].state == entries[i].state) fail("feed_batch: one state fed twice in a step");
   }
-  if (max_batch() == 1) {
+}
+
+bool Model::give_host_logits(TokenSampler* sampler, std::span<const float> row) const {
+  auto* h = dynamic_cast<HostSampler*>(sampler);
+  if (!h) return false;
+  h->take_logits(*this, row);
+  return true;
+}
+
+void Model::feed_batch(std::span<const FeedEntry> entries) {
+  if (entries.empty()) return;
+  check_batch(entries);
+  if (max_batch() == 1 || entries.size() == 1) {
     for (const FeedEntry& e : entries) {
       if (e.sampler) {
         e.sampler->feed(*e.state, e.ids);

@@ -107,10 +107,11 @@ class Model {
   virtual int max_batch() const { return 1; }
   // Feeds every entry in one step (at most max_batch() of them, each state at most once);
   // afterwards each entry's sampler may choose. Every entry's result is bit for bit what feeding
-  // it alone gives: a sequence's tokens do not depend on what else is in the batch. With
-  // max_batch() > 1 the samplers must be host samplers (make_host_sampler, make_greedy_sampler),
-  // which take their rows of the batch's logits.
-  void feed_batch(std::span<const FeedEntry> entries);
+  // it alone gives: a sequence's tokens do not depend on what else is in the batch. One entry is
+  // fed alone (its sampler's feed). Several: the default (forward_batch) needs host samplers
+  // (make_host_sampler, or make_greedy_sampler's), which take their rows of the batch's logits;
+  // a backend with its own batched step overrides this and takes its own samplers.
+  virtual void feed_batch(std::span<const FeedEntry> entries);
 
   // Bytes one state able to hold max_tokens tokens takes at most, and the memory free for states
   // now (nullopt: the backend does not know). The engine sizes its pool of states from them.
@@ -120,7 +121,7 @@ class Model {
   // A sampler choosing the argmax over [0, limit) (ties to the lower id), the reference Sampler's
   // greedy rule: through greedy_step for a backend that feeds one sequence at a time (on CUDA the
   // logits stay on the device), else a host sampler, so that greedy sequences batch with the rest.
-  std::unique_ptr<TokenSampler> make_greedy_sampler(int limit);
+  virtual std::unique_ptr<TokenSampler> make_greedy_sampler(int limit);
 
   // A sampler for one request. The default computes logits with forward() and chooses on the
   // host with Sampler; the CUDA plan chooses on the device and moves only the choice.
@@ -154,6 +155,10 @@ class Model {
     bool want_logits = false;
   };
   virtual void forward_batch(std::span<const BatchPiece> pieces, std::span<float> logits);
+  // feed_batch's checks: at most max_batch() entries, each with a state and ids, no state twice.
+  void check_batch(std::span<const FeedEntry> entries) const;
+  // Hands a host sampler (make_host_sampler's) its row of a batch's logits; false for another kind.
+  bool give_host_logits(TokenSampler* sampler, std::span<const float> row) const;
 
   TraceFn trace_;
   RouteTraceFn route_trace_;

@@ -88,7 +88,7 @@ server_step() {
   local room=$((maxc + 8))
   # shellcheck disable=SC2086  # SERVER_ARGS is a list of flags
   env LD_LIBRARY_PATH="$tld" "$T" serve --model "$synth_dir" --backend cuda --port "$port" --max-seq 8192 \
-    --prefix-cache 0 --max-queue "$room" --max-connections "$((room > 256 ? room : 256))" \
+    --prefix-cache 0 --max-running "$maxc" --max-queue "$room" --max-connections "$((room > 256 ? room : 256))" \
     --max-connections-per-client "$room" ${SERVER_ARGS:-} >"$OUT/server.log" 2>&1 &
   local pid=$! healthy='' t0
   t0=$(date +%s)

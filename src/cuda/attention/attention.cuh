@@ -51,9 +51,20 @@ void attention_decode(const QkvLayout& qkv, int n, const int* pos, const bf16* k
 // still runs; the split holding the position writes the new k/v into the cache), then the merge
 // with the output gate. Same results as qk_norm_rope + attention_decode for one token. Needs
 // n_heads / n_kv in {1, 2, 4, 8}.
+//
+// With `rows`: one new token of each of rows->n sequences (a batched decode step): token t's qkv
+// row t of qkv, its position rows->pos[t] and its caches; scratch holds n tokens' partials. Each
+// token is computed as the one-token launch computes it (pos, k_cache and v_cache unused).
+struct AttnDecodeRows {
+  int n = 1;
+  const int* pos[kMaxBatch] = {};
+  bf16* k_cache[kMaxBatch] = {};
+  bf16* v_cache[kMaxBatch] = {};
+};
 void attention_decode_fused(const QkvLayout& qkv, const int* pos, const float* q_norm, const float* k_norm,
                             float eps, int rotary_dim, double theta, bf16* k_cache, bf16* v_cache, int splits,
-                            float* scratch, bf16* out, int64_t ldo, cudaStream_t stream);
+                            float* scratch, bf16* out, int64_t ldo, cudaStream_t stream,
+                            const AttnDecodeRows* rows = nullptr);
 
 // ---- prefill: causal flash attention on tensor cores (prefill.cu) ----
 

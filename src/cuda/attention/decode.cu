@@ -236,8 +236,18 @@ struct FusedArgs {
   float* scratch;
 };
 
+// Grid z: the token of a batched step (rows), whose sequence's position and cache it reads.
 template <int G>
-__global__ void __launch_bounds__(kFusedWarps * 32, 1) attn_decode_fused_kernel(FusedArgs a) {
+__global__ void __launch_bounds__(kFusedWarps * 32, 1)
+    attn_decode_fused_kernel(FusedArgs a, const __grid_constant__ AttnDecodeRows R, int batched) {
+  if (batched) {
+    const int t = blockIdx.z;
+    a.L.base += t * a.L.ld;
+    a.pos = R.pos[t];
+    a.k_cache = R.k_cache[t];
+    a.v_cache = R.v_cache[t];
+    a.scratch += int64_t(t) * a.L.n_heads * a.splits * kAttnPartStride;
+  }
   using namespace tc;
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* Kt = reinterpret_cast<bf16*>(smem);  // [stages][tile][256]
@@ -467,16 +477,19 @@ constexpr int kCombineGroups = 4;
 constexpr int kCombineThreads = kHeadDim * kCombineGroups;
 static_assert(kMaxAttnSplits <= kCombineThreads);
 
+// batched: token t = blockIdx.y is the one new token of its own sequence (position R.pos[t]).
 __global__ void __launch_bounds__(kCombineThreads)
     attn_combine_kernel(QkvLayout L, const int* __restrict__ pos, int splits,
-                        const float* __restrict__ scratch, bf16* __restrict__ out, int64_t ldo) {
+                        const float* __restrict__ scratch, bf16* __restrict__ out, int64_t ldo,
+                        const __grid_constant__ AttnDecodeRows R, int batched) {
   __shared__ float f[kMaxAttnSplits];
   __shared__ float red[kCombineThreads / 32];
   __shared__ float part_o[kCombineGroups - 1][kHeadDim];
   const int h = blockIdx.x, t = blockIdx.y, tid = threadIdx.x, d = tid % kHeadDim, g = tid / kHeadDim;
   pdl_wait();
   pdl_launch_dependents();
-  const int len = *pos + t + 1, chunk = split_keys(len, splits), used = (len + chunk - 1) / chunk;
+  const int len = (batched ? *R.pos[t] : *pos + t) + 1, chunk = split_keys(len, splits);
+  const int used = (len + chunk - 1) / chunk;
   const float* part = scratch + (int64_t(t) * L.n_heads + h) * splits * kAttnPartStride;
   const float ms = tid < used ? part[int64_t(tid) * kAttnPartStride + kHeadDim] : -FLT_MAX;
   const float ls = tid < used ? part[int64_t(tid) * kAttnPartStride + kHeadDim + 1] : 0.f;
@@ -541,48 +554,57 @@ void attention_decode(const QkvLayout& qkv, int n, const int* pos, const bf16* k
   pdl_launch(attn_split_kernel, dim3(qkv.n_kv, splits, n), dim3(kWarps * 32), 0, stream, qkv, pos, k_cache,
              v_cache, splits, scratch);
   pdl_launch(attn_combine_kernel, dim3(qkv.n_heads, n), dim3(kCombineThreads), 0, stream, qkv, pos, splits,
-             scratch, out, ldo);
+             scratch, out, ldo, AttnDecodeRows{}, 0);
 }
 
 namespace {
 template <int G>
-void launch_fused(const FusedArgs& a, cudaStream_t stream) {
+void launch_fused(const FusedArgs& a, const AttnDecodeRows& r, int batched, cudaStream_t stream) {
   constexpr size_t kSmem = fused_smem_bytes<G>();
   static const bool attr_set =
       cudaFuncSetAttribute(attn_decode_fused_kernel<G>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            int(kSmem)) == cudaSuccess;
   TANSY_CHECK(attr_set, "attention_decode_fused: cannot reserve {} bytes of shared memory per block", kSmem);
-  pdl_launch(attn_decode_fused_kernel<G>, dim3(a.L.n_kv, a.splits), dim3(kFusedWarps * 32), kSmem, stream, a);
+  pdl_launch(attn_decode_fused_kernel<G>, dim3(a.L.n_kv, a.splits, r.n), dim3(kFusedWarps * 32), kSmem, stream, a,
+             r, batched);
 }
 }  // namespace
 
 void attention_decode_fused(const QkvLayout& qkv, const int* pos, const float* q_norm, const float* k_norm,
                             float eps, int rotary_dim, double theta, bf16* k_cache, bf16* v_cache, int splits,
-                            float* scratch, bf16* out, int64_t ldo, cudaStream_t stream) {
-  check_layout(qkv, 1, "attention_decode_fused");
+                            float* scratch, bf16* out, int64_t ldo, cudaStream_t stream,
+                            const AttnDecodeRows* rows) {
+  const AttnDecodeRows one;
+  const AttnDecodeRows& r = rows ? *rows : one;
+  TANSY_CHECK(r.n >= 1 && r.n <= kMaxBatch, "attention_decode_fused: {} batched rows outside 1..{}", r.n, kMaxBatch);
+  if (rows)
+    for (int t = 0; t < r.n; ++t)
+      TANSY_CHECK(r.pos[t] && r.k_cache[t] && r.v_cache[t] && aligned16(r.k_cache[t]) && aligned16(r.v_cache[t]),
+                  "attention_decode_fused: batched row {} lacks its position or cache", t);
+  check_layout(qkv, r.n, "attention_decode_fused");
   check_rotary(rotary_dim, "attention_decode_fused");
   check_splits(qkv, pos, k_cache, v_cache, splits, scratch, out, ldo, "attention_decode_fused");
   TANSY_CHECK(theta > 0 && q_norm && k_norm, "attention_decode_fused: bad arguments");
   FusedArgs a{qkv, pos, q_norm, k_norm, eps, rotary_dim, theta, k_cache, v_cache, splits, scratch};
   switch (qkv.n_heads / qkv.n_kv) {
     case 1:
-      launch_fused<1>(a, stream);
+      launch_fused<1>(a, r, rows ? 1 : 0, stream);
       break;
     case 2:
-      launch_fused<2>(a, stream);
+      launch_fused<2>(a, r, rows ? 1 : 0, stream);
       break;
     case 4:
-      launch_fused<4>(a, stream);
+      launch_fused<4>(a, r, rows ? 1 : 0, stream);
       break;
     case 8:
-      launch_fused<8>(a, stream);
+      launch_fused<8>(a, r, rows ? 1 : 0, stream);
       break;
     default:
       fail("attention_decode_fused: {} query heads per kv head unsupported (1, 2, 4 or 8)",
            qkv.n_heads / qkv.n_kv);
   }
-  pdl_launch(attn_combine_kernel, dim3(qkv.n_heads, 1), dim3(kCombineThreads), 0, stream, qkv, pos, splits,
-             scratch, out, ldo);
+  pdl_launch(attn_combine_kernel, dim3(qkv.n_heads, r.n), dim3(kCombineThreads), 0, stream, qkv, pos, splits,
+             scratch, out, ldo, r, rows ? 1 : 0);
 }
 
 }  // namespace tansy::cuda

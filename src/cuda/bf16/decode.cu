@@ -163,10 +163,9 @@ static void for_each_step_launch(std::vector<DevLayer>& layers, CudaState* st, S
 
 void CudaModel::plan_decode_step(const CudaPlanOptions& opt) {
   step_ok_ = false;
-  if (opt.decode == DecodeKernels::kPerOp) {
-    step_why_ = "per-op decode kernels requested";
-    return;
-  }
+  batch_ok_ = false;
+  // The shapes of the persistent step are also those the batched decode step is built for (the
+  // fused head, the shared expert as a slot, products that fit the shared-memory kernel).
   if (!head_fused_) {
     step_why_ = "the lm_head is not 4-bit";
     return;
@@ -180,6 +179,13 @@ void CudaModel::plan_decode_step(const CudaPlanOptions& opt) {
     const bool gdn = layers_[i].kind == LayerKind::kLinear;
     for (int mixer : {gdn ? kStepGdn : kStepAttnIn, gdn ? kStepGdn : kStepAttnOut})
       if (!step_supported(step_layer(layers_[i], nullptr, i, mixer), a, &step_why_)) return;
+  }
+  // Alone, a one-token step runs the persistent step, which equals the per-op kernels (and so a
+  // batched step's rows) bit for bit on a 132-multiprocessor card only (tests/gpu/test_step.cu).
+  batch_ok_ = opt.decode == DecodeKernels::kPerOp || sm_count() == 132;
+  if (opt.decode == DecodeKernels::kPerOp) {
+    step_why_ = "per-op decode kernels requested";
+    return;
   }
   int launches = 0;
   for_each_step_launch(

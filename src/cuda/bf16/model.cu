@@ -148,13 +148,13 @@ void CudaModel::allocate_scratch() {
   d_ids_.resize(C);
   d_tok_.resize(1);
   h_.resize(C * H);
-  ss_parts_.resize(size_t(2 * c.num_layers + 1) * kNormParts);
+  ss_parts_.resize(size_t(kMaxBatch) * ss_row_ld());
   CUDA_CHECK(cudaMemset(ss_parts_.get(), 0, ss_parts_.bytes()));
   TANSY_CHECK(H <= kFusedNormMaxDim, "cuda backend: hidden size {} exceeds the fused decode norm's {}", H,
               kFusedNormMaxDim);
-  conv_f32_.resize(c.lin_conv_dim());
-  gdn_counters_.resize(std::max(1, c.lin_num_v_heads));
-  route_counter_.resize(1);
+  conv_f32_.resize(size_t(kMaxBatch) * c.lin_conv_dim());
+  gdn_counters_.resize(size_t(kMaxBatch) * std::max(1, c.lin_num_v_heads));
+  route_counter_.resize(kMaxBatch);
   CUDA_CHECK(cudaMemset(gdn_counters_.get(), 0, gdn_counters_.bytes()));
   CUDA_CHECK(cudaMemset(route_counter_.get(), 0, route_counter_.bytes()));
   xn_.resize(C * H);
@@ -175,7 +175,8 @@ void CudaModel::allocate_scratch() {
   // decode: kDecodeSplits partials; GEMV prefill keeps tokens x splits <= kChunk
   static_assert(kDecodeSplits <= kChunk && kFusedDecodeSplits <= kChunk);
   attn_scratch_.resize(attn_scratch_floats(kChunk, c.num_heads, 1));
-  d_logits_.resize(size_t(kLogitRows) * c.vocab_size);
+  d_logits_.resize(size_t(std::max(kLogitRows, kMaxBatch)) * c.vocab_size);
+  d_rows_tok_.resize(kMaxBatch);
   d_argmax_.resize(kArgmaxBlocks);
   if (head_fused_) {
     d_head_scratch_.resize(lm_head_scratch());
@@ -190,6 +191,8 @@ void CudaModel::allocate_scratch() {
     yd_.resize(C * K * H);
   }
   CUDA_CHECK(cudaMallocHost(&h_tok_, sizeof(int32_t)));
+  CUDA_CHECK(cudaMallocHost(&h_rows_tok_, sizeof(int32_t) * kMaxBatch));
+  CUDA_CHECK(cudaMallocHost(&h_rows_ids_, sizeof(int32_t) * kMaxBatch));
 }
 
 void CudaModel::warm_up() {

@@ -99,6 +99,19 @@ struct CudaState final : SequenceState {
   int n_tokens() const override { return n; }
 };
 
+class CudaModel;
+
+// The plan's samplers (greedy and the device sampler). Alone, a sequence's sampler feeds it
+// (TokenSampler::feed); in a batched step (CudaModel::feed_batch) the plan feeds it and tells
+// the sampler which row of the step's logits (and greedy tokens) is its own.
+class CudaRowSampler : public TokenSampler {
+ public:
+  // The step that just ran left this sequence's logits in batch row `row` (st: after the feed).
+  virtual void fed_row(CudaState& st, int row) = 0;
+  // The argmax range of its greedy choice ([0, limit)).
+  virtual int limit() const = 0;
+};
+
 class CudaModel final : public Model, public StageProfiler {
  public:
   CudaModel(const std::filesystem::path& dir, const CudaPlanOptions& opt);
@@ -150,8 +163,25 @@ class CudaModel final : public Model, public StageProfiler {
   void generate_greedy(SequenceState& state, std::span<const int32_t> prompt, int n,
                        const std::function<bool(int32_t)>& on_token) override;
 
-  // Sampling on the device (bf16/sampler.cu): one request's sampler at a time.
+  // Sampling on the device (bf16/sampler.cu), each request with its own DeviceSampler (pooled).
   std::unique_ptr<TokenSampler> make_sampler(const SamplerSpec& spec) override;
+  // The argmax on the device (greedy_step alone; the fused head's argmax of its row in a batch).
+  std::unique_ptr<TokenSampler> make_greedy_sampler(int limit) override;
+
+  // ---- continuous batching (bf16/batch.cu) ----
+  // Sequences per step: kMaxBatch when one-token steps run the persistent step (the real model's
+  // shapes), whose per-op kernels batch; else 1.
+  int max_batch() const override { return batch_ok_ ? kMaxBatch : 1; }
+  // One entry: fed alone. Several: prompt pieces one after another (as alone), then every
+  // one-token entry in one batched decode step (run_decode_batch), each entry's logits in its
+  // own row of batch_logits() for its sampler (the plan's, or a host sampler).
+  void feed_batch(std::span<const FeedEntry> entries) override;
+  const float* batch_logits(int row) const { return d_logits_.get() + size_t(row) * cfg_.vocab_size; }
+  // The greedy token of batch row `row` once the stream is done with the step.
+  int32_t batch_token(int row);
+  // Device samplers are reused across requests (their buffers and pinned output stay allocated).
+  std::unique_ptr<DeviceSampler> take_device_sampler();
+  void return_device_sampler(std::unique_ptr<DeviceSampler> ds);
   // Feeds ids, leaving the logits after the last in device_logits() (one token: the decode
   // graph); enqueued on stream(), not waited for. token_on_device: ids is one token that the
   // stream has already written to device_token() (the device sampler's choice): no copy.
@@ -248,6 +278,12 @@ class CudaModel final : public Model, public StageProfiler {
   // when step_ok_: the attention mixers between them stay per-op kernels.
   void run_decode_persistent(CudaState& st, const int* ids);
   void run_decode_per_op(CudaState& st, const int* ids);
+  // One decode token of each state (ids in d_ids_, one per state), the per-op kernels with each
+  // state's row in a grid row, ending with each row's fused head (logits in row t of d_logits_,
+  // its argmax over [0, limits[t]) in d_rows_tok_[t], the state's position advanced).
+  void run_decode_batch(std::span<CudaState* const> sts, std::span<const int> limits);
+  // Elements between the rows of the norm partials (ss_parts_) of a batched step.
+  int64_t ss_row_ld() const { return int64_t(2 * cfg_.num_layers + 1) * kNormParts; }
   // Attention layer i's mixer for one token: in_proj (+ norm), the fused attention, o_proj (+ residual).
   void attention_mixer_decode(CudaState& st, int i);  // in_proj, core, o_proj
   void attention_core_decode(CudaState& st, int i);   // q/k norm, RoPE, cache write, attention
@@ -281,10 +317,11 @@ class CudaModel final : public Model, public StageProfiler {
   DeviceBuffer<int> d_ids_;       // [kChunk] input ids
   DeviceBuffer<int> d_tok_;       // [1] the decode step's input id, overwritten by its argmax
   DeviceBuffer<float> h_;         // [m, H] residual stream (f32)
-  DeviceBuffer<float> ss_parts_;  // decode: [2 * layers + 1, kNormParts] partial sums of h² per norm point
+  DeviceBuffer<float> ss_parts_;  // decode: [kMaxBatch][2 * layers + 1, kNormParts] partial sums of h² per norm point
   DeviceBuffer<bf16> xn_, r_;     // [m, H] normed input, mixer/MoE output
-  DeviceBuffer<float> conv_f32_;  // decode: [conv_dim] GDN conv output
-  DeviceBuffer<unsigned> gdn_counters_, route_counter_;  // last-block counters of fused decode kernels
+  DeviceBuffer<float> conv_f32_;  // decode: [kMaxBatch, conv_dim] GDN conv output
+  // last-block counters of fused decode kernels: [kMaxBatch, n_v_heads], [kMaxBatch]
+  DeviceBuffer<unsigned> gdn_counters_, route_counter_;
   DeviceBuffer<unsigned> step_barriers_;  // persistent step: one grid counter per launch of a step
   DeviceBuffer<int> route_log_;           // persistent step: [layers, K + 1] routed experts
   // `tansy bench --stages` of the persistent step: its in-kernel time stamps (StepArgs::prof) per
@@ -304,14 +341,17 @@ class CudaModel final : public Model, public StageProfiler {
   DeviceBuffer<bf16> sh_act_;          // [m, S]
   DeviceBuffer<bf16> sh_out_;          // [m, H] shared expert output (prefill)
   DeviceBuffer<float> attn_scratch_;   // split-attention partials
-  DeviceBuffer<float> d_logits_;       // [kLogitRows, vocab]
+  DeviceBuffer<float> d_logits_;       // [max(kLogitRows, kMaxBatch), vocab]
   DeviceBuffer<unsigned long long> d_argmax_;
   DeviceBuffer<unsigned long long> d_head_scratch_;  // fused head: one argmax candidate per block
   DeviceBuffer<unsigned> head_counter_;
   DeviceBuffer<int> expert_offsets_, tile_offsets_, sorted_slot_, slot_row_;  // prefill MoE routing
   DeviceBuffer<bf16> yd_;                          // [m*k, H] routed experts' down outputs in sorted order
-  std::unique_ptr<DeviceSampler> device_sampler_;  // made by the first make_sampler
-  bool sampler_busy_ = false;
+  std::vector<std::unique_ptr<DeviceSampler>> sampler_pool_;  // device samplers no request holds
+  bool batch_ok_ = false;                                      // max_batch() > 1
+  DeviceBuffer<int> d_rows_tok_;                               // [kMaxBatch] a batched step's greedy tokens
+  int32_t* h_rows_tok_ = nullptr;                              // pinned [kMaxBatch]
+  int32_t* h_rows_ids_ = nullptr;                              // pinned [kMaxBatch] a batched step's input ids
   int32_t* h_tok_ = nullptr;            // pinned
   int greedy_limit_ = 0;                // argmax range captured into new decode graphs
   std::vector<Mark>* marks_ = nullptr;  // set while a StageProfiler call runs

@@ -19,6 +19,10 @@
 
 namespace tansy::cuda {
 
+// Sequences one batched decode step carries (continuous batching): the per-row pointer tables
+// of the batched kernels (DecodeRows, GdnDecodeRows, AttnDecodeRows) have this many entries.
+constexpr int kMaxBatch = 64;
+
 using bf16 = __nv_bfloat16;
 
 #define CUDA_CHECK(expr)                                                                                  \

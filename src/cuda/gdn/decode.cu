@@ -136,11 +136,24 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(GdnPrefillArgs A) {
 
 // Block (value head h, columns c0..c0+31), 128 threads: the recurrence of gdn_recurrent_kernel
 // for one token, with q/k normalised in the block and the gated norm done by the head's last block.
-__global__ void __launch_bounds__(128) gdn_decode_kernel(GdnDecodeArgs A) {
+// Grid z: the token of a batched step (rows), whose pointers are moved to its row.
+__global__ void __launch_bounds__(128)
+    gdn_decode_kernel(GdnDecodeArgs A, const __grid_constant__ GdnDecodeRows R, int batched) {
   __shared__ gdn_unit::Smem sm;
   pdl_wait();
   pdl_launch_dependents();
   const int h = blockIdx.x, cb = blockIdx.y;
+  if (batched) {
+    const int t = blockIdx.z;
+    A.conv += t * R.conv;
+    A.beta += t * R.gates;
+    A.g += t * R.gates;
+    A.z += t * R.z;
+    A.o += t * R.o;
+    A.y += t * R.y;
+    A.counters += t * A.n_v_heads;
+    A.state = R.state[t];
+  }
   float* S = gdn_unit::state_column(A, h, cb * kColsPerBlock);
   float s[32];
   gdn_unit::load_state(S, s);
@@ -149,12 +162,17 @@ __global__ void __launch_bounds__(128) gdn_decode_kernel(GdnDecodeArgs A) {
 
 }  // namespace
 
-void gdn_decode_step(const GdnDecodeArgs& a, cudaStream_t stream) {
+void gdn_decode_step(const GdnDecodeArgs& a, cudaStream_t stream, const GdnDecodeRows* rows) {
   TANSY_CHECK(a.n_k_heads >= 1 && a.n_v_heads >= 1 && a.n_v_heads % a.n_k_heads == 0,
               "gdn_decode_step: heads {}/{} invalid", a.n_k_heads, a.n_v_heads);
   TANSY_CHECK(a.conv && a.beta && a.g && a.state && a.z && a.norm_w && a.o && a.counters && a.y,
               "gdn_decode_step: missing buffers");
-  pdl_launch(gdn_decode_kernel, dim3(a.n_v_heads, kGdnDim / kColsPerBlock), dim3(128), 0, stream, a);
+  const GdnDecodeRows one;
+  const GdnDecodeRows& r = rows ? *rows : one;
+  TANSY_CHECK(r.n >= 1 && r.n <= kMaxBatch && (!rows || r.n == 1 || r.state[r.n - 1]),
+              "gdn_decode_step: {} batched rows (1..{}, each with its state)", r.n, kMaxBatch);
+  pdl_launch(gdn_decode_kernel, dim3(a.n_v_heads, kGdnDim / kColsPerBlock, r.n), dim3(128), 0, stream, a, r,
+             rows ? 1 : 0);
 }
 
 void gdn_conv(const GdnConvArgs& a, cudaStream_t stream) {

@@ -126,7 +126,7 @@ struct GdnInEpilogue {
 
 // GDN in_proj (bf16 Y, W.out rows) + the conv/gates epilogue.
 void matvec_norm_gdn(const DevLinear& W, const NormIn& x, bf16* Y, const GdnInEpilogue& gdn,
-                     cudaStream_t stream);
+                     cudaStream_t stream, const DecodeRows* rows = nullptr);
 
 // One decode token through the rest of a GDN layer after matvec_norm_gdn: q/k l2-normalisation
 // (q scaled by 1/sqrt(128)), the delta-rule update of the f32 state, and the gated RMSNorm per
@@ -145,6 +145,14 @@ struct GdnDecodeArgs {
   unsigned* counters = nullptr;  // [n_v_heads], zero before the launch (left zero)
   bf16* y = nullptr;             // [n_v_heads * 128]
 };
-void gdn_decode_step(const GdnDecodeArgs& a, cudaStream_t stream);
+// With `rows`: the step for each of rows->n tokens of different sequences (a batched decode
+// step), token t's inputs and outputs at a's pointers plus t times the strides (the counters t *
+// n_v_heads on) and its state rows->state[t], each computed as the one-token launch computes it.
+struct GdnDecodeRows {
+  int n = 1;
+  int64_t conv = 0, gates = 0, z = 0, o = 0, y = 0;
+  float* state[kMaxBatch] = {};
+};
+void gdn_decode_step(const GdnDecodeArgs& a, cudaStream_t stream, const GdnDecodeRows* rows = nullptr);
 
 }  // namespace tansy::cuda

@@ -4,7 +4,8 @@
 namespace tansy::cuda {
 namespace {
 
-__global__ void embed_kernel(DevLinear E, const int* __restrict__ ids, float* __restrict__ h, float* ss) {
+__global__ void embed_kernel(DevLinear E, const int* __restrict__ ids, float* __restrict__ h, float* ss,
+                             int64_t ss_ld) {
   __shared__ float red[32];
   pdl_wait();
   pdl_launch_dependents();
@@ -36,7 +37,7 @@ __global__ void embed_kernel(DevLinear E, const int* __restrict__ ids, float* __
   if (threadIdx.x == 0) {
     float t = 0.f;
     for (int w = 0; w < int(blockDim.x / 32); ++w) t += red[w];
-    ss[0] = t;
+    ss[blockIdx.x * ss_ld] = t;
   }
 }
 
@@ -88,12 +89,12 @@ __global__ void advance_kernel(int* pos, int n) {
 
 }  // namespace
 
-void embed(const DevLinear& E, const int* ids, int n, float* h, cudaStream_t stream, float* ss) {
-  TANSY_CHECK(!ss || n == 1, "embed: the Σh² output is for one token");
+void embed(const DevLinear& E, const int* ids, int n, float* h, cudaStream_t stream, float* ss, int64_t ss_ld) {
+  TANSY_CHECK(!ss || n == 1 || ss_ld >= kNormParts, "embed: the Σh² outputs of several tokens need rows apart");
   TANSY_CHECK(E.fmt == WFormat::kBF16 || E.fmt == WFormat::kAffine4 || E.fmt == WFormat::kAffine8,
               "embed: format {} unsupported", wformat_name(E.fmt));
   TANSY_CHECK(E.in % kQuantGroup == 0 && n >= 1 && ids && h, "embed: bad arguments (in {}, n {})", E.in, n);
-  pdl_launch(embed_kernel, dim3(n), dim3(256), 0, stream, E, ids, h, ss);
+  pdl_launch(embed_kernel, dim3(n), dim3(256), 0, stream, E, ids, h, ss, ss_ld);
 }
 
 void argmax(const float* logits, int n, unsigned long long* scratch, int* dst, int* ring, int* counter,

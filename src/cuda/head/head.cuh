@@ -17,8 +17,9 @@ namespace tansy::cuda {
 // h[t, :] = E[ids[t], :] (f32: the residual stream) for t < n; ids on the device. Ids outside [0, E.out) give
 // zeros (the host validates ids before they reach the device; generated ids come from argmax). ss (decode, n
 // == 1): the row's Σh² goes to ss[0], the first of the NormIn partials (the rest of that point's partials are
-// never written, so they stay zero).
-void embed(const DevLinear& E, const int* ids, int n, float* h, cudaStream_t stream, float* ss = nullptr);
+// never written, so they stay zero). Several tokens (a batched decode step): token t's at ss[t * ss_ld].
+void embed(const DevLinear& E, const int* ids, int n, float* h, cudaStream_t stream, float* ss = nullptr,
+           int64_t ss_ld = 0);
 
 // Argmax key: a larger key is a larger value, then a lower index; NaN maps below -inf.
 __device__ __forceinline__ unsigned long long argmax_key(float v, int i) {

@@ -62,15 +62,34 @@ struct Fusion {
   RouteEpilogue route;
   GdnInEpilogue gdn;
   ResidualOut resid;
+  int batched = 0;  // grid row blockIdx.y is token row t of `rows` (the shared-memory kernel)
+  DecodeRows rows;
 };
 
+// The one-row fusion's pointers moved to token row t of a batched launch.
+__device__ __forceinline__ NormIn norm_row(const Fusion& fz, int t) {
+  NormIn n = fz.norm;
+  n.h += t * fz.rows.h;
+  n.ss += t * fz.rows.ss;
+  if (n.xn_out) n.xn_out += t * fz.rows.xn;
+  return n;
+}
+__device__ __forceinline__ GdnInEpilogue gdn_row(const Fusion& fz, int t) {
+  GdnInEpilogue g = fz.gdn;
+  if (fz.batched) g.window = fz.rows.window[t];
+  g.conv_out += t * fz.rows.conv;
+  g.beta += t * fz.rows.gates;
+  g.g += t * fz.rows.gates;
+  return g;
+}
+
 // The last block to finish routes the token from the logits every block stored.
-__device__ void route_epilogue(const RouteEpilogue& R, const float* logits, int warp) {
+__device__ void route_epilogue(const RouteEpilogue& R, const float* logits, int warp, unsigned blocks) {
   __shared__ float l[kRouteMaxExperts + 1];
   __shared__ int last;
   __threadfence();  // this block's logits are visible before it is counted
   __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(R.counter, 1u) == gridDim.x * gridDim.y - 1;
+  if (threadIdx.x == 0) last = atomicAdd(R.counter, 1u) == blocks - 1;
   __syncthreads();
   if (!last) return;
   __threadfence();
@@ -258,7 +277,7 @@ __global__ void __launch_bounds__(kThreads, 3)
     if (lane < cpr) cur.load(W, r1, ok, lane);
   }
   if constexpr (kFusable) {
-    if (fz.epi == Epi::kRoute) route_epilogue(fz.route, static_cast<const float*>(Y), warp);
+    if (fz.epi == Epi::kRoute) route_epilogue(fz.route, static_cast<const float*>(Y), warp, gridDim.x * gridDim.y);
   }
 }
 
@@ -292,7 +311,7 @@ template <int BITS, int MODE>
 __global__ void __launch_bounds__(kThreads, 2)
     matvec_smem_kernel(DevLinear W, const bf16* __restrict__ X, int64_t ldx, void* Y, int64_t ldy, int y_f32,
                        int out_rows, int rpw, const int* __restrict__ idx, int k, int rows_per_expert,
-                       Fusion fz) {
+                       const __grid_constant__ Fusion fz) {
   extern __shared__ float4 smem4[];
   __shared__ alignas(8) uint64_t wbar;  // bulk copies: the block's weights have landed
   constexpr bool kPair = MODE != 0;
@@ -347,11 +366,16 @@ __global__ void __launch_bounds__(kThreads, 2)
     pdl_wait();
     pdl_launch_dependents();
   }
-  const int t0 = MODE == 2 ? blockIdx.y / k : 0;
+  // MODE 2: slot blockIdx.y reads token t0's x. A batched launch (MODE 0): grid row blockIdx.y
+  // is token row tb, everything else as in the one-row launch.
+  const int t0 = MODE == 2 ? blockIdx.y / k : fz.batched ? blockIdx.y : 0;
+  const int tb = MODE == 2 ? 0 : t0;
   if (fz.norm.w)
-    stage_norm<BITS>(fz.norm, W.in, xs, red, blockIdx.x == 0 && blockIdx.y == 0, BlockSync{});
+    stage_norm<BITS>(norm_row(fz, tb), W.in, xs, red, blockIdx.x == 0 && (fz.batched || blockIdx.y == 0),
+                     BlockSync{});
   else
     stage_rows<BITS>(X + int64_t(t0) * ldx, ldx, 1, 1, W.in, xs);
+  const GdnInEpilogue gz = gdn_row(fz, tb);
 
   int rows[kR];
   bool ok[kR];
@@ -361,8 +385,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     rows[i] = (blockIdx.x * rpw + i) * kWarps + warp;
     ok[i] = i < rpw && rows[i] < out_rows;
     conv_w[i] = conv_in[i] = 0.f;
-    if (fz.epi == Epi::kGdnIn && ok[i] && rows[i] < fz.gdn.conv_dim) {
-      const GdnInEpilogue& G = fz.gdn;
+    if (fz.epi == Epi::kGdnIn && ok[i] && rows[i] < gz.conv_dim) {
+      const GdnInEpilogue& G = gz;
       if (lane < G.kernel) conv_w[i] = G.conv_w[int64_t(rows[i]) * G.kernel + lane];
       if (lane < G.kernel - 1) conv_in[i] = __bfloat162float(G.window[int64_t(lane) * G.conv_dim + rows[i]]);
     }
@@ -407,21 +431,28 @@ __global__ void __launch_bounds__(kThreads, 2)
     if constexpr (kPair) y = swiglu_bf16(a, group_sum<32>(acc2[i]));
     if (ok[i] && lane == 0) {
       if (fz.epi == Epi::kResidual) {
-        const float v = fz.resid.h[rows[i]] + y;
-        fz.resid.h[rows[i]] = v;
+        float* h = fz.resid.h + tb * fz.rows.h;
+        const float v = h[rows[i]] + y;
+        h[rows[i]] = v;
         sq = fmaf(v, v, sq);
       } else {
-        const int64_t at = (MODE == 2 ? int64_t(blockIdx.y) * ldy : 0) + rows[i];
+        const int64_t at = (MODE == 2 || fz.batched ? int64_t(blockIdx.y) * ldy : 0) + rows[i];
         if (y_f32)
           static_cast<float*>(Y)[at] = y;
         else
           static_cast<bf16*>(Y)[at] = __float2bfloat16(y);
       }
     }
-    if (fz.epi == Epi::kGdnIn && ok[i]) gdn_in_epilogue(fz.gdn, rows[i], y, conv_w[i], conv_in[i], lane);
+    if (fz.epi == Epi::kGdnIn && ok[i]) gdn_in_epilogue(gz, rows[i], y, conv_w[i], conv_in[i], lane);
   }
-  if (fz.epi == Epi::kResidual) residual_partial(sq, fz.resid.ss, red);
-  if (fz.epi == Epi::kRoute) route_epilogue(fz.route, static_cast<const float*>(Y), warp);
+  if (fz.epi == Epi::kResidual) residual_partial(sq, fz.resid.ss + tb * fz.rows.ss, red);
+  if (fz.epi == Epi::kRoute) {
+    RouteEpilogue R = fz.route;
+    R.idx += tb * fz.rows.route;
+    R.w += tb * fz.rows.route;
+    R.counter += tb;
+    route_epilogue(R, static_cast<const float*>(Y) + tb * ldy, warp, fz.batched ? gridDim.x : gridDim.x * gridDim.y);
+  }
 }
 
 // Rows per warp: as many as still give every multiprocessor a block.
@@ -436,13 +467,17 @@ template <int BITS, int T, int MODE>
 void launch_matvec_t(const DevLinear& W, const bf16* X, int64_t ldx, int n, void* Y, int64_t ldy, bool y_f32,
                      int out_rows, const int* idx, int k, int rows_per_expert, unsigned grid_y,
                      cudaStream_t stream, const Fusion& fz = Fusion{}) {
-  const int rpw = rows_per_warp(max_rows_per_warp(T, MODE), out_rows, grid_y);
+  // A batched launch keeps the one-row launch's rows per block (the partial sums of h² are per
+  // block), so its rows per warp are chosen as for one grid row.
+  const int rpw = rows_per_warp(max_rows_per_warp(T, MODE), out_rows, fz.batched ? 1u : grid_y);
   if constexpr (T == 1) {
     // One token: the shared-memory kernel, when the block's rows fit (and scales come in 16-byte
     // pieces).
     const SmemLayout lay = smem_layout<BITS>(W.in, kWarps * rpw * (MODE != 0 ? 2 : 1));
-    if ((MODE == 2 || (n == 1 && grid_y == 1)) && lay.total <= kSmemMatvecMax &&
-        (BITS == 16 || (W.in / kQuantGroup) % 8 == 0)) {
+    const bool fits = lay.total <= kSmemMatvecMax && (BITS == 16 || (W.in / kQuantGroup) % 8 == 0);
+    TANSY_CHECK(!fz.batched || fits, "matvec: a batched decode product [{}, {}] does not fit the shared-memory kernel",
+                W.out, W.in);
+    if ((MODE == 2 || (n == 1 && grid_y == 1) || fz.batched) && fits) {
       constexpr auto skern = matvec_smem_kernel<BITS, MODE>;
       allow_smem<skern>(lay.total, "matvec");
       pdl_launch(skern, dim3(ceil_div(out_rows, kWarps * rpw), grid_y), dim3(kThreads), lay.total, stream, W,
@@ -458,9 +493,20 @@ void launch_matvec_t(const DevLinear& W, const bf16* X, int64_t ldx, int n, void
              rows_per_expert, rpw, fz);
 }
 
-// One token row with an optional fused input norm (X null) and epilogue.
-void launch_fused(const DevLinear& W, const bf16* X, const Fusion& fz, void* Y, int64_t ldy, bool y_f32,
-                  cudaStream_t stream) {
+// One token row with an optional fused input norm (X null) and epilogue; with `rows`, rows->n of
+// them in one launch (X rows ldx apart, Y rows rows->y apart).
+void launch_fused(const DevLinear& W, const bf16* X, int64_t ldx, Fusion fz, void* Y, int64_t ldy, bool y_f32,
+                  cudaStream_t stream, const DecodeRows* rows) {
+  unsigned grid_y = 1;
+  if (rows) {
+    TANSY_CHECK(rows->n >= 1 && rows->n <= kMaxBatch, "matvec: {} batched rows outside 1..{}", rows->n, kMaxBatch);
+    TANSY_CHECK(fz.epi != Epi::kGdnIn || rows->window[rows->n - 1],
+                "matvec_norm_gdn: a batched row without its conv window");
+    fz.batched = 1;
+    fz.rows = *rows;
+    grid_y = unsigned(rows->n);
+    ldy = rows->y;
+  }
   if (!X) {
     const NormIn& x = fz.norm;
     TANSY_CHECK(x.h && x.ss && x.w && aligned16(x.h) && aligned16(x.w),
@@ -472,13 +518,13 @@ void launch_fused(const DevLinear& W, const bf16* X, const Fusion& fz, void* Y, 
   static_assert(kFusedNormMaxDim % (4 * kThreads) == 0);
   switch (W.fmt) {
     case WFormat::kAffine4:
-      launch_matvec_t<4, 1, 0>(W, X, W.in, 1, Y, ldy, y_f32, W.out, nullptr, 0, 0, 1, stream, fz);
+      launch_matvec_t<4, 1, 0>(W, X, ldx, int(grid_y), Y, ldy, y_f32, W.out, nullptr, 0, 0, grid_y, stream, fz);
       break;
     case WFormat::kAffine8:
-      launch_matvec_t<8, 1, 0>(W, X, W.in, 1, Y, ldy, y_f32, W.out, nullptr, 0, 0, 1, stream, fz);
+      launch_matvec_t<8, 1, 0>(W, X, ldx, int(grid_y), Y, ldy, y_f32, W.out, nullptr, 0, 0, grid_y, stream, fz);
       break;
     default:
-      launch_matvec_t<16, 1, 0>(W, X, W.in, 1, Y, ldy, y_f32, W.out, nullptr, 0, 0, 1, stream, fz);
+      launch_matvec_t<16, 1, 0>(W, X, ldx, int(grid_y), Y, ldy, y_f32, W.out, nullptr, 0, 0, grid_y, stream, fz);
       break;
   }
 }
@@ -518,28 +564,33 @@ void matvec(const DevLinear& W, const bf16* X, int64_t ldx, int n, const MatvecO
   launch_matvec<0>(W, X, ldx, n, Y.ptr, Y.ld, Y.f32, W.out, nullptr, 0, 0, stream);
 }
 
-void matvec_residual(const DevLinear& W, const bf16* X, const ResidualOut& out, cudaStream_t stream) {
+void matvec_residual(const DevLinear& W, const bf16* X, const ResidualOut& out, cudaStream_t stream,
+                     const DecodeRows* rows) {
   W.check("matvec_residual");
-  check_x(X, W.in, 1, W.in, "matvec_residual");
+  const int64_t ldx = rows ? rows->y : W.in;  // the batched rows of X
+  check_x(X, ldx, rows ? rows->n : 1, W.in, "matvec_residual");
   TANSY_CHECK(out.h && out.ss, "matvec_residual: missing h or ss");
   TANSY_CHECK(ceil_div(W.out, kWarps) <= kNormParts,
               "matvec_residual: {} rows need more than {} partial sums", W.out, kNormParts);
   Fusion fz;
   fz.epi = Epi::kResidual;
   fz.resid = out;
-  launch_fused(W, X, fz, nullptr, W.out, true, stream);
+  launch_fused(W, X, ldx, fz, nullptr, W.out, true, stream, rows);
 }
 
-void matvec_norm(const DevLinear& W, const NormIn& x, const MatvecOut& Y, cudaStream_t stream) {
+void matvec_norm(const DevLinear& W, const NormIn& x, const MatvecOut& Y, cudaStream_t stream,
+                 const DecodeRows* rows) {
   W.check("matvec_norm");
   TANSY_CHECK(Y.ld >= W.out, "matvec_norm: output ld {} < out {}", Y.ld, W.out);
   Fusion fz;
   fz.norm = x;
-  launch_fused(W, nullptr, fz, Y.ptr, Y.ld, Y.f32, stream);
+  DecodeRows r;
+  if (rows) (r = *rows).y = Y.ld;  // the output rows are Y's
+  launch_fused(W, nullptr, 0, fz, Y.ptr, Y.ld, Y.f32, stream, rows ? &r : nullptr);
 }
 
 void matvec_norm_route(const DevLinear& W, const NormIn& x, float* logits, const RouteEpilogue& route,
-                       cudaStream_t stream) {
+                       cudaStream_t stream, const DecodeRows* rows) {
   W.check("matvec_norm_route");
   const int need = route.E + (route.shared_slot ? 1 : 0);
   TANSY_CHECK(route.E >= 1 && route.E <= kRouteMaxExperts && route.k >= 1 && route.k <= kRouteMaxTopK &&
@@ -550,11 +601,13 @@ void matvec_norm_route(const DevLinear& W, const NormIn& x, float* logits, const
   fz.norm = x;
   fz.epi = Epi::kRoute;
   fz.route = route;
-  launch_fused(W, nullptr, fz, logits, W.out, true, stream);
+  TANSY_CHECK(!rows || rows->y >= W.out, "matvec_norm_route: logit rows {} apart hold fewer than {}", rows ? rows->y : 0,
+              W.out);
+  launch_fused(W, nullptr, 0, fz, logits, W.out, true, stream, rows);
 }
 
 void matvec_norm_gdn(const DevLinear& W, const NormIn& x, bf16* Y, const GdnInEpilogue& g,
-                     cudaStream_t stream) {
+                     cudaStream_t stream, const DecodeRows* rows) {
   W.check("matvec_norm_gdn");
   TANSY_CHECK(g.kernel >= 2 && g.kernel <= 32, "matvec_norm_gdn: conv kernel {} outside 2..32", g.kernel);
   TANSY_CHECK(g.conv_dim > 0 && g.value_dim >= 0 && g.n_v_heads > 0 &&
@@ -567,7 +620,9 @@ void matvec_norm_gdn(const DevLinear& W, const NormIn& x, bf16* Y, const GdnInEp
   fz.norm = x;
   fz.epi = Epi::kGdnIn;
   fz.gdn = g;
-  launch_fused(W, nullptr, fz, Y, W.out, false, stream);
+  TANSY_CHECK(!rows || rows->y >= W.out, "matvec_norm_gdn: output rows {} apart hold fewer than {}", rows ? rows->y : 0,
+              W.out);
+  launch_fused(W, nullptr, 0, fz, Y, W.out, false, stream, rows);
 }
 
 void matvec_swiglu(const DevLinear& W, const bf16* X, int64_t ldx, int n, bf16* Y, int64_t ldy,

@@ -39,6 +39,23 @@ struct MatvecOut {
 
 // ---- decode (one token row) with the neighbouring ops fused in ----
 
+// A batched decode launch (continuous batching): n sequences' token rows, row t in grid row
+// blockIdx.y = t, each computed by the same blocks in the same order as the one-row launch, so a
+// sequence's values do not depend on what else is in the batch. Row t reads and writes at the
+// one-row launch's pointers plus t times these strides (elements); the conv windows, which
+// belong to the sequences' states, come as pointers (every row's, row 0's included).
+struct DecodeRows {
+  int n = 1;
+  int64_t h = 0;      // NormIn::h, ResidualOut::h (f32 residual rows)
+  int64_t ss = 0;     // NormIn::ss, ResidualOut::ss (kNormParts partials per norm point)
+  int64_t xn = 0;     // NormIn::xn_out
+  int64_t y = 0;      // the product's output rows
+  int64_t conv = 0;   // GdnInEpilogue::conv_out
+  int64_t gates = 0;  // GdnInEpilogue::beta and ::g
+  int64_t route = 0;  // RouteEpilogue::idx and ::w (the counter of row t is counter + t)
+  bf16* window[kMaxBatch] = {};  // GdnInEpilogue::window of each row's sequence
+};
+
 // The residual stream h (f32, one row) carries, per norm point, kNormParts partial sums of h²
 // written by the kernel that last added to h (ResidualOut, or embed), so that a consumer gets the
 // RMSNorm scale without a reduction pass of its own. Unused partials stay zero (the producer of
@@ -64,11 +81,14 @@ struct ResidualOut {
   float* ss = nullptr;
 };
 
-// h[r] += W[r]·X for one token row (ResidualOut).
-void matvec_residual(const DevLinear& W, const bf16* X, const ResidualOut& out, cudaStream_t stream);
+// h[r] += W[r]·X for one token row (ResidualOut); with `rows`, for each of rows->n rows (X rows
+// rows->y apart).
+void matvec_residual(const DevLinear& W, const bf16* X, const ResidualOut& out, cudaStream_t stream,
+                     const DecodeRows* rows = nullptr);
 
-// Y[r] = W[r]·x for the one token whose normed input `x` describes.
-void matvec_norm(const DevLinear& W, const NormIn& x, const MatvecOut& Y, cudaStream_t stream);
+// Y[r] = W[r]·x for the one token whose normed input `x` describes (with `rows`: each row's).
+void matvec_norm(const DevLinear& W, const NormIn& x, const MatvecOut& Y, cudaStream_t stream,
+                 const DecodeRows* rows = nullptr);
 // Y[t, r] = Σ_i W[r, i]·X[t, i] for t < n (any n >= 1; rows of X `ldx` elements apart, 16-byte aligned).
 void matvec(const DevLinear& W, const bf16* X, int64_t ldx, int n, const MatvecOut& Y, cudaStream_t stream);
 

@@ -20,7 +20,7 @@ template <int BITS, int G, bool SMEM>
 __global__ void __launch_bounds__(kThreads, 3)
     moe_down_kernel(DevLinear Wd, int H, const int* __restrict__ idx, const float* __restrict__ wts,
                     const bf16* __restrict__ act, int k, const bf16* shared, const float* sh_logit,
-                    int64_t sh_ld, bf16* out, ResidualOut res) {
+                    int64_t sh_ld, bf16* out, ResidualOut res, int64_t res_h_ld, int64_t res_ss_ld) {
   extern __shared__ float4 smem4[];
   __shared__ alignas(8) uint64_t wbar;  // bulk copies (SMEM): the slots' rows have landed
   float* xs = reinterpret_cast<float*>(smem4);
@@ -128,19 +128,20 @@ __global__ void __launch_bounds__(kThreads, 3)
     float y = acc;
     if (shared) y += sg * __bfloat162float(shared[int64_t(t) * H + r]);
     if (res.h) {
-      const float v = res.h[r] + y;
-      res.h[r] = v;
+      float* h = res.h + t * res_h_ld;  // token t's residual row (a batched decode step)
+      const float v = h[r] + y;
+      h[r] = v;
       sq = v * v;
     } else {
       out[int64_t(t) * H + r] = __float2bfloat16(y);
     }
   }
-  if (res.h) residual_partial(sq, res.ss, red);
+  if (res.h) residual_partial(sq, res.ss + t * res_ss_ld, red);
 }
 
 void launch_moe_down(const DevLinear& Wd, int n_experts, const int* idx, const float* wts, const bf16* act,
                      int n, int k, const bf16* shared, const float* sh_logit, int64_t sh_ld, bf16* out,
-                     const ResidualOut& res, cudaStream_t stream) {
+                     const ResidualOut& res, int64_t res_h_ld, int64_t res_ss_ld, cudaStream_t stream) {
   Wd.check("moe_down_combine");
   TANSY_CHECK(n_experts > 0 && Wd.out % n_experts == 0, "moe_down_combine: {} rows over {} experts", Wd.out,
               n_experts);
@@ -148,8 +149,8 @@ void launch_moe_down(const DevLinear& Wd, int n_experts, const int* idx, const f
   TANSY_CHECK(n >= 1 && n <= 65535, "moe_down_combine: {} tokens outside the grid limit", n);
   TANSY_CHECK(idx && wts && act && (out || res.h) && aligned16(act),
               "moe_down_combine: missing or misaligned buffers");
-  TANSY_CHECK(!res.h || (n == 1 && res.ss),
-              "moe_down_combine: the residual output takes one token and its ss");
+  TANSY_CHECK(!res.h || (res.ss && (n == 1 || (res_h_ld >= Wd.out / n_experts && res_ss_ld >= kNormParts))),
+              "moe_down_combine: the residual output needs its ss, and rows apart for several tokens");
   TANSY_CHECK(!shared || sh_logit, "moe_down_combine: shared expert output without its gate logit");
   const int H = Wd.out / n_experts;
   auto go = [&]<int BITS>() {
@@ -163,7 +164,7 @@ void launch_moe_down(const DevLinear& Wd, int n_experts, const int* idx, const f
         constexpr auto kern = moe_down_kernel<BITS, G, STAGED>;
         allow_smem<kern>(bytes, "moe_down_combine");
         pdl_launch(kern, dim3(ceil_div(H, R), n), dim3(kThreads), bytes, stream, Wd, H, idx, wts, act, k,
-                   shared, sh_logit, sh_ld, out, res);
+                   shared, sh_logit, sh_ld, out, res, res_h_ld, res_ss_ld);
       };
       // Shared-memory staging of the slots' rows when they fit (and scales come in 16-byte pieces).
       const size_t big = align16(smem) + size_t(k) * R * Wd.in * BITS / 8 +
@@ -189,14 +190,16 @@ void moe_down_combine(const DevLinear& Wd, int n_experts, const int* idx, const 
                       int n, int k, const bf16* shared, const float* sh_logit, int64_t sh_ld, bf16* out,
                       cudaStream_t stream) {
   TANSY_CHECK(out, "moe_down_combine: no output");
-  launch_moe_down(Wd, n_experts, idx, wts, act, n, k, shared, sh_logit, sh_ld, out, ResidualOut{}, stream);
+  launch_moe_down(Wd, n_experts, idx, wts, act, n, k, shared, sh_logit, sh_ld, out, ResidualOut{}, 0, 0, stream);
 }
 
 void moe_down_residual(const DevLinear& Wd, int n_experts, const int* idx, const float* wts, const bf16* act,
                        int k, const bf16* shared, const float* sh_logit, const ResidualOut& out,
-                       cudaStream_t stream) {
+                       cudaStream_t stream, const DecodeRows* rows) {
   TANSY_CHECK(out.h && out.ss, "moe_down_residual: missing h or ss");
-  launch_moe_down(Wd, n_experts, idx, wts, act, 1, k, shared, sh_logit, 0, nullptr, out, stream);
+  TANSY_CHECK(!shared || !rows || rows->n == 1, "moe_down_residual: batched rows take the shared expert as a slot");
+  launch_moe_down(Wd, n_experts, idx, wts, act, rows ? rows->n : 1, k, shared, sh_logit, 0, nullptr, out,
+                  rows ? rows->h : 0, rows ? rows->ss : 0, stream);
 }
 
 }  // namespace tansy::cuda

@@ -47,7 +47,7 @@ struct RouteEpilogue {
 
 // Router logits (f32, W.out of them) + the routing epilogue.
 void matvec_norm_route(const DevLinear& W, const NormIn& x, float* logits, const RouteEpilogue& route,
-                       cudaStream_t stream);
+                       cudaStream_t stream, const DecodeRows* rows = nullptr);
 
 // ---- decode: the routed experts ----
 
@@ -64,10 +64,12 @@ void matvec_swiglu_experts(const DevLinear& W, int n_experts, const int* idx, in
 void moe_down_combine(const DevLinear& Wd, int n_experts, const int* idx, const float* wts, const bf16* act,
                       int n, int k, const bf16* shared, const float* sh_logit, int64_t sh_ld, bf16* out,
                       cudaStream_t stream);
-// The same for one token, added to the residual stream instead (ResidualOut; `shared` as above).
+// The same for one token, added to the residual stream instead (ResidualOut; `shared` as above);
+// with `rows`, for each of rows->n tokens (idx, wts, act as for n tokens; h and ss rows->h and
+// rows->ss apart).
 void moe_down_residual(const DevLinear& Wd, int n_experts, const int* idx, const float* wts, const bf16* act,
                        int k, const bf16* shared, const float* sh_logit, const ResidualOut& out,
-                       cudaStream_t stream);
+                       cudaStream_t stream, const DecodeRows* rows = nullptr);
 
 // ---- prefill ----
 
