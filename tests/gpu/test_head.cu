@@ -2,6 +2,7 @@
 // against tansy::argmax, and the fused decode head (final norm + lm_head + argmax + position)
 // against cpu::rmsnorm + cpu::matmul. Tolerances in gpu_test_util.h.
 #include <algorithm>
+#include <cstring>
 #include <cmath>
 #include <string>
 #include <utility>
@@ -74,6 +75,70 @@ struct HeadCall {
     return from_device(tok.get(), 1)[0];
   }
 };
+
+// The batched head (continuous batching): n rows through lm_head_argmax_rows give each row's
+// logits bit for bit, and its token and position, as lm_head_argmax on that row alone (the
+// lm_head_argmax test checks that one against the CPU), at the real shape and a partial tile,
+// with each row's own argmax range.
+TEST(Head, LmHeadArgmaxRowsMatchesOneRow) {
+  for (auto [out, in] : {std::pair{248320, 2048}, std::pair{4100, 2048}, std::pair{33, 256}}) {
+    TestMatrix W = make_matrix(WFormat::kAffine4, out, in);
+    for (int n : {1, 3, cuda::kLmHeadRows}) {
+      const std::string label = "[" + std::to_string(out) + "x" + std::to_string(in) + "] rows " + std::to_string(n);
+      std::vector<float> h, w, ss;
+      std::vector<NormCase> cases;
+      for (int t = 0; t < n; ++t) {
+        cases.push_back(make_norm_case(in));
+        h.insert(h.end(), cases.back().h.begin(), cases.back().h.end());
+        ss.insert(ss.end(), cases.back().ss.begin(), cases.back().ss.end());
+      }
+      w = cases[0].w;
+      DeviceBuffer<float> dh = to_device(h), dw = to_device(w), dss = to_device(ss), logits(size_t(n) * out);
+      DeviceBuffer<bf16> xn(size_t(n) * in);
+      DeviceBuffer<unsigned long long> scratch(size_t(cuda::lm_head_scratch()) * cuda::kLmHeadRows);
+      DeviceBuffer<unsigned> counter(1);
+      DeviceBuffer<int> tok{static_cast<size_t>(n)};
+      DeviceBuffer<int> pos = to_device(std::vector<int>(static_cast<size_t>(n), 3));
+      CUDA_CHECK(cudaMemset(counter.get(), 0, 4));
+      cuda::LmHeadArgs a;
+      a.W = W.dev;
+      a.x.h = dh.get();
+      a.x.ss = dss.get();
+      a.x.w = dw.get();
+      a.x.eps = 1e-6f;
+      a.x.xn_out = xn.get();
+      a.logits = logits.get();
+      a.token = tok.get();
+      a.scratch = scratch.get();
+      a.counter = counter.get();
+      cuda::LmHeadRows r;
+      r.n = n;
+      r.h = in;
+      r.ss = cuda::kNormParts;
+      r.xn = in;
+      for (int t = 0; t < n; ++t) {
+        r.pos[t] = pos.get() + t;
+        r.limit[t] = std::max(1, out - t * (out / 5));
+      }
+      poison(logits);
+      cuda::lm_head_argmax_rows(a, r, 0);
+      const auto got = from_device(logits.get(), size_t(n) * out);
+      const auto toks = from_device(tok.get(), n);
+      const auto poss = from_device(pos.get(), n);
+      EXPECT_EQ(from_device(counter.get(), 1)[0], 0u) << label << ": counter left zero";
+      for (int t = 0; t < n; ++t) {
+        NormDev d(cases[size_t(t)]);
+        HeadCall one(W.dev, d.in);
+        const int want = one.run(r.limit[t]);
+        const auto ref = from_device(one.logits.get(), out);
+        EXPECT_EQ(std::memcmp(got.data() + size_t(t) * out, ref.data(), sizeof(float) * out), 0)
+            << label << " row " << t << ": logits differ from the one-row kernel's";
+        EXPECT_EQ(toks[size_t(t)], want) << label << " row " << t;
+        EXPECT_EQ(poss[size_t(t)], 4) << label << " row " << t << ": position advanced once";
+      }
+    }
+  }
+}
 
 // The fused decode head: final norm + lm_head + argmax + position in one launch, at the real
 // shape, at partial tiles (rows not a multiple of 32, a single partial tile) and at the demo

@@ -2,6 +2,7 @@
 // norm-in and residual variants, at the real model's shapes and at edge sizes. Inputs are rounded to
 // bf16 first, so both sides see the same values; tolerances in gpu_test_util.h.
 #include <algorithm>
+#include <cstring>
 #include <cmath>
 #include <string>
 #include <tuple>
@@ -146,6 +147,83 @@ TEST(Matvec, Norm) {
   NormDev d(c);
   DeviceBuffer<float> y(64);
   EXPECT_THROW(cuda::matvec_norm(W.dev, d.in, cuda::MatvecOut{y.get(), true, 64}, 0), Error);
+}
+
+// A batched decode step's products (DecodeRows): each of n token rows in one launch gives its
+// outputs, residual rows and partial sums of h² bit for bit as the one-row launch on that row
+// alone, at the real model's shapes (attention q|k|v with the input norm; o_proj / GDN out_proj
+// with the residual) and at batch sizes around the kernel's rows per block.
+TEST(Matvec, BatchedRowsMatchOneRow) {
+  {  // the input norm
+    TestMatrix W = make_matrix(WFormat::kAffine4, 9216, 2048);
+    for (int n : {1, 2, 8, 9, 17}) {
+      std::vector<NormCase> cases;
+      std::vector<float> h, ss;
+      for (int t = 0; t < n; ++t) {
+        cases.push_back(make_norm_case(2048));
+        h.insert(h.end(), cases.back().h.begin(), cases.back().h.end());
+        ss.insert(ss.end(), cases.back().ss.begin(), cases.back().ss.end());
+      }
+      DeviceBuffer<float> dh = to_device(h), dss = to_device(ss), dw = to_device(cases[0].w);
+      DeviceBuffer<float> y(size_t(n) * 9216);
+      poison(y);
+      cuda::NormIn in;
+      in.h = dh.get();
+      in.ss = dss.get();
+      in.w = dw.get();
+      in.eps = 1e-6f;
+      cuda::DecodeRows rows;
+      rows.n = n;
+      rows.h = 2048;
+      rows.ss = cuda::kNormParts;
+      cuda::matvec_norm(W.dev, in, cuda::MatvecOut{y.get(), true, 9216}, 0, &rows);
+      const auto got = from_device(y.get(), size_t(n) * 9216);
+      for (int t = 0; t < n; ++t) {
+        NormCase c = cases[size_t(t)];
+        c.w = cases[0].w;
+        NormDev d(c);
+        DeviceBuffer<float> y1(9216);
+        cuda::matvec_norm(W.dev, d.in, cuda::MatvecOut{y1.get(), true, 9216}, 0);
+        const auto want = from_device(y1.get(), 9216);
+        EXPECT_EQ(std::memcmp(got.data() + size_t(t) * 9216, want.data(), sizeof(float) * 9216), 0)
+            << "matvec_norm batch of " << n << ", row " << t;
+      }
+    }
+  }
+  // the residual: o_proj [2048 x 4096]
+  TestMatrix W = make_matrix(WFormat::kAffine4, 2048, 4096);
+  for (int n : {1, 3, 8, 16}) {
+    auto x = randn(size_t(n) * 4096);
+    round_bf16_inplace(x);
+    auto h = randn(size_t(n) * 2048, 2.f);
+    auto dx = to_device_bf16(x);
+    DeviceBuffer<float> dh = to_device(h), ss(size_t(n) * cuda::kNormParts);
+    CUDA_CHECK(cudaMemset(ss.get(), 0, ss.bytes()));
+    cuda::DecodeRows rows;
+    rows.n = n;
+    rows.h = 2048;
+    rows.ss = cuda::kNormParts;
+    rows.y = 4096;
+    cuda::matvec_residual(W.dev, dx.get(), cuda::ResidualOut{dh.get(), ss.get()}, 0, &rows);
+    const auto got_h = from_device(dh.get(), size_t(n) * 2048);
+    const auto got_ss = from_device(ss.get(), size_t(n) * cuda::kNormParts);
+    for (int t = 0; t < n; ++t) {
+      std::vector<float> x1(x.begin() + size_t(t) * 4096, x.begin() + size_t(t + 1) * 4096);
+      std::vector<float> h1(h.begin() + size_t(t) * 2048, h.begin() + size_t(t + 1) * 2048);
+      auto dx1 = to_device_bf16(x1);
+      DeviceBuffer<float> dh1 = to_device(h1), ss1(cuda::kNormParts);
+      CUDA_CHECK(cudaMemset(ss1.get(), 0, ss1.bytes()));
+      cuda::matvec_residual(W.dev, dx1.get(), cuda::ResidualOut{dh1.get(), ss1.get()}, 0);
+      const auto want_h = from_device(dh1.get(), 2048);
+      const auto want_ss = from_device(ss1.get(), cuda::kNormParts);
+      EXPECT_EQ(std::memcmp(got_h.data() + size_t(t) * 2048, want_h.data(), sizeof(float) * 2048), 0)
+          << "matvec_residual batch of " << n << ", row " << t << ": h";
+      EXPECT_EQ(std::memcmp(got_ss.data() + size_t(t) * cuda::kNormParts, want_ss.data(),
+                            sizeof(float) * cuda::kNormParts),
+                0)
+          << "matvec_residual batch of " << n << ", row " << t << ": partial sums";
+    }
+  }
 }
 
 // h += W·x in place, with the partial sums of the new h² for the next norm.

@@ -121,23 +121,31 @@ void CudaModel::run_decode_batch(std::span<CudaState* const> sts, std::span<cons
     moe_down_residual(L.experts_down.view, E + 1, topk_idx_.get(), topk_w_.get(), act_.get(), K + 1, nullptr,
                       nullptr, moe_out, stream_, &rows);
   }
-  // Each row's fused head, as the decode graph runs it (one launch per row: the lm_head's weights
-  // are read once per row).
-  for (int t = 0; t < n; ++t) {
+  // The rows' fused head, kLmHeadRows rows per launch (the lm_head's weights read once for them),
+  // each row's logits and token as the decode graph's lm_head_argmax computes them.
+  for (int t0 = 0; t0 < n; t0 += kLmHeadRows) {
     LmHeadArgs a;
     a.W = lm_head_.view;
-    a.x.h = h + size_t(t) * H;
-    a.x.ss = ss(2 * c.num_layers) + t * ssl;
+    a.x.h = h + size_t(t0) * H;
+    a.x.ss = ss(2 * c.num_layers) + t0 * ssl;
     a.x.w = final_norm_.get();
     a.x.eps = c.rms_eps;
-    a.x.xn_out = xn_.get() + size_t(t) * H;
-    a.logits = d_logits_.get() + size_t(t) * c.vocab_size;
-    a.limit = limits[t];
-    a.token = d_rows_tok_.get() + t;
-    a.pos = sts[t]->pos.get();
+    a.x.xn_out = xn_.get() + size_t(t0) * H;
+    a.logits = d_logits_.get() + size_t(t0) * c.vocab_size;
+    a.limit = limits[t0];
+    a.token = d_rows_tok_.get() + t0;
     a.scratch = d_head_scratch_.get();
     a.counter = head_counter_.get();
-    lm_head_argmax(a, stream_);
+    LmHeadRows hr;
+    hr.n = std::min(kLmHeadRows, n - t0);
+    hr.h = H;
+    hr.ss = ssl;
+    hr.xn = H;
+    for (int t = 0; t < hr.n; ++t) {
+      hr.pos[t] = sts[t0 + t]->pos.get();
+      hr.limit[t] = limits[t0 + t];
+    }
+    lm_head_argmax_rows(a, hr, stream_);
   }
 }
 

@@ -179,7 +179,7 @@ void CudaModel::allocate_scratch() {
   d_rows_tok_.resize(kMaxBatch);
   d_argmax_.resize(kArgmaxBlocks);
   if (head_fused_) {
-    d_head_scratch_.resize(lm_head_scratch());
+    d_head_scratch_.resize(size_t(lm_head_scratch()) * kLmHeadRows);
     head_counter_.resize(1);
     CUDA_CHECK(cudaMemset(head_counter_.get(), 0, head_counter_.bytes()));
   }

@@ -343,7 +343,7 @@ class CudaModel final : public Model, public StageProfiler {
   DeviceBuffer<float> attn_scratch_;   // split-attention partials
   DeviceBuffer<float> d_logits_;       // [max(kLogitRows, kMaxBatch), vocab]
   DeviceBuffer<unsigned long long> d_argmax_;
-  DeviceBuffer<unsigned long long> d_head_scratch_;  // fused head: one argmax candidate per block
+  DeviceBuffer<unsigned long long> d_head_scratch_;  // fused head: one argmax candidate per block (and row)
   DeviceBuffer<unsigned> head_counter_;
   DeviceBuffer<int> expert_offsets_, tile_offsets_, sorted_slot_, slot_row_;  // prefill MoE routing
   DeviceBuffer<bf16> yd_;                          // [m*k, H] routed experts' down outputs in sorted order

@@ -73,4 +73,19 @@ int lm_head_scratch();
 // group, then scale and bias in f32). Throws unless W is 4-bit with in % 256 == 0 and in <= 2048.
 void lm_head_argmax(const LmHeadArgs& a, cudaStream_t stream);
 
+// lm_head_argmax for up to kLmHeadRows token rows of a batched decode step at once, the weights
+// read once for all of them: the rows are the columns of the mma's B operand (each column's
+// products are computed apart from the others'), every other value as lm_head_argmax computes it
+// for one row, so row t's logits and token are bit for bit what lm_head_argmax gives it alone.
+// Row t: a's pointers plus t times the strides (logits t * W.out, token t), its own position and
+// argmax range; scratch: lm_head_scratch() * kLmHeadRows entries.
+constexpr int kLmHeadRows = 8;
+struct LmHeadRows {
+  int n = 1;
+  int64_t h = 0, ss = 0, xn = 0;  // NormIn strides
+  int* pos[kLmHeadRows] = {};
+  int limit[kLmHeadRows] = {};
+};
+void lm_head_argmax_rows(const LmHeadArgs& a, const LmHeadRows& rows, cudaStream_t stream);
+
 }  // namespace tansy::cuda

@@ -292,6 +292,213 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
+// lm_head_kernel for up to kLmHeadRows token rows: row t is column t of the mma's B operand (lane
+// g of a quad group loads row g's x), so each tile's codes serve every row. Everything a row's
+// value depends on is computed as lm_head_kernel computes it for one row: the norm (its partial
+// sums in the same order), Σx of each group (the same lanes, the same shuffles), the products and
+// the fold of scale and bias per group, the warps' partials added in order. Four stages instead
+// of five: the rows' x and partials take the fifth's shared memory.
+constexpr int kRowStages = 4;
+size_t rows_smem_bytes(int in) {
+  return size_t(kRowStages) * layout(in).stage + size_t(kLmHeadRows) * in * 2 +
+         size_t(2) * kWarps * kTileRows * kLmHeadRows * sizeof(float) + 1024;
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    lm_head_rows_kernel(const __grid_constant__ CUtensorMap map, LmHeadArgs a, const __grid_constant__ LmHeadRows R) {
+  extern __shared__ float4 smem4[];
+  __shared__ float nred[kLmHeadRows][kWarps];
+  __shared__ unsigned long long kred[kWarps];
+  __shared__ int last;
+  __shared__ alignas(8) uint64_t full[kRowStages];
+  uint8_t* base = reinterpret_cast<uint8_t*>(smem4);
+  base += (1024 - (tc::smem_addr(base) & 1023)) & 1023;
+  const DevLinear& W = a.W;
+  const int G = W.in / kQuantGroup, nt = R.n;
+  const Layout L = layout(W.in);
+  bf16* xb = reinterpret_cast<bf16*>(base + kRowStages * L.stage);                       // [rows][in]
+  float* red = reinterpret_cast<float*>(xb + size_t(kLmHeadRows) * W.in);                // [2][warp][row][token]
+  auto red_at = [&](int buf, int w, int r, int tok) {
+    return red + ((size_t(buf) * kWarps + w) * kTileRows + r) * kLmHeadRows + tok;
+  };
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int ntiles = (W.out + kTileRows - 1) / kTileRows;
+  const int mine = int(blockIdx.x) < ntiles ? (ntiles - 1 - int(blockIdx.x)) / int(gridDim.x) + 1 : 0;
+  auto tile_of = [&](int j) { return int(blockIdx.x) + j * int(gridDim.x); };
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kRowStages; ++s) bulk::mbar_init(&full[s]);
+    bulk::fence_init();
+  }
+  __syncthreads();
+  constexpr int kIssuer = kWarps - 1;
+  if (warp == kIssuer)
+    for (int s = 0; s < kRowStages - 1 && s < mine; ++s)
+      issue_tile(&map, W, tile_of(s), base + s * L.stage, L, &full[s], lane);
+  pdl_wait();
+  pdl_launch_dependents();
+
+  // Each row's x = bf16(h·rsqrt(Σss/in + eps)·w), as lm_head_kernel's norm.
+  for (int tok = 0; tok < nt; ++tok) {
+    const float* ss = a.x.ss + tok * R.ss;
+    float part = 0.f;
+    if (threadIdx.x < 256)
+      for (int i = threadIdx.x; i < kNormParts; i += 256) part += ss[i];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+    if (lane == 0) nred[tok][warp] = part;
+  }
+  __syncthreads();
+  for (int tok = 0; tok < nt; ++tok) {
+    float tot = 0.f;
+    for (int w = 0; w < kWarps; ++w) tot += nred[tok][w];
+    const float scale = rsqrtf(tot / float(W.in) + a.x.eps);
+    const float* h = a.x.h + tok * R.h;
+    bf16* xn = a.x.xn_out && blockIdx.x == 0 ? a.x.xn_out + tok * R.xn : nullptr;
+    for (int i = threadIdx.x; i < W.in; i += kThreads) {
+      const bf16 v = __float2bfloat16(h[i] * scale * a.x.w[i]);
+      xb[size_t(tok) * W.in + i] = v;
+      if (xn) xn[i] = v;
+    }
+  }
+  __syncthreads();
+  // B fragments: lane (g, t) holds column g = row g's x; sx[j]: Σx of row g's group, then the
+  // sums of the rows of this lane's two accumulator columns 2t and 2t+1.
+  uint32_t bx[kMaxGroupsPerWarp][2][2][2];
+  float sxa[kMaxGroupsPerWarp], sxb[kMaxGroupsPerWarp];
+#pragma unroll
+  for (int j = 0; j < kMaxGroupsPerWarp; ++j) {
+    const int gi = warp + j * kWarps;
+    sxa[j] = sxb[j] = 0.f;
+    if (gi >= G) continue;
+    float s = 0.f;
+#pragma unroll
+    for (int wi = 0; wi < 2; ++wi) {
+      const uint4 v = g < nt ? *reinterpret_cast<const uint4*>(xb + size_t(g) * W.in + gi * kQuantGroup + (2 * t + wi) * 8)
+                             : make_uint4(0, 0, 0, 0);
+      bx[j][wi][0][0] = __byte_perm(v.x, v.z, 0x5410);
+      bx[j][wi][0][1] = __byte_perm(v.x, v.z, 0x7632);
+      bx[j][wi][1][0] = __byte_perm(v.y, v.w, 0x5410);
+      bx[j][wi][1][1] = __byte_perm(v.y, v.w, 0x7632);
+      const uint32_t e[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int m = 0; m < 4; ++m) s += __uint_as_float(e[m] << 16) + __uint_as_float(e[m] & 0xffff0000u);
+    }
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    s += __shfl_xor_sync(0xffffffffu, s, 2);
+    sxa[j] = __shfl_sync(0xffffffffu, s, 4 * (2 * t));
+    sxb[j] = __shfl_sync(0xffffffffu, s, 4 * (2 * t + 1));
+  }
+
+  unsigned long long best[kLmHeadRows];
+#pragma unroll
+  for (int tok = 0; tok < kLmHeadRows; ++tok) best[tok] = 0;
+  auto finish_tile = [&](int tile, int buf) {
+    const int r = tile * kTileRows + lane;
+#pragma unroll
+    for (int tok = 0; tok < kLmHeadRows; ++tok) {
+      if (tok >= nt) break;
+      float v = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) v += *red_at(buf, w, lane, tok);
+      if (r < W.out) {
+        a.logits[int64_t(tok) * W.out + r] = v;
+        if (r < R.limit[tok]) best[tok] = max_u64(best[tok], argmax_key(v, r));
+      }
+    }
+  };
+
+  for (int it = 0; it < mine; ++it) {
+    bulk::mbar_wait(&full[it % kRowStages], (it / kRowStages) & 1);
+    __syncthreads();
+    if (warp == kIssuer) {
+      const int nx = it + kRowStages - 1;
+      if (nx < mine)
+        issue_tile(&map, W, tile_of(nx), base + (nx % kRowStages) * L.stage, L, &full[nx % kRowStages], lane);
+    }
+    if (warp == 0 && it > 0) finish_tile(tile_of(it - 1), (it - 1) & 1);
+    const uint8_t* st = base + (it % kRowStages) * L.stage;
+    const bf16* ssm = reinterpret_cast<const bf16*>(st + L.sb);
+    const bf16* bsm = ssm + kTileRows * G;
+    constexpr int J = kMaxGroupsPerWarp;
+    uint2 wv[2][J][2];
+    float c[2][J][4];
+#pragma unroll
+    for (int sub = 0; sub < 2; ++sub)
+#pragma unroll
+      for (int j = 0; j < J; ++j) {
+        c[sub][j][0] = c[sub][j][1] = c[sub][j][2] = c[sub][j][3] = 0.f;
+        const int gi = warp + j * kWarps;
+        if (gi >= G) continue;
+        const int chunk = (((gi & 3) << 1) | (t >> 1)) ^ g;
+        const uint8_t* p = st + (gi >> 2) * kSlabBytes + (sub * 16 + g) * kSlab + chunk * 16 + (t & 1) * 8;
+        wv[sub][j][0] = *reinterpret_cast<const uint2*>(p);
+        wv[sub][j][1] = *reinterpret_cast<const uint2*>(p + 8 * kSlab);
+      }
+#pragma unroll
+    for (int wi = 0; wi < 2; ++wi)
+#pragma unroll
+      for (int sub = 0; sub < 2; ++sub)
+#pragma unroll
+        for (int j = 0; j < J; ++j) {
+          if (warp + j * kWarps >= G) continue;
+          mma_word(c[sub][j], wi ? wv[sub][j][0].y : wv[sub][j][0].x, wi ? wv[sub][j][1].y : wv[sub][j][1].x,
+                   bx[j][wi]);
+        }
+#pragma unroll
+    for (int sub = 0; sub < 2; ++sub) {
+      const int ra = sub * 16 + g, rb = ra + 8;
+      float ta0 = 0.f, ta1 = 0.f, tb0 = 0.f, tb1 = 0.f;
+#pragma unroll
+      for (int j = 0; j < J; ++j) {
+        const int gi = warp + j * kWarps;
+        if (gi >= G) continue;
+        const float sa = __bfloat162float(ssm[ra * G + gi]), ba = __bfloat162float(bsm[ra * G + gi]);
+        const float sb = __bfloat162float(ssm[rb * G + gi]), bb = __bfloat162float(bsm[rb * G + gi]);
+        ta0 += fmaf(sa, c[sub][j][0], (ba - 128.f * sa) * sxa[j]);
+        ta1 += fmaf(sa, c[sub][j][1], (ba - 128.f * sa) * sxb[j]);
+        tb0 += fmaf(sb, c[sub][j][2], (bb - 128.f * sb) * sxa[j]);
+        tb1 += fmaf(sb, c[sub][j][3], (bb - 128.f * sb) * sxb[j]);
+      }
+      *red_at(it & 1, warp, ra, 2 * t) = ta0;
+      *red_at(it & 1, warp, ra, 2 * t + 1) = ta1;
+      *red_at(it & 1, warp, rb, 2 * t) = tb0;
+      *red_at(it & 1, warp, rb, 2 * t + 1) = tb1;
+    }
+  }
+  __syncthreads();
+  if (warp == 0) {
+    if (mine > 0) finish_tile(tile_of(mine - 1), (mine - 1) & 1);
+#pragma unroll
+    for (int tok = 0; tok < kLmHeadRows; ++tok) {
+      if (tok >= nt) break;
+      const unsigned long long b = warp_max(best[tok]);
+      if (lane == 0) a.scratch[int64_t(tok) * gridDim.x + blockIdx.x] = b;
+    }
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(a.counter, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int tok = 0; tok < nt; ++tok) {
+    unsigned long long b = 0;
+    for (int i = threadIdx.x; i < int(gridDim.x); i += kThreads)
+      b = max_u64(b, __ldcg(a.scratch + int64_t(tok) * gridDim.x + i));
+    b = warp_max(b);
+    if (lane == 0) kred[warp] = b;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int w = 0; w < kWarps; ++w) b = max_u64(b, kred[w]);
+      a.token[tok] = argmax_index(b);
+      if (R.pos[tok]) *R.pos[tok] += 1;
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *a.counter = 0;
+}
+
 }  // namespace
 
 // The tensor map of W's codes as bytes [out][in / 2], boxes of 32 rows x 128 bytes, 128-byte
@@ -350,6 +557,24 @@ void lm_head_argmax(const LmHeadArgs& a, cudaStream_t stream) {
   const size_t smem = smem_bytes(W.in);
   allow_smem<lm_head_kernel>(smem, "lm_head_argmax");
   pdl_launch(lm_head_kernel, dim3(grid), dim3(kThreads), smem, stream, codes_map(W), a);
+}
+
+void lm_head_argmax_rows(const LmHeadArgs& a, const LmHeadRows& rows, cudaStream_t stream) {
+  const DevLinear& W = a.W;
+  W.check("lm_head_argmax_rows");
+  TANSY_CHECK(lm_head_argmax_supports(W) && aligned16(W.scales) && aligned16(W.biases),
+              "lm_head_argmax_rows: a {} weight with in = {} unsupported", wformat_name(W.fmt), W.in);
+  TANSY_CHECK(rows.n >= 1 && rows.n <= kLmHeadRows, "lm_head_argmax_rows: {} rows outside 1..{}", rows.n, kLmHeadRows);
+  TANSY_CHECK(a.x.h && a.x.ss && a.x.w && a.logits && a.token && a.scratch && a.counter,
+              "lm_head_argmax_rows: norm input, logits, token, scratch and counter are required");
+  TANSY_CHECK(rows.n == 1 || (rows.h >= W.in && rows.ss >= kNormParts), "lm_head_argmax_rows: rows overlap");
+  for (int t = 0; t < rows.n; ++t)
+    TANSY_CHECK(rows.limit[t] >= 1 && rows.limit[t] <= W.out, "lm_head_argmax_rows: limit {} outside 1..{}",
+                rows.limit[t], W.out);
+  const int grid = std::min<int>(ceil_div(W.out, kTileRows), lm_head_scratch());
+  const size_t smem = rows_smem_bytes(W.in);
+  allow_smem<lm_head_rows_kernel>(smem, "lm_head_argmax_rows");
+  pdl_launch(lm_head_rows_kernel, dim3(grid), dim3(kThreads), smem, stream, codes_map(W), a, rows);
 }
 
 }  // namespace tansy::cuda

@@ -455,6 +455,232 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
 }
 
+// ---- a batched decode step: several token rows per block, weights staged once ----
+//
+// matvec_smem_kernel's MODE 0 with the fusions, for the rows of a batched decode step: the block
+// stages its weight rows once and applies them to TB token rows (grid y: groups of TB), each row
+// computed with the one-row kernel's arithmetic in its order (the same chunk_dot sums per lane,
+// the same shuffles, the same norm and the same rows per block for the partial sums of h²), so
+// a row's values do not depend on the others. The rows' normed inputs are staged together (their
+// loads in flight at once), then the weights are read from shared memory once per chunk for all
+// rows.
+constexpr int kRowsPerBlock = 8;  // TB: the token rows' x (f32 chunks) fill up to 147 KiB at in = 4096
+constexpr size_t kSmemRowsMax = 200 * 1024;  // one block per multiprocessor (of 227 KiB)
+
+// stage_norm for `nt` token rows at once (row t: norm_row(fz, t0 + t), x at xs + t * xstride).
+template <int BITS, int TB>
+__device__ void stage_norm_rows(const Fusion& fz, int t0, int nt, int in, float* xs, int64_t xstride,
+                                float (*red)[kWarps], bool writer) {
+  constexpr int C = Chunk<BITS>::kCols, S = Chunk<BITS>::kStride;
+  constexpr int kMaxPieces = kFusedNormMaxDim / 4 / kThreads;
+  float part[TB];
+  float4 hv[TB][kMaxPieces], wv[kMaxPieces];
+#pragma unroll
+  for (int t = 0; t < TB; ++t) {
+    part[t] = 0.f;
+    if (t >= nt) continue;
+    const NormIn nz = norm_row(fz, t0 + t);
+    for (int i = threadIdx.x; i < kNormParts; i += kThreads) part[t] += __ldcg(nz.ss + i);
+#pragma unroll
+    for (int j = 0; j < kMaxPieces; ++j) {
+      const int i = 4 * (threadIdx.x + j * kThreads);
+      if (i < in) hv[t][j] = __ldcg(reinterpret_cast<const float4*>(nz.h + i));
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kMaxPieces; ++j) {
+    const int i = 4 * (threadIdx.x + j * kThreads);
+    if (i < in) wv[j] = *reinterpret_cast<const float4*>(fz.norm.w + i);
+  }
+#pragma unroll
+  for (int t = 0; t < TB; ++t) {
+    float p = part[t];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) p += __shfl_xor_sync(0xffffffffu, p, o);
+    if (threadIdx.x % 32 == 0) red[t][threadIdx.x / 32] = p;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int t = 0; t < TB; ++t) {
+    if (t >= nt) break;
+    float tot = 0.f;
+    for (int w = 0; w < kWarps; ++w) tot += red[t][w];
+    const float scale = rsqrtf(tot / float(in) + fz.norm.eps);
+    bf16* xn_out = writer && fz.norm.xn_out ? fz.norm.xn_out + (t0 + t) * fz.rows.xn : nullptr;
+    float* xt = xs + t * xstride;
+#pragma unroll
+    for (int j = 0; j < kMaxPieces; ++j) {
+      const int i = 4 * (threadIdx.x + j * kThreads);
+      const bool valid = i < in;
+      const int c = i / C, e0 = i % C;
+      float x[4] = {0.f, 0.f, 0.f, 0.f};
+      if (valid) {
+        x[0] = round_bf(hv[t][j].x * scale * wv[j].x);
+        x[1] = round_bf(hv[t][j].y * scale * wv[j].y);
+        x[2] = round_bf(hv[t][j].z * scale * wv[j].z);
+        x[3] = round_bf(hv[t][j].w * scale * wv[j].w);
+        *reinterpret_cast<float4*>(xt + c * S + e0) = make_float4(x[0], x[1], x[2], x[3]);
+        if (xn_out)
+          for (int e = 0; e < 4; ++e) xn_out[i + e] = __float2bfloat16(x[e]);
+      }
+      float sum = (x[0] + x[1]) + (x[2] + x[3]);
+#pragma unroll
+      for (int o = 1; o < C / 4; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+      if (valid && e0 == 0) xt[c * S + C] = sum;
+    }
+  }
+}
+
+// The TB rows' staged x (stage_rows' layout: row t at t * cpr * kStride floats), then the weight
+// rows and their scales and biases as in smem_layout.
+template <int BITS, int TB>
+__host__ __device__ inline SmemLayout rows_layout(int in, int weight_rows) {
+  SmemLayout L;
+  L.xs = 0;
+  L.w = size_t(TB) * (in / Chunk<BITS>::kCols) * Chunk<BITS>::kStride * sizeof(float);  // a multiple of 16
+  L.sb = L.w + size_t(weight_rows) * in * BITS / 8;
+  L.total = L.sb + (BITS == 16 ? 0 : size_t(weight_rows) * (in / kQuantGroup) * 2 * 2);
+  return L;
+}
+
+template <int BITS, int TB>
+__global__ void __launch_bounds__(kThreads, 1)
+    matvec_rows_kernel(DevLinear W, const bf16* __restrict__ X, int64_t ldx, void* Y, int64_t ldy, int y_f32,
+                       int out_rows, int rpw, const __grid_constant__ Fusion fz) {
+  extern __shared__ float4 smem4[];
+  __shared__ alignas(8) uint64_t wbar;
+  constexpr int S = Chunk<BITS>::kStride, kR = 4;
+  __shared__ float red[TB][kWarps];
+  uint8_t* base = reinterpret_cast<uint8_t*>(smem4);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int cpr = W.in / Chunk<BITS>::kCols, groups = W.in / kQuantGroup;
+  const int64_t row_bytes = int64_t(W.in) * BITS / 8;
+  const int out0 = blockIdx.x * kWarps * rpw;
+  const int wrows = min(kWarps * rpw, out_rows - out0);
+  const SmemLayout lay = rows_layout<BITS, TB>(W.in, kWarps * rpw);
+  float* xs = reinterpret_cast<float*>(base + lay.xs);
+  const int64_t xstride = int64_t(cpr) * S;  // floats per staged row
+  const uint8_t* wsm = base + lay.w;
+  const bf16* ssm = reinterpret_cast<const bf16*>(base + lay.sb);
+  const bf16* bsm = ssm + int64_t(kWarps) * rpw * groups;
+  if (threadIdx.x == 0) {
+    bulk::mbar_init(&wbar);
+    bulk::fence_init();
+  }
+  __syncthreads();
+  {
+    const int64_t w0 = int64_t(out0);
+    const uint8_t* gw = BITS == 16 ? reinterpret_cast<const uint8_t*>(W.w + w0 * W.in)
+                                   : reinterpret_cast<const uint8_t*>(W.q) + w0 * row_bytes;
+    const int64_t wbytes = int64_t(wrows) * row_bytes;
+    const int64_t sbytes = BITS == 16 ? 0 : int64_t(wrows) * groups * 2;
+    if (warp == 0) {
+      constexpr int64_t kPiece = 4096;
+      if (lane == 0) bulk::mbar_expect_tx(&wbar, unsigned(wbytes + 2 * sbytes));
+      __syncwarp();
+      for (int64_t o = lane * kPiece; o < wbytes; o += 32 * kPiece)
+        bulk::copy(base + lay.w + o, gw + o, unsigned(min(kPiece, wbytes - o)), &wbar);
+      if (BITS != 16 && lane == 1) {
+        uint8_t* ds = base + lay.sb;
+        bulk::copy(ds, W.scales + w0 * groups, unsigned(sbytes), &wbar);
+        bulk::copy(ds + int64_t(kWarps) * rpw * groups * 2, W.biases + w0 * groups, unsigned(sbytes), &wbar);
+      }
+    }
+  }
+  pdl_wait();
+  pdl_launch_dependents();
+  const int t0 = blockIdx.y * TB, nt = min(TB, fz.rows.n - t0);
+  if (fz.norm.w)
+    stage_norm_rows<BITS, TB>(fz, t0, nt, W.in, xs, xstride, red, blockIdx.x == 0);
+  else
+    stage_rows<BITS>(X + int64_t(t0) * ldx, ldx, nt, nt, W.in, xs);
+
+  int rows[kR];
+  bool ok[kR];
+  float conv_w[kR], conv_in[kR][TB];
+#pragma unroll
+  for (int i = 0; i < kR; ++i) {
+    rows[i] = (blockIdx.x * rpw + i) * kWarps + warp;
+    ok[i] = i < rpw && rows[i] < out_rows;
+    conv_w[i] = 0.f;
+#pragma unroll
+    for (int t = 0; t < TB; ++t) conv_in[i][t] = 0.f;
+    if (fz.epi == Epi::kGdnIn && ok[i] && rows[i] < fz.gdn.conv_dim) {
+      const GdnInEpilogue& G = fz.gdn;
+      if (lane < G.kernel) conv_w[i] = G.conv_w[int64_t(rows[i]) * G.kernel + lane];
+#pragma unroll
+      for (int t = 0; t < TB; ++t)
+        if (t < nt && lane < G.kernel - 1)
+          conv_in[i][t] = __bfloat162float(fz.rows.window[t0 + t][int64_t(lane) * G.conv_dim + rows[i]]);
+    }
+  }
+  bulk::mbar_wait(&wbar, 0);
+  __syncthreads();
+
+  float acc[kR][TB];
+#pragma unroll
+  for (int i = 0; i < kR; ++i)
+#pragma unroll
+    for (int t = 0; t < TB; ++t) acc[i][t] = 0.f;
+  for (int c = lane; c < cpr; c += 32) {
+#pragma unroll
+    for (int i = 0; i < kR; ++i) {
+      if (!ok[i]) continue;
+      const int lw = rows[i] - out0;
+      const int g = (c * Chunk<BITS>::kCols) / kQuantGroup;
+      const uint4 w1 = *reinterpret_cast<const uint4*>(wsm + lw * row_bytes + int64_t(c) * 16);
+      float s1 = 0.f, b1 = 0.f;
+      if constexpr (BITS != 16) {
+        s1 = __bfloat162float(ssm[lw * groups + g]);
+        b1 = __bfloat162float(bsm[lw * groups + g]);
+      }
+#pragma unroll
+      for (int t = 0; t < TB; ++t)
+        if (t < nt) acc[i][t] += chunk_dot<BITS>(w1, xs + t * xstride + c * S, s1, b1);
+    }
+  }
+  float sq[TB];
+#pragma unroll
+  for (int t = 0; t < TB; ++t) sq[t] = 0.f;
+#pragma unroll
+  for (int i = 0; i < kR; ++i) {
+    if (i >= rpw) break;  // uniform across the warp: the shuffles below need every lane
+#pragma unroll
+    for (int t = 0; t < TB; ++t) {
+      if (t >= nt) break;  // uniform across the block
+      const int tr = t0 + t;
+      const float y = group_sum<32>(acc[i][t]);
+      if (ok[i] && lane == 0) {
+        if (fz.epi == Epi::kResidual) {
+          float* h = fz.resid.h + tr * fz.rows.h;
+          const float v = h[rows[i]] + y;
+          h[rows[i]] = v;
+          sq[t] = fmaf(v, v, sq[t]);
+        } else {
+          const int64_t at = int64_t(tr) * ldy + rows[i];
+          if (y_f32)
+            static_cast<float*>(Y)[at] = y;
+          else
+            static_cast<bf16*>(Y)[at] = __float2bfloat16(y);
+        }
+      }
+      if (fz.epi == Epi::kGdnIn && ok[i]) gdn_in_epilogue(gdn_row(fz, tr), rows[i], y, conv_w[i], conv_in[i][t], lane);
+    }
+  }
+  if (fz.epi == Epi::kResidual) {
+    for (int t = 0; t < nt; ++t) residual_partial(sq[t], fz.resid.ss + (t0 + t) * fz.rows.ss, &red[0][0]);
+  }
+  if (fz.epi == Epi::kRoute) {
+    for (int t = 0; t < nt; ++t) {
+      RouteEpilogue R = fz.route;
+      R.idx += (t0 + t) * fz.rows.route;
+      R.w += (t0 + t) * fz.rows.route;
+      R.counter += t0 + t;
+      route_epilogue(R, static_cast<const float*>(Y) + (t0 + t) * ldy, warp, gridDim.x);
+    }
+  }
+}
+
 // Rows per warp: as many as still give every multiprocessor a block.
 int rows_per_warp(int max_rpw, int out_rows, unsigned grid_y) {
   const int sms = sm_count();
@@ -477,7 +703,20 @@ void launch_matvec_t(const DevLinear& W, const bf16* X, int64_t ldx, int n, void
     const bool fits = lay.total <= kSmemMatvecMax && (BITS == 16 || (W.in / kQuantGroup) % 8 == 0);
     TANSY_CHECK(!fz.batched || fits, "matvec: a batched decode product [{}, {}] does not fit the shared-memory kernel",
                 W.out, W.in);
-    if ((MODE == 2 || (n == 1 && grid_y == 1) || fz.batched) && fits) {
+    if constexpr (MODE == 0) {
+      if (fz.batched) {
+        // grid_y token rows: kRowsPerBlock of them per block, the weights staged once
+        const SmemLayout rl = rows_layout<BITS, kRowsPerBlock>(W.in, kWarps * rpw);
+        constexpr auto rkern = matvec_rows_kernel<BITS, kRowsPerBlock>;
+        TANSY_CHECK(rl.total <= kSmemRowsMax, "matvec: a batched decode product [{}, {}] needs {} bytes of shared memory",
+                    W.out, W.in, rl.total);
+        allow_smem<rkern>(rl.total, "matvec");
+        pdl_launch(rkern, dim3(ceil_div(out_rows, kWarps * rpw), ceil_div(int(grid_y), kRowsPerBlock)), dim3(kThreads),
+                   rl.total, stream, W, X, ldx, Y, ldy, y_f32 ? 1 : 0, out_rows, rpw, fz);
+        return;
+      }
+    }
+    if ((MODE == 2 || (n == 1 && grid_y == 1)) && fits) {
       constexpr auto skern = matvec_smem_kernel<BITS, MODE>;
       allow_smem<skern>(lay.total, "matvec");
       pdl_launch(skern, dim3(ceil_div(out_rows, kWarps * rpw), grid_y), dim3(kThreads), lay.total, stream, W,
