@@ -127,7 +127,9 @@ TEST(Head, LmHeadArgmaxRowsMatchesOneRow) {
       const auto poss = from_device(pos.get(), n);
       EXPECT_EQ(from_device(counter.get(), 1)[0], 0u) << label << ": counter left zero";
       for (int t = 0; t < n; ++t) {
-        NormDev d(cases[size_t(t)]);
+        NormCase c = cases[size_t(t)];
+        c.w = w;  // the batch's norm weight
+        NormDev d(c);
         HeadCall one(W.dev, d.in);
         const int want = one.run(r.limit[t]);
         const auto ref = from_device(one.logits.get(), out);
