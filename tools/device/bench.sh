@@ -40,6 +40,7 @@
 # `tansy serve` flags, e.g. "--prefill-chunk 4096"), SERVER_SETTINGS (greedy,qwen,qwen_logprobs,t1,presence,json_schema:
 # tools/http_latency.py --settings), GPU_TESTS_CAP (seconds), GPU_TESTS_FILTER (a --gtest_filter), SKIP_GPU_TESTS=1, SKIP_PEER=1, SKIP_BENCH=1,
 # SKIP_SERVER=1, SKIP_CONCURRENCY=1, CONCURRENCY_LEVELS (1,4,16,64), CONCURRENCY_CAP (seconds, 120),
+# CONCURRENCY_SETTINGS (greedy; qwen: tools/concurrency_bench.py --settings),
 # SYNTH_DIR (/dev/shm/tansy-synth), KEEP_SYNTH=1 (leave it for a later run in the same
 # call), REUSE_SYNTH=1 (use the one there).
 set -uo pipefail
@@ -119,6 +120,7 @@ server_step() {
       else
         timeout $((budget + 3)) python3 tools/concurrency_bench.py --url "http://127.0.0.1:$port" \
           --model-dir "$synth_dir" --concurrency "$levels" --time-budget-s "$budget" --metrics-interval 0.5 \
+          ${CONCURRENCY_SETTINGS:+--settings "$CONCURRENCY_SETTINGS"} \
           --json "$OUT/concurrency.json"
         echo "concurrency_bench exit $?"
       fi

@@ -34,6 +34,8 @@ group kernels 45 "$T" --gtest_filter='Matvec.*:Gemm.*:Attention.*:Gdn.*:Moe.*:No
 group models 45 "$T" --gtest_filter='*Golden*:ModelErrors.*'
 group synthetic_timing 100 env TANSY_SYNTH_DIR=/dev/shm/synth "$T" --gtest_filter='Synthetic.Timing'
 group synthetic_cuda_vs_cpu 60 env TANSY_SYNTH_DIR=/dev/shm/synth "$T" --gtest_filter='Synthetic.CudaVsCpu*'
+# batch invariance of the batched decode step (continuous batching) against each sequence alone
+group batch 60 env TANSY_SYNTH_DIR=/dev/shm/synth "$T" --gtest_filter='Batch.*:Step.*'
 # memcheck (tiny golden, GEMV path and decode graph): a memory error is exit 99, a test failure is
 # in the report.
 group memcheck 30 compute-sanitizer --tool memcheck --print-limit 5 --error-exitcode 99 "$T" \
