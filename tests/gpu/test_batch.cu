@@ -7,6 +7,8 @@
 // logits bit for bit. Greedy and seeded sampling on the device (with a presence penalty, whose
 // state is the request's own), mixed in one batch.
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -106,7 +108,8 @@ std::vector<Out> run_batched(cuda::CudaModel& m, const std::vector<Seq>& seqs, i
     m.feed_batch(entries);
     // Every entry one token: entry i is row i of the batch's logits (feed_batch's order).
     const bool rows_known =
-        entries.size() > 1 && std::all_of(entries.begin(), entries.end(), [](const FeedEntry& e) { return e.ids.size() == 1; });
+        entries.size() > 1 &&
+        std::all_of(entries.begin(), entries.end(), [](const FeedEntry& e) { return e.ids.size() == 1; });
     for (size_t i = 0; i < entries.size(); ++i) {
       const size_t j = who[i];
       Live& l = live[j];
@@ -135,7 +138,8 @@ TEST(Batch, CudaDecodeIsBatchInvariant) {
   auto model = make_cuda_model(batch_synth_dir());
   auto* m = dynamic_cast<cuda::CudaModel*>(model.get());
   ASSERT_NE(m, nullptr);
-  ASSERT_GT(m->max_batch(), 1) << "the synthetic checkpoint has the real shapes: " << m->decode_persistent_why();
+  ASSERT_GT(m->max_batch(), 1) << "the synthetic checkpoint has the real shapes: "
+                               << m->decode_persistent_why();
   const int V = m->config().vocab_size;
   // Prompts of different lengths (GDN chunk edges, attention splits), arrivals at different steps,
   // departures at different steps; half greedy, half seeded sampling.
@@ -172,7 +176,8 @@ TEST(Batch, CudaDecodeIsBatchInvariant) {
     for (size_t i = 0; i < alone[j].logits.size(); ++i) {
       if (together[j].logits[i].empty()) continue;
       ++compared;
-      EXPECT_EQ(std::memcmp(together[j].logits[i].data(), alone[j].logits[i].data(), sizeof(float) * size_t(V)), 0)
+      EXPECT_EQ(
+          std::memcmp(together[j].logits[i].data(), alone[j].logits[i].data(), sizeof(float) * size_t(V)), 0)
           << "decode token " << i + 1 << ": logits differ from the sequence's own alone";
     }
   }
@@ -230,11 +235,72 @@ TEST(Batch, CudaRowMatchesAloneAtEverySize) {
     }
     std::vector<FeedEntry> entries;
     for (int j = 0; j < n; ++j)
-      entries.push_back({sts[size_t(j)].get(), std::span<const int32_t>(&toks[size_t(j)], 1), smps[size_t(j)].get()});
+      entries.push_back(
+          {sts[size_t(j)].get(), std::span<const int32_t>(&toks[size_t(j)], 1), smps[size_t(j)].get()});
     m->feed_batch(entries);
     const std::vector<float> got = row_logits(*m, m->batch_logits(0));
     EXPECT_EQ(std::memcmp(got.data(), ref.data(), sizeof(float) * size_t(V)), 0);
     for (int j = 0; j < n; ++j) smps[size_t(j)]->next(nullptr, -1);
+  }
+}
+
+}  // namespace
+}  // namespace tansy
+
+namespace tansy {
+namespace {
+
+// Timing printout (set TANSY_BATCH_TIMING): the batched decode step at 1, 4, 16 and 64 rows of
+// 4,096-token sequences: the step through feed_batch (its rows' greedy choices included), and its
+// stages with an event between them (which breaks the launches' overlap: the stages sum to more).
+TEST(Batch, Timing) {
+  if (!batch_synth_dir() || !std::getenv("TANSY_BATCH_TIMING"))
+    GTEST_SKIP() << "set TANSY_SYNTH_DIR and TANSY_BATCH_TIMING";
+  auto model = make_cuda_model(batch_synth_dir());
+  auto* m = dynamic_cast<cuda::CudaModel*>(model.get());
+  ASSERT_NE(m, nullptr);
+  ASSERT_GT(m->max_batch(), 1);
+  const int V = m->config().vocab_size, ctx = 4096;
+  std::vector<std::unique_ptr<SequenceState>> sts;
+  std::vector<std::unique_ptr<TokenSampler>> smps;
+  std::vector<int32_t> toks;
+  for (int j = 0; j < 64; ++j) {
+    std::vector<int32_t> prompt(ctx);
+    for (int i = 0; i < ctx; ++i)
+      prompt[size_t(i)] = int32_t((uint64_t(i + 1) * 2654435761u + uint64_t(j) * 977u) % uint64_t(V));
+    sts.push_back(m->new_state(ctx + 64));
+    smps.push_back(m->make_greedy_sampler(V));
+    FeedEntry e{sts.back().get(), prompt, smps.back().get()};
+    m->feed_batch(std::span<const FeedEntry>(&e, 1));
+    toks.push_back(smps.back()->next(nullptr, -1).token);
+  }
+  for (int n : {1, 4, 16, 64}) {
+    std::vector<FeedEntry> entries;
+    for (int j = 0; j < n; ++j)
+      entries.push_back(
+          {sts[size_t(j)].get(), std::span<const int32_t>(&toks[size_t(j)], 1), smps[size_t(j)].get()});
+    auto step = [&] {
+      m->feed_batch(entries);
+      for (int j = 0; j < n; ++j) toks[size_t(j)] = smps[size_t(j)]->next(nullptr, -1).token;
+    };
+    step();  // warm
+    constexpr int kSteps = 5;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < kSteps; ++i) step();
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / kSteps;
+    std::printf("batched decode step, %d rows at %d tokens: %.3f ms (%.3f ms per row, %.0f tok/s)\n", n, ctx,
+                ms, ms / n, n * 1000.0 / ms);
+    if (n == 1) continue;  // one row runs alone (the persistent step): no batched stages
+    std::vector<SequenceState*> ss;
+    for (int j = 0; j < n; ++j) ss.push_back(sts[size_t(j)].get());
+    const auto stages = m->profile_decode_batch(ss, std::span<const int32_t>(toks.data(), size_t(n)));
+    double total = 0;
+    for (const auto& s : stages) total += s.ms;
+    std::printf("  stages (events between them; sum %.3f ms)\n", total);
+    for (const auto& s : stages)
+      std::printf("  %-45s %8.3f ms %6.1f%%  %9.1f MB  %5.2f of 4.5 TB/s\n", s.name.c_str(), s.ms,
+                  100 * s.ms / total, s.bytes / 1e6, s.ms > 0 ? s.bytes / (s.ms * 1e-3) / 4.5e12 : 0.0);
   }
 }
 

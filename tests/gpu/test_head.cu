@@ -2,8 +2,8 @@
 // against tansy::argmax, and the fused decode head (final norm + lm_head + argmax + position)
 // against cpu::rmsnorm + cpu::matmul. Tolerances in gpu_test_util.h.
 #include <algorithm>
-#include <cstring>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
@@ -84,7 +84,8 @@ TEST(Head, LmHeadArgmaxRowsMatchesOneRow) {
   for (auto [out, in] : {std::pair{248320, 2048}, std::pair{4100, 2048}, std::pair{33, 256}}) {
     TestMatrix W = make_matrix(WFormat::kAffine4, out, in);
     for (int n : {1, 3, cuda::kLmHeadRows}) {
-      const std::string label = "[" + std::to_string(out) + "x" + std::to_string(in) + "] rows " + std::to_string(n);
+      const std::string label =
+          "[" + std::to_string(out) + "x" + std::to_string(in) + "] rows " + std::to_string(n);
       std::vector<float> h, w, ss;
       std::vector<NormCase> cases;
       for (int t = 0; t < n; ++t) {

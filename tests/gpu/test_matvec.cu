@@ -2,8 +2,8 @@
 // norm-in and residual variants, at the real model's shapes and at edge sizes. Inputs are rounded to
 // bf16 first, so both sides see the same values; tolerances in gpu_test_util.h.
 #include <algorithm>
-#include <cstring>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <tuple>
 

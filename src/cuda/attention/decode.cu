@@ -565,8 +565,8 @@ void launch_fused(const FusedArgs& a, const AttnDecodeRows& r, int batched, cuda
       cudaFuncSetAttribute(attn_decode_fused_kernel<G>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            int(kSmem)) == cudaSuccess;
   TANSY_CHECK(attr_set, "attention_decode_fused: cannot reserve {} bytes of shared memory per block", kSmem);
-  pdl_launch(attn_decode_fused_kernel<G>, dim3(a.L.n_kv, a.splits, r.n), dim3(kFusedWarps * 32), kSmem, stream, a,
-             r, batched);
+  pdl_launch(attn_decode_fused_kernel<G>, dim3(a.L.n_kv, a.splits, r.n), dim3(kFusedWarps * 32), kSmem,
+             stream, a, r, batched);
 }
 }  // namespace
 
@@ -576,11 +576,13 @@ void attention_decode_fused(const QkvLayout& qkv, const int* pos, const float* q
                             const AttnDecodeRows* rows) {
   const AttnDecodeRows one;
   const AttnDecodeRows& r = rows ? *rows : one;
-  TANSY_CHECK(r.n >= 1 && r.n <= kMaxBatch, "attention_decode_fused: {} batched rows outside 1..{}", r.n, kMaxBatch);
+  TANSY_CHECK(r.n >= 1 && r.n <= kMaxBatch, "attention_decode_fused: {} batched rows outside 1..{}", r.n,
+              kMaxBatch);
   if (rows)
     for (int t = 0; t < r.n; ++t)
-      TANSY_CHECK(r.pos[t] && r.k_cache[t] && r.v_cache[t] && aligned16(r.k_cache[t]) && aligned16(r.v_cache[t]),
-                  "attention_decode_fused: batched row {} lacks its position or cache", t);
+      TANSY_CHECK(
+          r.pos[t] && r.k_cache[t] && r.v_cache[t] && aligned16(r.k_cache[t]) && aligned16(r.v_cache[t]),
+          "attention_decode_fused: batched row {} lacks its position or cache", t);
   check_layout(qkv, r.n, "attention_decode_fused");
   check_rotary(rotary_dim, "attention_decode_fused");
   check_splits(qkv, pos, k_cache, v_cache, splits, scratch, out, ldo, "attention_decode_fused");

@@ -41,6 +41,11 @@ void CudaModel::run_decode_batch(std::span<CudaState* const> sts, std::span<cons
   rows.conv = C;
   rows.gates = NV;
   rows.route = K + 1;
+  // Stage marks (profile_decode_batch): bytes are what the stage must move at least, the dense
+  // weights once for all rows, each row's experts, cache and recurrent state its own.
+  const double gu1 = wbytes(layers_[0].experts_gu.view.rows(0, 2 * c.moe_intermediate));
+  const double dn1 = wbytes(layers_[0].experts_down.view.rows(0, H));
+  mark("embed", double(n) * H * 4);
   embed(embed_.view, d_ids_.get(), n, h, stream_, ss(0), ssl);
   for (int i = 0; i < c.num_layers; ++i) {
     DevLayer& L = layers_[i];
@@ -65,6 +70,7 @@ void CudaModel::run_decode_batch(std::span<CudaState* const> sts, std::span<cons
       DecodeRows pr = rows;
       pr.y = proj_ld_;
       for (int t = 0; t < n; ++t) pr.window[t] = sts[t]->layers[i].window.get();
+      mark("gdn.in_proj+norm+conv+gates", wbytes(L.gdn_in.view));
       matvec_norm_gdn(L.gdn_in.view, in, P, ge, stream_, &pr);  // [qkv | z | a | b]
       GdnDecodeArgs ga;
       ga.conv = conv_f32_.get();
@@ -87,9 +93,12 @@ void CudaModel::run_decode_batch(std::span<CudaState* const> sts, std::span<cons
       gr.o = VD;
       gr.y = mix_ld;
       for (int t = 0; t < n; ++t) gr.state[t] = sts[t]->layers[i].S.get();
+      mark("gdn.recurrence+norms", double(n) * 2.0 * NV * kGdnDim * kGdnDim * 4);
       gdn_decode_step(ga, stream_, &gr);
+      mark("gdn.out_proj+residual", wbytes(L.gdn_out.view));
       matvec_residual(L.gdn_out.view, mix_.get(), mixer_out, stream_, &mixed);
     } else {
+      mark("attn.in_proj+norm", wbytes(L.attn_in.view));
       matvec_norm(L.attn_in.view, in, MatvecOut{P, false, proj_ld_}, stream_, &rows);  // [q+gate | k | v]
       AttnDecodeRows ar;
       ar.n = n;
@@ -99,9 +108,13 @@ void CudaModel::run_decode_batch(std::span<CudaState* const> sts, std::span<cons
         ar.v_cache[t] = sts[t]->layers[i].V.get();
       }
       QkvLayout lay{P, proj_ld_, c.num_heads, c.num_kv_heads};
-      attention_decode_fused(lay, ar.pos[0], L.q_norm.get(), L.k_norm.get(), c.rms_eps, c.rotary_dim, c.rope_theta,
-                             ar.k_cache[0], ar.v_cache[0], kFusedDecodeSplits, attn_scratch_.get(), mix_.get(),
-                             mix_ld, stream_, &ar);
+      double kv = 0;
+      for (int t = 0; t < n; ++t) kv += 2.0 * (sts[t]->n + 1) * c.kv_dim() * 2;
+      mark("attn.q/k norm+rope+cache+split, merge", kv, 0, 2);
+      attention_decode_fused(lay, ar.pos[0], L.q_norm.get(), L.k_norm.get(), c.rms_eps, c.rotary_dim,
+                             c.rope_theta, ar.k_cache[0], ar.v_cache[0], kFusedDecodeSplits,
+                             attn_scratch_.get(), mix_.get(), mix_ld, stream_, &ar);
+      mark("attn.o_proj+residual", wbytes(L.attn_o.view));
       matvec_residual(L.attn_o.view, mix_.get(), mixer_out, stream_, &mixed);
     }
     // MoE: router (+ norm, + routing) -> experts gate|up (k + the shared one) -> down + combine + residual.
@@ -116,8 +129,12 @@ void CudaModel::run_decode_batch(std::span<CudaState* const> sts, std::span<cons
     re.counter = route_counter_.get();
     DecodeRows rr = rows;
     rr.y = router_ld_;
+    mark("moe.router+norm+topk", wbytes(L.router.view));
     matvec_norm_route(L.router.view, pin, router_logits_.get(), re, stream_, &rr);
-    matvec_swiglu_experts(L.experts_gu.view, E + 1, topk_idx_.get(), n, K + 1, xn_.get(), H, act_.get(), stream_);
+    mark("moe.experts gate|up (k+shared)", double(n) * (K + 1) * gu1);
+    matvec_swiglu_experts(L.experts_gu.view, E + 1, topk_idx_.get(), n, K + 1, xn_.get(), H, act_.get(),
+                          stream_);
+    mark("moe.experts down+combine+residual", double(n) * (K + 1) * dn1);
     moe_down_residual(L.experts_down.view, E + 1, topk_idx_.get(), topk_w_.get(), act_.get(), K + 1, nullptr,
                       nullptr, moe_out, stream_, &rows);
   }
@@ -145,8 +162,40 @@ void CudaModel::run_decode_batch(std::span<CudaState* const> sts, std::span<cons
       hr.pos[t] = sts[t0 + t]->pos.get();
       hr.limit[t] = limits[t0 + t];
     }
+    mark("final norm + lm_head + argmax + position", wbytes(lm_head_.view));
     lm_head_argmax_rows(a, hr, stream_);
   }
+}
+
+std::vector<StageTime> CudaModel::profile_decode_batch(std::span<SequenceState* const> states,
+                                                       std::span<const int32_t> tokens) {
+  TANSY_CHECK(batch_ok_, "profile_decode_batch: this plan does not batch ({})", step_why_);
+  TANSY_CHECK(states.size() == tokens.size() && !states.empty() && int(states.size()) <= kMaxBatch,
+              "profile_decode_batch: {} states for {} tokens (1..{})", states.size(), tokens.size(),
+              kMaxBatch);
+  std::vector<CudaState*> sts;
+  std::vector<int> limits(states.size(), cfg_.vocab_size);
+  for (size_t t = 0; t < states.size(); ++t) {
+    auto& st = dynamic_cast<CudaState&>(*states[t]);
+    check_ids(st, tokens.subspan(t, 1));
+    sts.push_back(&st);
+    h_rows_ids_[t] = tokens[t];
+  }
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  CUDA_CHECK(cudaMemcpyAsync(d_ids_.get(), h_rows_ids_, sizeof(int32_t) * sts.size(), cudaMemcpyHostToDevice,
+                             stream_));
+  std::vector<Mark> marks;
+  marks_ = &marks;
+  try {
+    run_decode_batch(sts, limits);
+    mark("");
+  } catch (...) {
+    marks_ = nullptr;
+    throw;
+  }
+  marks_ = nullptr;
+  for (CudaState* st : sts) st->n += 1;
+  return collect(marks);
 }
 
 int32_t CudaModel::batch_token(int row) {
@@ -198,16 +247,17 @@ void CudaModel::feed_batch(std::span<const FeedEntry> entries) {
       CUDA_CHECK(cudaMemcpyAsync(d_logits_.get() + size_t(r) * V, d_logits_.get(), sizeof(float) * V,
                                  cudaMemcpyDeviceToDevice, stream_));
     if (auto* rs = dynamic_cast<CudaRowSampler*>(e.sampler))
-      argmax(d_logits_.get() + size_t(r) * V, rs->limit(), d_argmax_.get(), d_rows_tok_.get() + r, nullptr, nullptr,
-             stream_);
+      argmax(d_logits_.get() + size_t(r) * V, rs->limit(), d_argmax_.get(), d_rows_tok_.get() + r, nullptr,
+             nullptr, stream_);
   }
   if (!dec.empty()) {
-    CUDA_CHECK(cudaMemcpyAsync(d_ids_.get(), h_rows_ids_, sizeof(int32_t) * dec.size(), cudaMemcpyHostToDevice,
-                               stream_));
+    CUDA_CHECK(cudaMemcpyAsync(d_ids_.get(), h_rows_ids_, sizeof(int32_t) * dec.size(),
+                               cudaMemcpyHostToDevice, stream_));
     run_decode_batch(dec, limits);
     for (CudaState* st : dec) st->n += 1;
   }
-  CUDA_CHECK(cudaMemcpyAsync(h_rows_tok_, d_rows_tok_.get(), sizeof(int32_t) * rows, cudaMemcpyDeviceToHost, stream_));
+  CUDA_CHECK(cudaMemcpyAsync(h_rows_tok_, d_rows_tok_.get(), sizeof(int32_t) * rows, cudaMemcpyDeviceToHost,
+                             stream_));
   // Each sampler learns its row; host samplers (requests that asked for one) take theirs now.
   std::vector<float> host_row;
   for (size_t i = 0; i < entries.size(); ++i) {
@@ -219,8 +269,8 @@ void CudaModel::feed_batch(std::span<const FeedEntry> entries) {
       continue;
     }
     host_row.resize(V);
-    CUDA_CHECK(cudaMemcpyAsync(host_row.data(), batch_logits(row_of[i]), sizeof(float) * V, cudaMemcpyDeviceToHost,
-                               stream_));
+    CUDA_CHECK(cudaMemcpyAsync(host_row.data(), batch_logits(row_of[i]), sizeof(float) * V,
+                               cudaMemcpyDeviceToHost, stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));
     if (!give_host_logits(e.sampler, host_row)) fail("feed_batch: a sampler of another backend");
   }

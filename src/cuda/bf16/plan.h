@@ -179,6 +179,10 @@ class CudaModel final : public Model, public StageProfiler {
   const float* batch_logits(int row) const { return d_logits_.get() + size_t(row) * cfg_.vocab_size; }
   // The greedy token of batch row `row` once the stream is done with the step.
   int32_t batch_token(int row);
+  // StageProfiler-style stages of one batched decode step (a token per state), kernels launched
+  // eagerly with an event between stages (tests/gpu/test_batch.cu's Batch.Profile).
+  std::vector<StageTime> profile_decode_batch(std::span<SequenceState* const> states,
+                                              std::span<const int32_t> tokens);
   // Device samplers are reused across requests (their buffers and pinned output stay allocated).
   std::unique_ptr<DeviceSampler> take_device_sampler();
   void return_device_sampler(std::unique_ptr<DeviceSampler> ds);
@@ -314,10 +318,11 @@ class CudaModel final : public Model, public StageProfiler {
 
   // Scratch, sized for kChunk tokens (m = tokens in flight).
   int64_t proj_ld_ = 0, router_ld_ = 0;
-  DeviceBuffer<int> d_ids_;       // [kChunk] input ids
-  DeviceBuffer<int> d_tok_;       // [1] the decode step's input id, overwritten by its argmax
-  DeviceBuffer<float> h_;         // [m, H] residual stream (f32)
-  DeviceBuffer<float> ss_parts_;  // decode: [kMaxBatch][2 * layers + 1, kNormParts] partial sums of h² per norm point
+  DeviceBuffer<int> d_ids_;  // [kChunk] input ids
+  DeviceBuffer<int> d_tok_;  // [1] the decode step's input id, overwritten by its argmax
+  DeviceBuffer<float> h_;    // [m, H] residual stream (f32)
+  DeviceBuffer<float>
+      ss_parts_;  // decode: [kMaxBatch][2 * layers + 1, kNormParts] partial sums of h² per norm point
   DeviceBuffer<bf16> xn_, r_;     // [m, H] normed input, mixer/MoE output
   DeviceBuffer<float> conv_f32_;  // decode: [kMaxBatch, conv_dim] GDN conv output
   // last-block counters of fused decode kernels: [kMaxBatch, n_v_heads], [kMaxBatch]
@@ -346,15 +351,15 @@ class CudaModel final : public Model, public StageProfiler {
   DeviceBuffer<unsigned long long> d_head_scratch_;  // fused head: one argmax candidate per block (and row)
   DeviceBuffer<unsigned> head_counter_;
   DeviceBuffer<int> expert_offsets_, tile_offsets_, sorted_slot_, slot_row_;  // prefill MoE routing
-  DeviceBuffer<bf16> yd_;                          // [m*k, H] routed experts' down outputs in sorted order
+  DeviceBuffer<bf16> yd_;  // [m*k, H] routed experts' down outputs in sorted order
   std::vector<std::unique_ptr<DeviceSampler>> sampler_pool_;  // device samplers no request holds
-  bool batch_ok_ = false;                                      // max_batch() > 1
-  DeviceBuffer<int> d_rows_tok_;                               // [kMaxBatch] a batched step's greedy tokens
-  int32_t* h_rows_tok_ = nullptr;                              // pinned [kMaxBatch]
-  int32_t* h_rows_ids_ = nullptr;                              // pinned [kMaxBatch] a batched step's input ids
-  int32_t* h_tok_ = nullptr;            // pinned
-  int greedy_limit_ = 0;                // argmax range captured into new decode graphs
-  std::vector<Mark>* marks_ = nullptr;  // set while a StageProfiler call runs
+  bool batch_ok_ = false;                                     // max_batch() > 1
+  DeviceBuffer<int> d_rows_tok_;                              // [kMaxBatch] a batched step's greedy tokens
+  int32_t* h_rows_tok_ = nullptr;                             // pinned [kMaxBatch]
+  int32_t* h_rows_ids_ = nullptr;                             // pinned [kMaxBatch] a batched step's input ids
+  int32_t* h_tok_ = nullptr;                                  // pinned
+  int greedy_limit_ = 0;                                      // argmax range captured into new decode graphs
+  std::vector<Mark>* marks_ = nullptr;                        // set while a StageProfiler call runs
 };
 
 }  // namespace tansy::cuda

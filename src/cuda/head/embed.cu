@@ -89,8 +89,10 @@ __global__ void advance_kernel(int* pos, int n) {
 
 }  // namespace
 
-void embed(const DevLinear& E, const int* ids, int n, float* h, cudaStream_t stream, float* ss, int64_t ss_ld) {
-  TANSY_CHECK(!ss || n == 1 || ss_ld >= kNormParts, "embed: the Σh² outputs of several tokens need rows apart");
+void embed(const DevLinear& E, const int* ids, int n, float* h, cudaStream_t stream, float* ss,
+           int64_t ss_ld) {
+  TANSY_CHECK(!ss || n == 1 || ss_ld >= kNormParts,
+              "embed: the Σh² outputs of several tokens need rows apart");
   TANSY_CHECK(E.fmt == WFormat::kBF16 || E.fmt == WFormat::kAffine4 || E.fmt == WFormat::kAffine8,
               "embed: format {} unsupported", wformat_name(E.fmt));
   TANSY_CHECK(E.in % kQuantGroup == 0 && n >= 1 && ids && h, "embed: bad arguments (in {}, n {})", E.in, n);

@@ -305,7 +305,8 @@ size_t rows_smem_bytes(int in) {
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
-    lm_head_rows_kernel(const __grid_constant__ CUtensorMap map, LmHeadArgs a, const __grid_constant__ LmHeadRows R) {
+    lm_head_rows_kernel(const __grid_constant__ CUtensorMap map, LmHeadArgs a,
+                        const __grid_constant__ LmHeadRows R) {
   extern __shared__ float4 smem4[];
   __shared__ float nred[kLmHeadRows][kWarps];
   __shared__ unsigned long long kred[kWarps];
@@ -316,8 +317,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const DevLinear& W = a.W;
   const int G = W.in / kQuantGroup, nt = R.n;
   const Layout L = layout(W.in);
-  bf16* xb = reinterpret_cast<bf16*>(base + kRowStages * L.stage);                       // [rows][in]
-  float* red = reinterpret_cast<float*>(xb + size_t(kLmHeadRows) * W.in);                // [2][warp][row][token]
+  bf16* xb = reinterpret_cast<bf16*>(base + kRowStages * L.stage);         // [rows][in]
+  float* red = reinterpret_cast<float*>(xb + size_t(kLmHeadRows) * W.in);  // [2][warp][row][token]
   auto red_at = [&](int buf, int w, int r, int tok) {
     return red + ((size_t(buf) * kWarps + w) * kTileRows + r) * kLmHeadRows + tok;
   };
@@ -374,8 +375,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     float s = 0.f;
 #pragma unroll
     for (int wi = 0; wi < 2; ++wi) {
-      const uint4 v = g < nt ? *reinterpret_cast<const uint4*>(xb + size_t(g) * W.in + gi * kQuantGroup + (2 * t + wi) * 8)
-                             : make_uint4(0, 0, 0, 0);
+      const uint4 v =
+          g < nt
+              ? *reinterpret_cast<const uint4*>(xb + size_t(g) * W.in + gi * kQuantGroup + (2 * t + wi) * 8)
+              : make_uint4(0, 0, 0, 0);
       bx[j][wi][0][0] = __byte_perm(v.x, v.z, 0x5410);
       bx[j][wi][0][1] = __byte_perm(v.x, v.z, 0x7632);
       bx[j][wi][1][0] = __byte_perm(v.y, v.w, 0x5410);
@@ -564,7 +567,8 @@ void lm_head_argmax_rows(const LmHeadArgs& a, const LmHeadRows& rows, cudaStream
   W.check("lm_head_argmax_rows");
   TANSY_CHECK(lm_head_argmax_supports(W) && aligned16(W.scales) && aligned16(W.biases),
               "lm_head_argmax_rows: a {} weight with in = {} unsupported", wformat_name(W.fmt), W.in);
-  TANSY_CHECK(rows.n >= 1 && rows.n <= kLmHeadRows, "lm_head_argmax_rows: {} rows outside 1..{}", rows.n, kLmHeadRows);
+  TANSY_CHECK(rows.n >= 1 && rows.n <= kLmHeadRows, "lm_head_argmax_rows: {} rows outside 1..{}", rows.n,
+              kLmHeadRows);
   TANSY_CHECK(a.x.h && a.x.ss && a.x.w && a.logits && a.token && a.scratch && a.counter,
               "lm_head_argmax_rows: norm input, logits, token, scratch and counter are required");
   TANSY_CHECK(rows.n == 1 || (rows.h >= W.in && rows.ss >= kNormParts), "lm_head_argmax_rows: rows overlap");

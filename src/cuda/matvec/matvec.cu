@@ -277,7 +277,8 @@ __global__ void __launch_bounds__(kThreads, 3)
     if (lane < cpr) cur.load(W, r1, ok, lane);
   }
   if constexpr (kFusable) {
-    if (fz.epi == Epi::kRoute) route_epilogue(fz.route, static_cast<const float*>(Y), warp, gridDim.x * gridDim.y);
+    if (fz.epi == Epi::kRoute)
+      route_epilogue(fz.route, static_cast<const float*>(Y), warp, gridDim.x * gridDim.y);
   }
 }
 
@@ -451,7 +452,8 @@ __global__ void __launch_bounds__(kThreads, MODE == 2 ? 4 : 3)
     R.idx += tb * fz.rows.route;
     R.w += tb * fz.rows.route;
     R.counter += tb;
-    route_epilogue(R, static_cast<const float*>(Y) + tb * ldy, warp, fz.batched ? gridDim.x : gridDim.x * gridDim.y);
+    route_epilogue(R, static_cast<const float*>(Y) + tb * ldy, warp,
+                   fz.batched ? gridDim.x : gridDim.x * gridDim.y);
   }
 }
 
@@ -475,8 +477,9 @@ void launch_matvec_t(const DevLinear& W, const bf16* X, int64_t ldx, int n, void
     // pieces).
     const SmemLayout lay = smem_layout<BITS>(W.in, kWarps * rpw * (MODE != 0 ? 2 : 1));
     const bool fits = lay.total <= kSmemMatvecMax && (BITS == 16 || (W.in / kQuantGroup) % 8 == 0);
-    TANSY_CHECK(!fz.batched || fits, "matvec: a batched decode product [{}, {}] does not fit the shared-memory kernel",
-                W.out, W.in);
+    TANSY_CHECK(!fz.batched || fits,
+                "matvec: a batched decode product [{}, {}] does not fit the shared-memory kernel", W.out,
+                W.in);
     if ((MODE == 2 || (n == 1 && grid_y == 1) || fz.batched) && fits) {
       constexpr auto skern = matvec_smem_kernel<BITS, MODE>;
       allow_smem<skern>(lay.total, "matvec");
@@ -499,7 +502,8 @@ void launch_fused(const DevLinear& W, const bf16* X, int64_t ldx, Fusion fz, voi
                   cudaStream_t stream, const DecodeRows* rows) {
   unsigned grid_y = 1;
   if (rows) {
-    TANSY_CHECK(rows->n >= 1 && rows->n <= kMaxBatch, "matvec: {} batched rows outside 1..{}", rows->n, kMaxBatch);
+    TANSY_CHECK(rows->n >= 1 && rows->n <= kMaxBatch, "matvec: {} batched rows outside 1..{}", rows->n,
+                kMaxBatch);
     TANSY_CHECK(fz.epi != Epi::kGdnIn || rows->window[rows->n - 1],
                 "matvec_norm_gdn: a batched row without its conv window");
     fz.batched = 1;
@@ -518,13 +522,16 @@ void launch_fused(const DevLinear& W, const bf16* X, int64_t ldx, Fusion fz, voi
   static_assert(kFusedNormMaxDim % (4 * kThreads) == 0);
   switch (W.fmt) {
     case WFormat::kAffine4:
-      launch_matvec_t<4, 1, 0>(W, X, ldx, int(grid_y), Y, ldy, y_f32, W.out, nullptr, 0, 0, grid_y, stream, fz);
+      launch_matvec_t<4, 1, 0>(W, X, ldx, int(grid_y), Y, ldy, y_f32, W.out, nullptr, 0, 0, grid_y, stream,
+                               fz);
       break;
     case WFormat::kAffine8:
-      launch_matvec_t<8, 1, 0>(W, X, ldx, int(grid_y), Y, ldy, y_f32, W.out, nullptr, 0, 0, grid_y, stream, fz);
+      launch_matvec_t<8, 1, 0>(W, X, ldx, int(grid_y), Y, ldy, y_f32, W.out, nullptr, 0, 0, grid_y, stream,
+                               fz);
       break;
     default:
-      launch_matvec_t<16, 1, 0>(W, X, ldx, int(grid_y), Y, ldy, y_f32, W.out, nullptr, 0, 0, grid_y, stream, fz);
+      launch_matvec_t<16, 1, 0>(W, X, ldx, int(grid_y), Y, ldy, y_f32, W.out, nullptr, 0, 0, grid_y, stream,
+                                fz);
       break;
   }
 }
@@ -601,8 +608,8 @@ void matvec_norm_route(const DevLinear& W, const NormIn& x, float* logits, const
   fz.norm = x;
   fz.epi = Epi::kRoute;
   fz.route = route;
-  TANSY_CHECK(!rows || rows->y >= W.out, "matvec_norm_route: logit rows {} apart hold fewer than {}", rows ? rows->y : 0,
-              W.out);
+  TANSY_CHECK(!rows || rows->y >= W.out, "matvec_norm_route: logit rows {} apart hold fewer than {}",
+              rows ? rows->y : 0, W.out);
   launch_fused(W, nullptr, 0, fz, logits, W.out, true, stream, rows);
 }
 
@@ -620,8 +627,8 @@ void matvec_norm_gdn(const DevLinear& W, const NormIn& x, bf16* Y, const GdnInEp
   fz.norm = x;
   fz.epi = Epi::kGdnIn;
   fz.gdn = g;
-  TANSY_CHECK(!rows || rows->y >= W.out, "matvec_norm_gdn: output rows {} apart hold fewer than {}", rows ? rows->y : 0,
-              W.out);
+  TANSY_CHECK(!rows || rows->y >= W.out, "matvec_norm_gdn: output rows {} apart hold fewer than {}",
+              rows ? rows->y : 0, W.out);
   launch_fused(W, nullptr, 0, fz, Y, W.out, false, stream, rows);
 }
 

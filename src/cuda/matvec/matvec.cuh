@@ -46,13 +46,13 @@ struct MatvecOut {
 // belong to the sequences' states, come as pointers (every row's, row 0's included).
 struct DecodeRows {
   int n = 1;
-  int64_t h = 0;      // NormIn::h, ResidualOut::h (f32 residual rows)
-  int64_t ss = 0;     // NormIn::ss, ResidualOut::ss (kNormParts partials per norm point)
-  int64_t xn = 0;     // NormIn::xn_out
-  int64_t y = 0;      // the product's output rows
-  int64_t conv = 0;   // GdnInEpilogue::conv_out
-  int64_t gates = 0;  // GdnInEpilogue::beta and ::g
-  int64_t route = 0;  // RouteEpilogue::idx and ::w (the counter of row t is counter + t)
+  int64_t h = 0;                 // NormIn::h, ResidualOut::h (f32 residual rows)
+  int64_t ss = 0;                // NormIn::ss, ResidualOut::ss (kNormParts partials per norm point)
+  int64_t xn = 0;                // NormIn::xn_out
+  int64_t y = 0;                 // the product's output rows
+  int64_t conv = 0;              // GdnInEpilogue::conv_out
+  int64_t gates = 0;             // GdnInEpilogue::beta and ::g
+  int64_t route = 0;             // RouteEpilogue::idx and ::w (the counter of row t is counter + t)
   bf16* window[kMaxBatch] = {};  // GdnInEpilogue::window of each row's sequence
 };
 

@@ -190,14 +190,16 @@ void moe_down_combine(const DevLinear& Wd, int n_experts, const int* idx, const 
                       int n, int k, const bf16* shared, const float* sh_logit, int64_t sh_ld, bf16* out,
                       cudaStream_t stream) {
   TANSY_CHECK(out, "moe_down_combine: no output");
-  launch_moe_down(Wd, n_experts, idx, wts, act, n, k, shared, sh_logit, sh_ld, out, ResidualOut{}, 0, 0, stream);
+  launch_moe_down(Wd, n_experts, idx, wts, act, n, k, shared, sh_logit, sh_ld, out, ResidualOut{}, 0, 0,
+                  stream);
 }
 
 void moe_down_residual(const DevLinear& Wd, int n_experts, const int* idx, const float* wts, const bf16* act,
                        int k, const bf16* shared, const float* sh_logit, const ResidualOut& out,
                        cudaStream_t stream, const DecodeRows* rows) {
   TANSY_CHECK(out.h && out.ss, "moe_down_residual: missing h or ss");
-  TANSY_CHECK(!shared || !rows || rows->n == 1, "moe_down_residual: batched rows take the shared expert as a slot");
+  TANSY_CHECK(!shared || !rows || rows->n == 1,
+              "moe_down_residual: batched rows take the shared expert as a slot");
   launch_moe_down(Wd, n_experts, idx, wts, act, rows ? rows->n : 1, k, shared, sh_logit, 0, nullptr, out,
                   rows ? rows->h : 0, rows ? rows->ss : 0, stream);
 }
