@@ -400,65 +400,26 @@ __global__ void __launch_bounds__(kThreads, MODE == 2 ? 4 : 3)
   for (int i = 0; i < kR; ++i) acc[i] = acc2[i] = 0.f;
   for (int c = lane; c < cpr; c += 32) {
     const float* xc = xs + c * S;
-    if constexpr (BITS == 4 && MODE == 0) {
-      // The warp's rows share each read of x from shared memory (the batched step's products
-      // are bound by those reads, 144 bytes per 16-byte weight chunk and row): chunk_dot's
-      // operations on each row in its order, its 8-column pieces of x loaded once for all rows.
+#pragma unroll
+    for (int i = 0; i < kR; ++i) {
+      if (!ok[i]) continue;
+      const int lw = (rows[i] - out0) * wmul;  // local weight row
       const int g = (c * Chunk<BITS>::kCols) / kQuantGroup;
-      uint4 w[kR];
-      float sc[kR], bi[kR], raw[kR];
-#pragma unroll
-      for (int i = 0; i < kR; ++i) {
-        raw[i] = 0.f;
-        if (!ok[i]) continue;
-        const int lw = rows[i] - out0;
-        w[i] = *reinterpret_cast<const uint4*>(wsm + lw * row_bytes + int64_t(c) * 16);
-        sc[i] = __bfloat162float(ssm[lw * groups + g]);
-        bi[i] = __bfloat162float(bsm[lw * groups + g]);
+      const uint4 w1 = *reinterpret_cast<const uint4*>(wsm + lw * row_bytes + int64_t(c) * 16);
+      float s1 = 0.f, b1 = 0.f;
+      if constexpr (BITS != 16) {
+        s1 = __bfloat162float(ssm[lw * groups + g]);
+        b1 = __bfloat162float(bsm[lw * groups + g]);
       }
-      const float4* x4 = reinterpret_cast<const float4*>(xc);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float4 xa = x4[2 * j], xb = x4[2 * j + 1];
-        const float xl[4] = {xa.x, xa.y, xa.z, xa.w}, xh[4] = {xb.x, xb.y, xb.z, xb.w};
-#pragma unroll
-        for (int i = 0; i < kR; ++i) {
-          if (!ok[i]) continue;
-          const uint32_t wd = j == 0 ? w[i].x : j == 1 ? w[i].y : j == 2 ? w[i].z : w[i].w;
-#pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            const uint32_t v = ((wd >> (4 * k)) & 0x000F000Fu) | 0x43004300u;
-            raw[i] = fmaf(bf_lo(v), xl[k], raw[i]);
-            raw[i] = fmaf(bf_hi(v), xh[k], raw[i]);
-          }
-        }
-      }
-      const float sum = xc[Chunk<BITS>::kCols];
-#pragma unroll
-      for (int i = 0; i < kR; ++i)
-        if (ok[i]) acc[i] += fmaf(sc[i], raw[i], (bi[i] - 128.f * sc[i]) * sum);
-    } else {
-#pragma unroll
-      for (int i = 0; i < kR; ++i) {
-        if (!ok[i]) continue;
-        const int lw = (rows[i] - out0) * wmul;  // local weight row
-        const int g = (c * Chunk<BITS>::kCols) / kQuantGroup;
-        const uint4 w1 = *reinterpret_cast<const uint4*>(wsm + lw * row_bytes + int64_t(c) * 16);
-        float s1 = 0.f, b1 = 0.f;
+      acc[i] += chunk_dot<BITS>(w1, xc, s1, b1);
+      if constexpr (kPair) {
+        const uint4 w2 = *reinterpret_cast<const uint4*>(wsm + (lw + 1) * row_bytes + int64_t(c) * 16);
+        float s2 = 0.f, b2 = 0.f;
         if constexpr (BITS != 16) {
-          s1 = __bfloat162float(ssm[lw * groups + g]);
-          b1 = __bfloat162float(bsm[lw * groups + g]);
+          s2 = __bfloat162float(ssm[(lw + 1) * groups + g]);
+          b2 = __bfloat162float(bsm[(lw + 1) * groups + g]);
         }
-        acc[i] += chunk_dot<BITS>(w1, xc, s1, b1);
-        if constexpr (kPair) {
-          const uint4 w2 = *reinterpret_cast<const uint4*>(wsm + (lw + 1) * row_bytes + int64_t(c) * 16);
-          float s2 = 0.f, b2 = 0.f;
-          if constexpr (BITS != 16) {
-            s2 = __bfloat162float(ssm[(lw + 1) * groups + g]);
-            b2 = __bfloat162float(bsm[(lw + 1) * groups + g]);
-          }
-          acc2[i] += chunk_dot<BITS>(w2, xc, s2, b2);
-        }
+        acc2[i] += chunk_dot<BITS>(w2, xc, s2, b2);
       }
     }
   }
