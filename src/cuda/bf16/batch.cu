@@ -215,6 +215,10 @@ void CudaModel::feed_batch(std::span<const FeedEntry> entries) {
   if (entries.size() <= 1 || !batch_ok_ || trace_ || route_trace_) return Model::feed_batch(entries);
   check_batch(entries);
   const size_t V = size_t(cfg_.vocab_size);
+  // The previous step's copy of h_rows_ids_ (pinned: the copy reads it when the stream gets there)
+  // must be done before the ids are overwritten; a step whose entries all lacked a sampler was not
+  // waited for by anyone.
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
   // Decode rows first (0 .. D-1), then the prompt pieces that want a choice.
   std::vector<CudaState*> dec;
   std::vector<int> limits;
