@@ -11,12 +11,13 @@ Standard library only (the GPU machine has no openai package and no network). It
 docs/BENCHMARK.md's section "Multi-turn (issue 22)" is the definition; in short:
 
 - Token ids from the synthetic rule of tansy bench and tools/http_latency.py: the id at position p
-  is ((p * 2654435761) mod 2^32) mod vocab_size. Conversation c (c = salt + 1, salt + 2, ... one per
-  round; c = 0 is the warm-up's) owns the positions [M + c * 2^20, M + (c + 1) * 2^20), M = 3 * 2^30,
-  far from concurrency_bench.py's (below 2^31 + a few million) and those of tansy bench and
-  http_latency.py (from 0). Its first request is positions [M + c * 2^20, + P), P = --prefix-tokens;
-  turn i's new piece continues the conversation's positions right after the previous piece. The
-  cold request of conversation c is positions [M + c * 2^20 + 2^19, + P): never sent before.
+  is ((p * 2654435761) mod 2^32) mod vocab_size. With P = --prefix-tokens, T = the sum of --turns
+  and L = 2P + T, conversation c (c = salt + 1, salt + 2, ... one per round; c = 0 is the warm-ups')
+  owns the positions [M + c * L, M + (c + 1) * L), M = 3 * 2^30 + 1: far from concurrency_bench.py's
+  (below 2^31 + a few million) and those of tansy bench and http_latency.py (from 0), and odd, since
+  with a vocab_size of 2^n the rule repeats every 2^n positions (the test model's 8192). Its first
+  request is positions [M + c * L, + P); turn i's new piece continues right after the previous
+  piece; the cold request is the last P positions of the block, [M + c * L + P + T, + P).
 - Turn i's prompt = turn i-1's prompt + turn i-1's answer, as token ids (the completion API
   returns text, not ids, so the answer's text is turned into ids by the server's /tokenize, as a
   client that sends the conversation's text would have it tokenized) + turn i's new piece.
@@ -56,9 +57,7 @@ CONTRACT = {
                "/v1/completions, ignore_eos, greedy, usage checked; TTFT and cached tokens per turn, medians "
                "over rounds",
 }
-BASE = 3 << 30  # M: where this tool's positions start
-SPAN = 1 << 20  # positions owned by one conversation
-COLD_OFFSET = 1 << 19  # the cold request's positions inside a conversation's span
+BASE = (3 << 30) + 1  # M: where this tool's positions start
 
 
 def rule(start, n, vocab_size):
@@ -66,17 +65,22 @@ def rule(start, n, vocab_size):
     return [((i * 2654435761) % (1 << 32)) % vocab_size for i in range(start, start + n)]
 
 
+def block(prefix_tokens, turns):
+    """L: the positions one conversation owns (its prefix, its turns' pieces, its cold request)."""
+    return 2 * prefix_tokens + sum(turns)
+
+
 def conversation_pieces(c, prefix_tokens, turns, vocab_size):
     """The new ids of each request of conversation c: the prefix, then each turn's piece."""
-    start, out = BASE + c * SPAN, []
+    start, out = BASE + c * block(prefix_tokens, turns), []
     for n in [prefix_tokens] + list(turns):
         out.append(rule(start, n, vocab_size))
         start += n
     return out
 
 
-def cold_prompt(c, prefix_tokens, vocab_size):
-    return rule(BASE + c * SPAN + COLD_OFFSET, prefix_tokens, vocab_size)
+def cold_prompt(c, prefix_tokens, turns, vocab_size):
+    return rule(BASE + c * block(prefix_tokens, turns) + prefix_tokens + sum(turns), prefix_tokens, vocab_size)
 
 
 def request_body(model, prompt, new_tokens):
@@ -192,7 +196,7 @@ def prefix_cache_capacity(server):
 def run_round(server, model, c, a, vocab, deadline):
     """The cold request, then conversation c. Returns the round's record."""
     row = {"conversation": c, "ok": True}
-    rec = stream(server, request_body(model, cold_prompt(c, a.prefix_tokens, vocab), a.new_tokens), deadline)
+    rec = stream(server, request_body(model, cold_prompt(c, a.prefix_tokens, a.turns, vocab), a.new_tokens), deadline)
     rec.pop("text", None)
     row["cold"] = rec
     if not rec["ok"]:
@@ -246,10 +250,8 @@ def main():
         ap.error("--turns: every turn must add >= 1 token")
     if a.prefix_tokens < 1 or a.new_tokens < 1 or a.rounds < 1 or a.warmup < 0 or a.salt < 0:
         ap.error("--prefix-tokens, --new-tokens and --rounds must be >= 1, --warmup and --salt >= 0")
-    if a.salt + a.rounds >= (1 << 32) // SPAN - BASE // SPAN:
-        ap.error(f"--salt + --rounds must stay below {(1 << 32) // SPAN - BASE // SPAN} (the positions stay below 2^32)")
-    if a.prefix_tokens + sum(a.turns) > COLD_OFFSET:
-        ap.error(f"--prefix-tokens + the turns must be at most {COLD_OFFSET} (a conversation's positions)")
+    if BASE + (a.salt + a.rounds + 1) * block(a.prefix_tokens, a.turns) > 1 << 32:
+        ap.error("--salt, --rounds, --prefix-tokens and --turns take positions past 2^32 (where the rule wraps)")
     try:
         vocab = a.vocab_size or (vocab_from_model_dir(a.model_dir) if a.model_dir else 248320)
     except (OSError, ValueError, KeyError) as e:
@@ -289,10 +291,10 @@ def main():
         },
         "definitions": {
             "ids": "id at position p = ((p * 2654435761) mod 2^32) mod vocab_size",
-            "conversation": f"c owns positions [M + c * 2^20, M + (c + 1) * 2^20), M = {BASE}; request 0 = "
-                            "[M + c * 2^20, + prefix_tokens), each turn's piece the next positions",
+            "conversation": f"c owns positions [M + c * L, M + (c + 1) * L), M = {BASE}, L = 2 * prefix_tokens + "
+                            "sum(turns); request 0 = [M + c * L, + prefix_tokens), each turn's piece the next positions",
             "turn_prompt": "previous prompt + /tokenize(previous answer's text) + the turn's new piece",
-            "cold": "positions [M + c * 2^20 + 2^19, + prefix_tokens), sent before the conversation",
+            "cold": "positions [M + c * L + prefix_tokens + sum(turns), + prefix_tokens), sent before the conversation",
             "ttft_s": "request sent on an open connection -> first SSE chunk with generated text (client clock)",
             "cached_tokens": "usage.prompt_tokens_details.cached_tokens",
             "median": "over the rounds that succeeded",
