@@ -189,7 +189,8 @@ def prefix_cache_capacity(server):
     """tansy_prefix_cache_capacity from /metrics, or None when the server does not export it."""
     for line in server.get("/metrics", min(server.timeout, 30)).splitlines():
         if line.startswith("tansy_prefix_cache_capacity "):
-            return float(line.split()[1])
+            v = float(line.split()[1])
+            return int(v) if v.is_integer() else v
     return None
 
 
