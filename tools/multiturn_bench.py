@@ -140,6 +140,8 @@ def stream(server, body, deadline):
             rec["ttft_s"] = first - t_sent
     except Exception as e:  # noqa: BLE001  every request's outcome is recorded, whatever went wrong
         rec["error"] = f"{type(e).__name__}: {e}"
+        if isinstance(e, TimeoutError) and deadline is not None and time.perf_counter() >= deadline - 0.01:
+            rec["error"] = "cut off: --time-budget-s ran out during the request (socket timeout)"
         return rec
     finally:
         if c is not None:

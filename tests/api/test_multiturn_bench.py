@@ -174,6 +174,20 @@ def test_failures_are_recorded_and_exit_1(tmp_path_factory):
     assert "FAILED" in out and "FAILURES" in out
 
 
+def test_a_spent_time_budget_skips_or_cuts_off_rounds(tmp_path_factory):
+    s = server(tmp_path_factory, "multiturn-budget")
+    try:
+        rc, report, out = run_tool(s.url, tmp_path_factory.mktemp("bench") / "budget.json", "--time-budget-s", "0.001")
+    finally:
+        s.stop()
+    assert rc == 1, out
+    rows = report["warmup"] + report["rounds"]
+    assert [r["conversation"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        assert not r["ok"] and ("skipped" in r or "cut off" in r["failure"]), r
+    assert report["summary"]["rounds_ok"] == 0
+
+
 def test_a_server_that_cannot_be_used_gives_exit_2(tmp_path):
     rc, report, out = run_tool(f"http://127.0.0.1:{free_port()}", tmp_path / "none.json")
     assert rc == 2, out
