@@ -7,11 +7,11 @@
 #                                   # library and the binaries inside the 64 MiB carry limit)
 #   tools/device/bench.sh run       # there (carry: out/device.tar.xz): synth -> GPU tests ->
 #                                   # tansy bench (all contexts, 2 rounds, per-stage breakdown)
-#                                   # -> tansy serve latency, then concurrency, through HTTP
+#                                   # -> tansy serve latency, then concurrency (and multi-turn), through HTTP
 #                                   # -> HF peer arm
 #
-# `run` writes at most 11 files to $OUT: env.txt synth.log gpu_tests.log gpu_tests.json bench.log
-# bench.json server.log server_latency.json concurrency.json peer.log peer.json. The GPU tests'
+# `run` writes at most 12 files to $OUT: env.txt synth.log gpu_tests.log gpu_tests.json bench.log
+# bench.json server.log server_latency.json concurrency.json multiturn.json peer.log peer.json. The GPU tests'
 # result is read from their gtest JSON report (tools/device/gtest_summary.py). It keeps to a total deadline (DEADLINE_S,
 # default 540 s) and gives each step what is left, so a slow step shortens the later ones instead
 # of losing every result.
@@ -30,6 +30,12 @@
 # requests (1 + 4 + 16 + 64 per workload), so with the default cap the largest levels may be
 # skipped; a concurrency-focused call sets CONCURRENCY=1 SKIP_GPU_TESTS=1 SKIP_BENCH=1 SKIP_PEER=1
 # CONCURRENCY_CAP=400.
+# With MULTITURN=1, tools/multiturn_bench.py (issue 22, docs/BENCHMARK.md "Multi-turn (issue 22)")
+# runs last on the same server: a 4,096-token prefix, turns of +64, +256, +1,024 tokens, 16 new
+# tokens each, MULTITURN_ROUNDS (3) conversations, into multiturn.json. Its share is MULTITURN_CAP
+# (default 90 s), added to the server step's time (and reserved from tansy bench's). The server's
+# --prefix-cache 0 makes it the cache-off side (cold TTFT, no turn cached); SERVER_ARGS="--prefix-cache 4"
+# (the server's default) gives the cache-on side. The JSON's label records SERVER_ARGS.
 # The server gets --max-queue and --max-connections-per-client above the largest level (its
 # defaults, 16 and 64, would answer 503 at 64), before SERVER_ARGS, which may override them.
 # With --prefix-cache 0 the shared-prefix workload gets no prefix reuse; SERVER_ARGS can set
@@ -39,7 +45,7 @@
 # (256,512,1024,2048,4096), SERVER_CONTEXTS (256,4096), SERVER_ROUNDS (5), SERVER_ARGS (extra
 # `tansy serve` flags, e.g. "--prefill-chunk 4096"), SERVER_SETTINGS (greedy,qwen,qwen_logprobs,t1,presence,json_schema:
 # tools/http_latency.py --settings), GPU_TESTS_CAP (seconds), GPU_TESTS_FILTER (a --gtest_filter), SKIP_GPU_TESTS=1, SKIP_PEER=1, SKIP_BENCH=1,
-# SKIP_SERVER=1, SKIP_CONCURRENCY=1, CONCURRENCY_LEVELS (1,4,16,64), CONCURRENCY_CAP (seconds, 120),
+# SKIP_SERVER=1, SKIP_CONCURRENCY=1, MULTITURN=1, MULTITURN_CAP (90), MULTITURN_ROUNDS (3), CONCURRENCY_LEVELS (1,4,16,64), CONCURRENCY_CAP (seconds, 120),
 # CONCURRENCY_SETTINGS (greedy; qwen: tools/concurrency_bench.py --settings),
 # SYNTH_DIR (/dev/shm/tansy-synth), KEEP_SYNTH=1 (leave it for a later run in the same
 # call), REUSE_SYNTH=1 (use the one there).
@@ -78,10 +84,11 @@ prepare() {
 }
 
 # tansy serve on the synthetic checkpoint + tools/http_latency.py + tools/concurrency_bench.py,
-# within $1 seconds, the last $2 of them the concurrency step's (0: no concurrency step); the
-# server is stopped on every path (TERM, then KILL).
+# within $1 seconds, the last $2 of them the concurrency step's (0: no concurrency step) and
+# after those the last $3 the multi-turn step's (0: none); the server is stopped on every path
+# (TERM, then KILL).
 server_step() {
-  local cap=$1 conc_cap=${2:-0} port=${SERVER_PORT:-8011}
+  local cap=$1 conc_cap=${2:-0} mt_cap=${3:-0} port=${SERVER_PORT:-8011}
   local end=$(( $(date +%s) + cap ))
   local levels=${CONCURRENCY_LEVELS:-1,4,16,64} maxc=16
   for c in ${levels//,/ }; do [ "$c" -gt "$maxc" ] 2>/dev/null && maxc=$c; done
@@ -103,7 +110,7 @@ server_step() {
     echo "server healthy after $(( $(date +%s) - t0 )) s"
     local bench_flag=()
     [ -f "$OUT/bench.json" ] && bench_flag=(--bench "$OUT/bench.json")
-    local lat_left=$((end - conc_cap - $(date +%s)))
+    local lat_left=$((end - conc_cap - mt_cap - $(date +%s)))
     [ "$lat_left" -lt 5 ] && lat_left=5
     timeout "$lat_left" python3 tools/http_latency.py --url "http://127.0.0.1:$port" \
       --contexts "${SERVER_CONTEXTS:-256,4096}" --rounds "${SERVER_ROUNDS:-5}" --model-dir "$synth_dir" \
@@ -113,7 +120,7 @@ server_step() {
     if [ "$conc_cap" -gt 0 ]; then
       # The tool stops itself within its budget; the outer timeout is a backstop (its JSON is
       # rewritten after every level, so what finished survives).
-      local budget=$((end - $(date +%s) - 5))
+      local budget=$((end - mt_cap - $(date +%s) - 5))
       echo "== concurrency through HTTP (levels $levels, budget $budget s)"
       if [ "$budget" -lt 15 ]; then
         echo "device/bench.sh: no time left for the concurrency step"
@@ -123,6 +130,18 @@ server_step() {
           ${CONCURRENCY_SETTINGS:+--settings "$CONCURRENCY_SETTINGS"} \
           --json "$OUT/concurrency.json"
         echo "concurrency_bench exit $?"
+      fi
+    fi
+    if [ "$mt_cap" -gt 0 ]; then
+      local mt_budget=$((end - $(date +%s) - 5))
+      echo "== multi-turn through HTTP (budget $mt_budget s)"
+      if [ "$mt_budget" -lt 15 ]; then
+        echo "device/bench.sh: no time left for the multi-turn step"
+      else
+        timeout $((mt_budget + 3)) python3 tools/multiturn_bench.py --url "http://127.0.0.1:$port" \
+          --model-dir "$synth_dir" --rounds "${MULTITURN_ROUNDS:-3}" --time-budget-s "$mt_budget" \
+          --label "SERVER_ARGS=${SERVER_ARGS:-}" --json "$OUT/multiturn.json"
+        echo "multiturn_bench exit $?"
       fi
     fi
   elif kill -0 "$pid" 2>/dev/null; then
@@ -194,6 +213,7 @@ run() {
     [ -z "${SKIP_PEER:-}" ] && bench_cap=$((bench_cap - 140))
     [ -z "${SKIP_SERVER:-}" ] && bench_cap=$((bench_cap - 75))
     [ -z "${SKIP_SERVER:-}" ] && [ -z "${SKIP_CONCURRENCY:-}" ] && bench_cap=$((bench_cap - ${CONCURRENCY_CAP:-120}))
+    [ -z "${SKIP_SERVER:-}" ] && [ -n "${MULTITURN:-}" ] && bench_cap=$((bench_cap - ${MULTITURN_CAP:-90}))
     [ "$bench_cap" -lt 30 ] && bench_cap=30
     echo "== tansy bench (cap $bench_cap s)"
     local ctx_flag=()
@@ -219,7 +239,13 @@ run() {
     if [ "$srv_cap" -lt 20 ]; then
       echo "device/bench.sh: no time left for the server step" | tee "$OUT/server.log"
     else
-      server_step $((srv_cap + conc_cap)) "$conc_cap"
+      local mt_cap=0
+      if [ -n "${MULTITURN:-}" ]; then
+        mt_cap=$((avail - srv_cap - conc_cap))
+        [ "$mt_cap" -gt "${MULTITURN_CAP:-90}" ] && mt_cap=${MULTITURN_CAP:-90}
+        [ "$mt_cap" -lt 20 ] && mt_cap=0
+      fi
+      server_step $((srv_cap + conc_cap + mt_cap)) "$conc_cap" "$mt_cap"
     fi
   fi
 
