@@ -220,6 +220,73 @@ TEST(Batch, EngineOutputsDoNotDependOnWhatElseRuns) {
   EXPECT_EQ(l.waiting, 0);
 }
 
+// The demo model, recording the length of every piece of prompt the engine feeds that does not
+// end its prompt (no choice follows it).
+class PieceRecorder final : public Model {
+ public:
+  explicit PieceRecorder(std::unique_ptr<Model> m) : m_(std::move(m)) {}
+  const tansy::ModelConfig& config() const override { return m_->config(); }
+  std::string backend_name() const override { return m_->backend_name(); }
+  std::unique_ptr<SequenceState> new_state(int max_tokens) override { return m_->new_state(max_tokens); }
+  std::unique_ptr<SequenceState> clone_state(const SequenceState& s) override { return m_->clone_state(s); }
+  void forward(SequenceState& st, std::span<const int32_t> ids, std::span<float> logits, bool all) override {
+    m_->forward(st, ids, logits, all);
+  }
+  size_t state_bytes(int max_tokens) const override { return m_->state_bytes(max_tokens); }
+  int max_batch() const override { return m_->max_batch(); }
+  std::unique_ptr<tansy::TokenSampler> make_sampler(const SamplerSpec& spec) override {
+    return m_->make_sampler(spec);
+  }
+  std::unique_ptr<tansy::TokenSampler> make_greedy_sampler(int limit) override {
+    return m_->make_greedy_sampler(limit);
+  }
+  void feed_batch(std::span<const FeedEntry> entries) override {
+    int prompts = 0;
+    for (const FeedEntry& e : entries) {
+      if (e.ids.size() > 1) ++prompts;
+      if (e.ids.size() > 1 && !e.sampler) inner_pieces.push_back(int(e.ids.size()));
+    }
+    if (prompts > 1) ++shared_prompt_steps;
+    m_->feed_batch(entries);
+  }
+  std::vector<int> inner_pieces;  // engine thread only; read after the requests are done
+  int shared_prompt_steps = 0;    // steps that carried pieces of several prompts
+
+ private:
+  std::unique_ptr<Model> m_;
+};
+
+// A piece's length depends on its own prompt only (--prefill-chunk), never on the budget other
+// prompts of the same step left (CUDA's prefill rounds differently for other piece lengths):
+// every piece that does not end its prompt is a whole chunk, while prompts share steps.
+TEST(Batch, PromptPiecesAreWholeChunksWhateverElseIsInTheStep) {
+  if (!std::filesystem::exists(demo_dir() / "config.json")) GTEST_SKIP() << "no demo model";
+  EngineOptions eo;
+  eo.max_seq = 256;
+  eo.prefill_chunk = 8;
+  eo.max_running = 6;
+  eo.prefix_cache_entries = 0;
+  auto rec = std::make_unique<PieceRecorder>(open_demo());
+  PieceRecorder* r = rec.get();
+  Engine e(std::move(rec), tansy::Tokenizer::load(demo_dir()), eo);
+  const int V = std::min(e.config().vocab_size, e.tokenizer().vocab_size());
+  std::vector<GenRequest> reqs;
+  for (int i = 0; i < 6; ++i) {
+    GenRequest q;
+    q.prompt = ids_of(5 + 7 * i, 300 + i, V);  // 5, 12, ... 40: remainders of every size
+    q.max_tokens = 4;
+    q.ignore_eos = true;
+    q.sampling.temperature = 0;
+    reqs.push_back(std::move(q));
+  }
+  std::vector<std::thread> th;
+  for (auto& q : reqs) th.emplace_back([&e, &q] { run_one(e, q); });
+  for (auto& t : th) t.join();
+  ASSERT_FALSE(r->inner_pieces.empty());
+  EXPECT_GT(r->shared_prompt_steps, 0) << "no step carried two prompts: the test proves nothing";
+  for (int n : r->inner_pieces) EXPECT_EQ(n, eo.prefill_chunk) << "a piece cut short by the step's budget";
+}
+
 // At most max_running in flight; the others wait their turn and all finish; one that leaves or
 // runs out of time while waiting ends without a place (admitted false).
 TEST(Batch, BoundedInFlightWaitingCancelAndTimeout) {
