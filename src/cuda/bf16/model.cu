@@ -9,6 +9,9 @@ CudaModel::CudaModel(const std::filesystem::path& dir, const CudaPlanOptions& op
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) fail("cuda backend: no CUDA device");
   // A blocking stream: ordered after the default-stream memsets/copies of new_state and uploads.
   CUDA_CHECK(cudaStreamCreate(&stream_));
+  CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+  CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+  CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
   validate_config();
   greedy_limit_ = cfg_.vocab_size;
   {
@@ -25,6 +28,9 @@ CudaModel::CudaModel(const std::filesystem::path& dir, const CudaPlanOptions& op
 }
 
 CudaModel::~CudaModel() {
+  if (fork_) cudaEventDestroy(fork_);
+  if (join_) cudaEventDestroy(join_);
+  if (side_) cudaStreamDestroy(side_);
   if (stream_) cudaStreamDestroy(stream_);
   if (h_tok_) cudaFreeHost(h_tok_);
 }

@@ -308,6 +308,10 @@ class CudaModel final : public Model, public StageProfiler {
 
   ModelConfig cfg_;
   cudaStream_t stream_ = nullptr;
+  // Prefill's shared expert runs on side_ beside the routed experts (moe(), tensor-core path):
+  // fork_ orders it after the router's input, join_ orders the combine after it.
+  cudaStream_t side_ = nullptr;
+  cudaEvent_t fork_ = nullptr, join_ = nullptr;
   bool tc_prefill_ = true;  // prefill on the tensor-core kernels (else the GEMV ones: tests)
   bool head_fused_ = true;  // decode ends with lm_head_argmax (4-bit lm_heads)
   bool step_ok_ = false;    // decode runs the persistent step (plan_decode_step)

@@ -1,5 +1,6 @@
 #include "cuda/common/device_math.cuh"
 #include "cuda/common/launch.cuh"
+#include "cuda/common/tensor_core.cuh"
 #include "cuda/gdn/decode_step.cuh"
 #include "cuda/gdn/gdn.cuh"
 
@@ -8,70 +9,104 @@ namespace {
 
 constexpr BlockSync kSync;
 
-__device__ float sum128(float v, float* red) { return gdn_unit::sum128(v, red, kSync); }  // blockDim == 128
+// Prefill conv + gates. Warp = one head (128 channels, 4 per lane: one 8-byte load per token row)
+// for a run of kConvTokensPerWarp tokens, the K-1 previous inputs and the taps in registers; the
+// q/k l2norm is a warp reduction (no block barrier per token). A block's 4 warps take 4 consecutive
+// runs of the same head.
+// Every token row of x is loaded before any is used, so the loads of a run are in flight at once.
+constexpr int kConvWarps = 4;
+constexpr int kConvTokensPerWarp = kConvTokensPerBlock / kConvWarps;
 
-// Blocks x < conv_dim/128: one head's 128 channels (thread = channel) for a run of tokens,
-// the window held in registers. Block x == conv_dim/128: the gates of the same tokens.
-__global__ void __launch_bounds__(kGdnDim) gdn_conv_kernel(GdnConvArgs A, int update_window) {
-  __shared__ float red[4];
+__device__ __forceinline__ void load4(const bf16* p, float (&v)[4]) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+  v[0] = a.x, v[1] = a.y, v[2] = b.x, v[3] = b.y;
+}
+
+template <int K>  // the taps, a constant so that the window stays in registers
+__global__ void __launch_bounds__(32 * kConvWarps) gdn_conv_kernel(GdnConvArgs A, int update_window) {
   pdl_wait();
   pdl_launch_dependents();
   const int C = (2 * A.n_k_heads + A.n_v_heads) * kGdnDim;
-  const int t0 = blockIdx.y * kConvTokensPerBlock, t1 = min(A.n, t0 + kConvTokensPerBlock);
-  const int K = A.kernel;
-  if (blockIdx.x == C / kGdnDim) {
-    for (int i = threadIdx.x; i < (t1 - t0) * A.n_v_heads; i += blockDim.x) {
-      const int t = t0 + i / A.n_v_heads, h = i % A.n_v_heads;
-      const float av = __bfloat162float(A.a[int64_t(t) * A.ld_ab + h]);
-      const float bv = __bfloat162float(A.b[int64_t(t) * A.ld_ab + h]);
-      A.beta[int64_t(t) * A.n_v_heads + h] = sigmoid(bv);
-      A.g[int64_t(t) * A.n_v_heads + h] = gdn_log_decay(av, A.dt_bias[h], A.A_log[h]);
-    }
-    return;
+  const int tb0 = blockIdx.y * kConvTokensPerBlock, tb1 = min(A.n, tb0 + kConvTokensPerBlock);
+  // The gates of the block row's tokens, spread over its blocks (one block doing them all was the
+  // launch's last to finish).
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < (tb1 - tb0) * A.n_v_heads;
+       i += gridDim.x * blockDim.x) {
+    const int t = tb0 + i / A.n_v_heads, h = i % A.n_v_heads;
+    const float av = __bfloat162float(A.a[int64_t(t) * A.ld_ab + h]);
+    const float bv = __bfloat162float(A.b[int64_t(t) * A.ld_ab + h]);
+    A.beta[int64_t(t) * A.n_v_heads + h] = sigmoid(bv);
+    A.g[int64_t(t) * A.n_v_heads + h] = gdn_log_decay(av, A.dt_bias[h], A.A_log[h]);
   }
-  const int head_block = blockIdx.x;
-  const int c = head_block * kGdnDim + threadIdx.x;
-  const bool is_q = head_block < A.n_k_heads, is_k = !is_q && head_block < 2 * A.n_k_heads;
-  float w[kMaxConvKernel], prev[kMaxConvKernel];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int head = blockIdx.x, c = head * kGdnDim + 4 * lane;  // this lane's channels c..c+3
+  const bool is_q = head < A.n_k_heads, is_k = !is_q && head < 2 * A.n_k_heads;
+  const int t0 = tb0 + warp * kConvTokensPerWarp, t1 = min(A.n, t0 + kConvTokensPerWarp);
+  // w[j][i]: tap j of channel c+i (tap K-1 multiplies the current token); prev[j][i]: the input
+  // at t0 - (K-1) + j
+  float w[K][4], prev[K - 1][4];
 #pragma unroll
-  for (int j = 0; j < kMaxConvKernel; ++j) {
-    w[j] = j < K ? A.conv_w[int64_t(c) * K + j] : 0.f;
-    // prev[j] = input at t0 - (K-1) + j for j < K-1
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < K; ++j) w[j][i] = A.conv_w[int64_t(c + i) * K + j];
+#pragma unroll
+  for (int j = 0; j < K - 1; ++j) {
     const int tau = t0 - (K - 1) + j;
-    prev[j] = 0.f;
-    if (j < K - 1)
-      prev[j] =
-          __bfloat162float(tau >= 0 ? A.x[int64_t(tau) * A.ldx + c] : A.window[int64_t(tau + K - 1) * C + c]);
+    if (t0 < t1)
+      load4(tau >= 0 ? A.x + int64_t(tau) * A.ldx + c : A.window + int64_t(tau + K - 1) * C + c, prev[j]);
   }
+  if (update_window) __syncthreads();  // every warp has read the old window before it is rewritten
+  // The run's inputs as loaded (bf16 pairs): every load is issued before the first is used.
+  uint2 raw[kConvTokensPerWarp];
+#pragma unroll
+  for (int u = 0; u < kConvTokensPerWarp; ++u)
+    raw[u] =
+        t0 + u < t1 ? *reinterpret_cast<const uint2*>(A.x + int64_t(t0 + u) * A.ldx + c) : make_uint2(0, 0);
   const float qscale = rsqrtf(float(kGdnDim));
-  for (int t = t0; t < t1; ++t) {
-    const float cur = __bfloat162float(A.x[int64_t(t) * A.ldx + c]);
-    float acc = 0.f;
 #pragma unroll
-    for (int j = 0; j < kMaxConvKernel - 1; ++j)
-      if (j < K - 1) acc = fmaf(w[j], prev[j], acc);
-        // tap K-1 multiplies the current token
-#pragma unroll
-    for (int j = 0; j < kMaxConvKernel; ++j)
-      if (j == K - 1) acc = fmaf(w[j], cur, acc);
-#pragma unroll
-    for (int j = 0; j < kMaxConvKernel - 1; ++j) {
-      if (j < K - 2)
-        prev[j] = prev[j + 1];
-      else if (j == K - 2)
-        prev[j] = cur;
+  for (int u = 0; u < kConvTokensPerWarp; ++u) {
+    if (t0 + u >= t1) break;
+    float cur[4], y[4], ss = 0.f;
+    {
+      const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[u].x));
+      const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[u].y));
+      cur[0] = a.x, cur[1] = a.y, cur[2] = b.x, cur[3] = b.y;
     }
-    float y = silu_fast(acc);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float acc = 0.f;
+#pragma unroll
+      for (int j = 0; j < K - 1; ++j) acc = fmaf(w[j][i], prev[j][i], acc);
+      acc = fmaf(w[K - 1][i], cur[i], acc);
+#pragma unroll
+      for (int j = 0; j + 1 < K - 1; ++j) prev[j][i] = prev[j + 1][i];
+      prev[K - 2][i] = cur[i];
+      y[i] = silu_fast(acc);
+      ss = fmaf(y[i], y[i], ss);
+    }
     if (is_q || is_k) {
-      const float ss = sum128(y * y, red);
-      y *= rsqrtf(ss + 1e-6f) * (is_q ? qscale : 1.f);
-    }
-    A.y[int64_t(t) * C + c] = __float2bfloat16(y);
-  }
-  if (update_window) {
 #pragma unroll
-    for (int j = 0; j < kMaxConvKernel - 1; ++j)
-      if (j < K - 1) A.window[int64_t(j) * C + c] = __float2bfloat16(prev[j]);
+      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      const float sc = rsqrtf(ss + 1e-6f) * (is_q ? qscale : 1.f);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) y[i] *= sc;
+    }
+    uint2 out;
+    out.x = tc::pack_bf16(y[0], y[1]);
+    out.y = tc::pack_bf16(y[2], y[3]);
+    *reinterpret_cast<uint2*>(A.y + int64_t(t0 + u) * C + c) = out;
+  }
+  // One block covers every token (update_window): the warp holding the last token advances it.
+  if (update_window && t0 < t1 && t1 == A.n) {
+#pragma unroll
+    for (int j = 0; j < K - 1; ++j) {
+      uint2 out;
+      out.x = tc::pack_bf16(prev[j][0], prev[j][1]);
+      out.y = tc::pack_bf16(prev[j][2], prev[j][3]);
+      *reinterpret_cast<uint2*>(A.window + int64_t(j) * C + c) = out;
+    }
   }
 }
 
@@ -185,8 +220,35 @@ void gdn_conv(const GdnConvArgs& a, cudaStream_t stream) {
   const int C = (2 * a.n_k_heads + a.n_v_heads) * kGdnDim;
   const unsigned chunks = ceil_div(a.n, kConvTokensPerBlock);
   TANSY_CHECK(chunks <= 65535u, "gdn_conv: {} tokens exceed the grid limit", a.n);
-  pdl_launch(gdn_conv_kernel, dim3(C / kGdnDim + 1, chunks), dim3(kGdnDim), 0, stream, a,
-             chunks == 1 ? 1 : 0);
+  // 8-byte loads and stores of 4 channels
+  TANSY_CHECK(a.ldx % 4 == 0 && reinterpret_cast<uintptr_t>(a.x) % 8 == 0 &&
+                  reinterpret_cast<uintptr_t>(a.y) % 8 == 0 && reinterpret_cast<uintptr_t>(a.window) % 8 == 0,
+              "gdn_conv: x (ld {}), y and the window must be 8-byte aligned", a.ldx);
+  const dim3 grid(C / kGdnDim, chunks), block(32 * kConvWarps);
+  const int update = chunks == 1 ? 1 : 0;
+  switch (a.kernel) {
+    case 2:
+      pdl_launch(gdn_conv_kernel<2>, grid, block, 0, stream, a, update);
+      break;
+    case 3:
+      pdl_launch(gdn_conv_kernel<3>, grid, block, 0, stream, a, update);
+      break;
+    case 4:
+      pdl_launch(gdn_conv_kernel<4>, grid, block, 0, stream, a, update);
+      break;
+    case 5:
+      pdl_launch(gdn_conv_kernel<5>, grid, block, 0, stream, a, update);
+      break;
+    case 6:
+      pdl_launch(gdn_conv_kernel<6>, grid, block, 0, stream, a, update);
+      break;
+    case 7:
+      pdl_launch(gdn_conv_kernel<7>, grid, block, 0, stream, a, update);
+      break;
+    default:
+      pdl_launch(gdn_conv_kernel<8>, grid, block, 0, stream, a, update);
+      break;  // checked: <= 8
+  }
   if (chunks > 1) {
     conv_window_kernel<<<ceil_div(C, 256), 256, 0, stream>>>(a);
     launch_check("gdn_conv");

@@ -18,7 +18,7 @@ namespace tansy::cuda {
 constexpr int kGdnDim = dims::kGdnHeadDim;  // dk = dv
 constexpr int kGdnChunk = 64;               // tokens per chunk of the chunked delta rule
 constexpr int kMaxConvKernel = 8;           // conv taps kept in registers
-constexpr int kConvTokensPerBlock = 16;
+constexpr int kConvTokensPerBlock = 64;     // 4 warps of 16 tokens (gdn_conv)
 static_assert(dims::kConvKernel <= kMaxConvKernel);
 
 // ---- conv + gates (several tokens) ----

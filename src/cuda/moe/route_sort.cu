@@ -1,5 +1,6 @@
 // MoE prefill routing: the top-k choices of n tokens sorted into expert-grouped rows and the
-// grouped GEMM's tile schedule (MoeRouting, gemm/gemm.cuh), in one block and one launch.
+// grouped GEMM's tile schedule (MoeRouting, gemm/gemm.cuh): one block sorts, then a grid writes the
+// inverse permutation.
 // CPU reference: none needed, the grouped GEMM's result is checked against cpu::matmul per expert.
 #include "cuda/moe/moe.cuh"
 
@@ -65,11 +66,14 @@ __global__ void __launch_bounds__(kSortThreads)
     r.tile_offsets[n_experts] = tiles_before + (c + kGroupedBM - 1) / kGroupedBM;
   }
   __syncthreads();
-  for (int i = tid; i < total; i += kSortThreads) {
-    const int pos = atomicAdd(&cursor[ids[i]], 1);
-    r.sorted_slot[pos] = i;
-    r.slot_row[i] = pos;
-  }
+  // slot_row is written in slot order (coalesced); its scattered inverse is spread over the
+  // machine by scatter_kernel: one block's scattered 4-byte stores were most of this kernel's time.
+  for (int i = tid; i < total; i += kSortThreads) r.slot_row[i] = atomicAdd(&cursor[ids[i]], 1);
+}
+
+__global__ void scatter_kernel(int total, MoeRouting r) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < total) r.sorted_slot[r.slot_row[i]] = i;
 }
 
 }  // namespace
@@ -85,6 +89,8 @@ void moe_route_sort(const int* topk_ids, int n, int k, int n_experts, const MoeR
               "moe_route_sort: null pointer");
   route_sort_kernel<<<1, kSortThreads, 0, stream>>>(topk_ids, n * k, n_experts, r);
   launch_check("moe_route_sort");
+  scatter_kernel<<<(n * k + 255) / 256, 256, 0, stream>>>(n * k, r);
+  launch_check("moe_route_sort scatter");
 }
 
 }  // namespace tansy::cuda
