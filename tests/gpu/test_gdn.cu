@@ -31,9 +31,10 @@ struct GdnSetup {
 };
 
 TEST(Gdn, ConvAndRecurrence) {
-  for (auto [NK, NV, n] : {GdnSetup{16, 32, 1}, GdnSetup{16, 32, 16}, GdnSetup{16, 32, 17},
-                           GdnSetup{16, 32, 40}, GdnSetup{16, 32, 64}, GdnSetup{16, 32, 200},
-                           GdnSetup{16, 32, 1000}, GdnSetup{2, 4, 3}, GdnSetup{2, 4, 65}}) {
+  for (auto [NK, NV, n] :
+       {GdnSetup{16, 32, 1}, GdnSetup{16, 32, 16}, GdnSetup{16, 32, 17}, GdnSetup{16, 32, 40},
+        GdnSetup{16, 32, 63}, GdnSetup{16, 32, 64}, GdnSetup{16, 32, 65}, GdnSetup{16, 32, 200},
+        GdnSetup{16, 32, 1000}, GdnSetup{2, 4, 3}, GdnSetup{2, 4, 65}}) {
     const int D = 128, KD = NK * D, VD = NV * D, C = 2 * KD + VD, Kc = 4;
     const int64_t ld = C + VD + 2 * NV + 8;  // proj rows: qkv | z | a | b
     auto proj = randn(size_t(n) * ld);
