@@ -226,29 +226,18 @@ void gdn_conv(const GdnConvArgs& a, cudaStream_t stream) {
               "gdn_conv: x (ld {}), y and the window must be 8-byte aligned", a.ldx);
   const dim3 grid(C / kGdnDim, chunks), block(32 * kConvWarps);
   const int update = chunks == 1 ? 1 : 0;
-  switch (a.kernel) {
-    case 2:
-      pdl_launch(gdn_conv_kernel<2>, grid, block, 0, stream, a, update);
-      break;
-    case 3:
-      pdl_launch(gdn_conv_kernel<3>, grid, block, 0, stream, a, update);
-      break;
-    case 4:
-      pdl_launch(gdn_conv_kernel<4>, grid, block, 0, stream, a, update);
-      break;
-    case 5:
-      pdl_launch(gdn_conv_kernel<5>, grid, block, 0, stream, a, update);
-      break;
-    case 6:
-      pdl_launch(gdn_conv_kernel<6>, grid, block, 0, stream, a, update);
-      break;
-    case 7:
-      pdl_launch(gdn_conv_kernel<7>, grid, block, 0, stream, a, update);
-      break;
-    default:
-      pdl_launch(gdn_conv_kernel<8>, grid, block, 0, stream, a, update);
-      break;  // checked: <= 8
-  }
+  // One instantiation per tap count (checked above: 2 .. kMaxConvKernel).
+  static constexpr void (*kKernels[])(GdnConvArgs, int) = {nullptr,
+                                                           nullptr,
+                                                           gdn_conv_kernel<2>,
+                                                           gdn_conv_kernel<3>,
+                                                           gdn_conv_kernel<4>,
+                                                           gdn_conv_kernel<5>,
+                                                           gdn_conv_kernel<6>,
+                                                           gdn_conv_kernel<7>,
+                                                           gdn_conv_kernel<8>};
+  static_assert(sizeof(kKernels) / sizeof(kKernels[0]) == kMaxConvKernel + 1);
+  pdl_launch(kKernels[a.kernel], grid, block, 0, stream, a, update);
   if (chunks > 1) {
     conv_window_kernel<<<ceil_div(C, 256), 256, 0, stream>>>(a);
     launch_check("gdn_conv");
