@@ -57,7 +57,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from http_latency import Server as LatencyServer, vocab_from_model_dir  # noqa: E402  (the shared client)
+from http_latency import Server as LatencyServer, SseStream, StreamError, vocab_from_model_dir  # noqa: E402
 
 CONTRACT = {
     "version": 1,
@@ -179,34 +179,20 @@ class Request:
         if r.status != 200:
             self.error = f"HTTP {r.status}: {r.read()[:300].decode(errors='replace')}"
             return
-        done = False
-        while True:
-            line = r.readline()
-            if not line:
-                break
-            t = time.perf_counter()
-            if self.deadline is not None and t > self.deadline:
-                self.error = "cut off: --time-budget-s ran out during the stream"
-                return
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                done = True
-                break
-            ev = json.loads(payload)
-            if "error" in ev:
-                self.error = f"stream error: {json.dumps(ev['error'])[:300]}"
-                return
-            if ev.get("usage"):
-                self.usage = ev["usage"]
-            for ch in ev.get("choices", []):
-                if ch.get("text"):
-                    self.chunks.append(t)
-                if ch.get("finish_reason"):
-                    self.finish = ch["finish_reason"]
-        if not done:
+        stream = SseStream(r, self.deadline)
+        try:
+            for t, ev in stream:
+                if ev.get("usage"):
+                    self.usage = ev["usage"]
+                for ch in ev.get("choices", []):
+                    if ch.get("text"):
+                        self.chunks.append(t)
+                    if ch.get("finish_reason"):
+                        self.finish = ch["finish_reason"]
+        except StreamError as e:
+            self.error = str(e)
+            return
+        if not stream.done:
             self.error = "the stream ended without data: [DONE]"
 
     def check(self, new_tokens):

@@ -59,6 +59,39 @@ def vocab_from_model_dir(d):
     return int(c.get("text_config", c)["vocab_size"])
 
 
+class StreamError(RuntimeError):
+    """An error event in a stream, or --time-budget-s running out while reading one."""
+
+
+class SseStream:
+    """The `data:` events of a streaming response as (client time its line was read, event), up to
+    `data: [DONE]` (then .done is True). Raises StreamError on an error event, or once `deadline`
+    (a time.perf_counter() value) has passed."""
+
+    def __init__(self, resp, deadline=None):
+        self.resp, self.deadline, self.done = resp, deadline, False
+
+    def __iter__(self):
+        while True:
+            line = self.resp.readline()
+            if not line:
+                return
+            t = time.perf_counter()
+            if self.deadline is not None and t > self.deadline:
+                raise StreamError("cut off: --time-budget-s ran out during the stream")
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                self.done = True
+                return
+            ev = json.loads(payload)
+            if "error" in ev:
+                raise StreamError(f"stream error: {json.dumps(ev['error'])[:300]}")
+            yield t, ev
+
+
 class Server:
     def __init__(self, url, timeout):
         u = urllib.parse.urlsplit(url)
@@ -105,22 +138,9 @@ class Server:
             r = c.getresponse()
             if r.status != 200:
                 raise RuntimeError(f"POST /v1/completions: HTTP {r.status}: {r.read()[:500]!r}")
-            chunks, usage, finish, done = [], None, None, False
-            while True:
-                line = r.readline()
-                if not line:
-                    break
-                t = time.perf_counter()
-                line = line.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    done = True
-                    break
-                ev = json.loads(payload)
-                if "error" in ev:
-                    raise RuntimeError(f"stream error: {ev['error']}")
+            chunks, usage, finish = [], None, None
+            stream = SseStream(r)
+            for t, ev in stream:
                 if ev.get("usage"):
                     usage = ev["usage"]
                 for ch in ev.get("choices", []):
@@ -128,7 +148,7 @@ class Server:
                         chunks.append((t, ch["text"]))
                     if ch.get("finish_reason"):
                         finish = ch["finish_reason"]
-            if not done:
+            if not stream.done:
                 raise RuntimeError("the stream ended without data: [DONE]")
             return t_sent, chunks, usage, finish
         finally:

@@ -47,7 +47,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from http_latency import Server, vocab_from_model_dir  # noqa: E402  (the shared client)
+from http_latency import Server, SseStream, StreamError, vocab_from_model_dir  # noqa: E402  (the shared client)
 
 CONTRACT = {
     "version": 1,
@@ -107,34 +107,22 @@ def stream(server, body, deadline):
             rec["http_status"] = r.status
             rec["error"] = f"HTTP {r.status}: {r.read()[:300].decode(errors='replace')}"
             return rec
-        while True:
-            line = r.readline()
-            if not line:
-                break
-            t = time.perf_counter()
-            if deadline is not None and t > deadline:
-                rec["error"] = "cut off: --time-budget-s ran out during the stream"
-                return rec
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                done = True
-                break
-            ev = json.loads(payload)
-            if "error" in ev:
-                rec["error"] = f"stream error: {json.dumps(ev['error'])[:300]}"
-                return rec
-            if ev.get("usage"):
-                usage = ev["usage"]
-            for ch in ev.get("choices", []):
-                if ch.get("text"):
-                    if first is None:
-                        first = t
-                    text.append(ch["text"])
-                if ch.get("finish_reason"):
-                    finish = ch["finish_reason"]
+        stream = SseStream(r, deadline)
+        try:
+            for t, ev in stream:
+                if ev.get("usage"):
+                    usage = ev["usage"]
+                for ch in ev.get("choices", []):
+                    if ch.get("text"):
+                        if first is None:
+                            first = t
+                        text.append(ch["text"])
+                    if ch.get("finish_reason"):
+                        finish = ch["finish_reason"]
+        except StreamError as e:
+            rec["error"] = str(e)
+            return rec
+        done = stream.done
         rec["wall_s"] = time.perf_counter() - t_sent
         if first is not None:
             rec["ttft_s"] = first - t_sent
