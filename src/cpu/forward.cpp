@@ -63,6 +63,16 @@ class CpuModel final : public Model {
     return std::make_unique<CpuState>(dynamic_cast<const CpuState&>(s));
   }
 
+  bool copy_state(const SequenceState& src, SequenceState& dst) override {
+    const auto& a = dynamic_cast<const CpuState&>(src);
+    auto& b = dynamic_cast<CpuState&>(dst);
+    TANSY_CHECK(b.max_tokens == a.max_tokens,
+                "copy_state: the destination holds up to {} tokens, the source up to {}", b.max_tokens,
+                a.max_tokens);
+    b = a;  // vector assignment keeps b's buffers wherever they are large enough
+    return true;
+  }
+
   bool reset_state(SequenceState& state) override {
     auto& st = dynamic_cast<CpuState&>(state);
     st.n = 0;

@@ -142,8 +142,8 @@ Engine::Engine(std::unique_ptr<Model> model, Tokenizer tokenizer, const EngineOp
   TANSY_CHECK(!eos_.empty(), "the model declares no eos_token_id and the tokenizer has no <|im_end|>");
   n_real_ = size_t(std::min(model_->config().vocab_size, tok_.vocab_size()));
   // The pool: the states that fit in what the backend has free (a tenth of it, at least 1 GiB,
-  // kept for everything else it allocates later), less one for the copy a cache hit or a
-  // snapshot holds for a moment beside the pool.
+  // kept for everything else it allocates later), less one for the clone a cache hit or a
+  // snapshot holds for a moment beside the pool when no spare takes the copy.
   state_bytes_ = std::max<size_t>(1, model_->state_bytes(opt_.max_seq));
   size_t fit = std::numeric_limits<size_t>::max();
   if (auto free = model_->free_state_memory()) {
@@ -157,7 +157,11 @@ Engine::Engine(std::unique_ptr<Model> model, Tokenizer tokenizer, const EngineOp
     fit -= 1;
   }
   run_cap_ = int(std::min<size_t>({size_t(opt_.max_running), size_t(model_->max_batch()), fit}));
+  // At most: every running sequence, a full cache and one spare; a second spare (kSpares) has
+  // room while fewer than run_cap sequences run or the cache is not full.
   pool_states_ = std::min(fit, size_t(run_cap_) + opt_.prefix_cache_entries + 1);
+  spares_.reserve(kSpares);
+  make_spares();
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -215,17 +219,44 @@ void Engine::publish() {
 }
 
 void Engine::keep_spare(std::unique_ptr<SequenceState> s) {
-  if (s && !spare_) spare_ = std::move(s);
+  if (s && spares_.size() < kSpares) spares_.push_back(std::move(s));
 }
 
-// Lets go of the spare state, then of the least recently used cache entries, until at most
-// pool_states - keep_free states are held.
-size_t Engine::states_used() const { return running_.size() + cache_.size() + (spare_ ? 1 : 0); }
+std::unique_ptr<SequenceState> Engine::take_spare() {
+  if (spares_.empty()) return nullptr;
+  std::unique_ptr<SequenceState> s = std::move(spares_.back());
+  spares_.pop_back();
+  return s;
+}
 
+// Makes spare states, as many as kSpares and the pool allow, while no request waits: a state is
+// an allocation (on CUDA also a graph capture), which a request's snapshot or cache hit then does
+// not pay. Only a prefix cache copies into spares; without one a finished request's state is the
+// next one's. Out of memory only means fewer spares.
+void Engine::make_spares() {
+  if (cache_.capacity() == 0) return;
+  while (spares_.size() < kSpares && states_used() < pool_states_) {
+    {
+      std::lock_guard lk(mu_);
+      if (stop_ || !waiting_.empty()) break;
+    }
+    try {
+      spares_.push_back(model_->new_state(opt_.max_seq));
+    } catch (const std::exception&) {
+      break;
+    }
+  }
+  publish();
+}
+
+size_t Engine::states_used() const { return running_.size() + cache_.size() + spares_.size(); }
+
+// Lets go of the spare states, then of the least recently used cache entries, until at most
+// pool_states - keep_free states are held.
 void Engine::make_room(size_t keep_free) {
   while (states_used() + keep_free > pool_states_) {
-    if (spare_)
-      spare_.reset();
+    if (!spares_.empty())
+      spares_.pop_back();
     else if (cache_.size() > 0)
       cache_.pop_lru();
     else
@@ -318,6 +349,11 @@ void Engine::loop() {
   std::vector<std::shared_ptr<Seq>> admit;
   std::unique_lock lk(mu_);
   for (;;) {
+    if (running_.empty() && waiting_.empty() && !stop_ && spares_.size() < kSpares) {
+      lk.unlock();
+      make_spares();  // idle: nothing is held up
+      lk.lock();
+    }
     cv_.wait(lk, [&] { return stop_ || !waiting_.empty() || !running_.empty(); });
     if (stop_) break;
     // Requests that left or ran out of time while waiting end here; the first ones in line take
@@ -382,20 +418,22 @@ void Engine::admit(Seq& s) {
   const GenRequest& req = s.req;
   const int n_prompt = int(req.prompt.size());
   s.res.prompt_tokens = n_prompt;
-  // The last prompt token is always fed, so that its logits exist.
-  PrefixCache::Hit hit = cache_.lookup(*model_, req.prompt, size_t(n_prompt - 1));
+  // A spare state takes a cache hit's copy or, on a miss, is emptied and reused: no allocation
+  // (and on CUDA no graph capture) on the request's path. The last prompt token is always fed,
+  // so that its logits exist.
+  std::unique_ptr<SequenceState> spare = take_spare();
+  PrefixCache::Hit hit = cache_.lookup(*model_, req.prompt, size_t(n_prompt - 1), &spare);
   s.state = std::move(hit.state);
   if (!s.state) {
-    // A state the cache let go of is emptied and reused: no allocation (and on CUDA no graph
-    // capture) on the request's path.
-    if (spare_ && model_->reset_state(*spare_)) {
-      s.state = std::move(spare_);
+    if (spare && model_->reset_state(*spare)) {
+      s.state = std::move(spare);
     } else {
-      spare_.reset();
+      spare.reset();
       make_room(1);
       s.state = model_->new_state(opt_.max_seq);
     }
   }
+  keep_spare(std::move(spare));  // unused (the backend cloned the hit): still a spare
   s.res.cached_tokens = hit.n_tokens;
   cached_tokens_total_ += uint64_t(hit.n_tokens);
   s.pos = hit.n_tokens;
@@ -413,7 +451,7 @@ void Engine::admit(Seq& s) {
     s.sampler = opt_.greedy_fast_path ? model_->make_sampler(spec) : model_->make_host_sampler(spec);
   }
   // Without a cache there is nothing to snapshot at the cut: prefill straight through (a snapshot
-  // is a whole state copy, ~10 ms on CUDA for a new state and its decode graph).
+  // is a state copy, and a new state when no spare takes it).
   s.cut = cache_.capacity() > 0 ? req.cache_cut : 0;
   // A long prefix shared with a cached conversation that no entry holds by itself (the system
   // prompt and tools that every conversation of an application begins with): its state is kept
@@ -555,13 +593,19 @@ bool Engine::step(std::vector<std::shared_ptr<Seq>>& admitted) {
   return true;
 }
 
-// Keeps a copy of the state at a cut in the prefix cache, when the pool has room for it. A copy
+// Keeps a copy of the state at a cut in the prefix cache: in a spare state (already counted in
+// the pool; the copy allocates nothing), else in a new one when the pool has room for it. A copy
 // that fails (out of memory) only costs the cache an entry.
 void Engine::snapshot(Seq& s, bool shared) {
-  make_room(1);
-  if (states_used() + 1 > pool_states_) return;
   try {
-    keep_spare(cache_.insert(s.fed, model_->clone_state(*s.state), /*cold=*/false, shared));
+    std::unique_ptr<SequenceState> copy = take_spare();
+    if (copy && !model_->copy_state(*s.state, *copy)) keep_spare(std::move(copy));  // the backend clones
+    if (!copy) {
+      make_room(1);
+      if (states_used() + 1 > pool_states_) return;
+      copy = model_->clone_state(*s.state);
+    }
+    keep_spare(cache_.insert(s.fed, std::move(copy), /*cold=*/false, shared));
   } catch (const std::exception&) {
     make_room(0);
   }

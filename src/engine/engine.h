@@ -165,6 +165,8 @@ class Engine {
   void finish(Seq& s, Finish f);
   void fail_seq(Seq& s, std::exception_ptr e);
   void keep_spare(std::unique_ptr<SequenceState> s);
+  std::unique_ptr<SequenceState> take_spare();  // null when there is none
+  void make_spares();
   void publish();
 
   std::unique_ptr<Model> model_;
@@ -175,10 +177,14 @@ class Engine {
   size_t state_bytes_ = 0, pool_states_ = 0;
   int run_cap_ = 1;
 
-  // The engine thread's own: the running sequences, the prefix cache, the spare state.
+  // The engine thread's own: the running sequences, the prefix cache, the spare states.
   std::vector<std::shared_ptr<Seq>> running_;
   PrefixCache cache_;
-  std::unique_ptr<SequenceState> spare_;  // reused for the next request that misses the cache
+  // States made beforehand or let go of, reused (reset, or copied into) so that a request's path
+  // makes none: a request that misses the cache takes one and its snapshot at the cut another; a
+  // hit copies into one, its snapshot into the other.
+  static constexpr size_t kSpares = 2;
+  std::vector<std::unique_ptr<SequenceState>> spares_;
 
   mutable std::mutex mu_;  // guards waiting_ and stop_
   std::condition_variable cv_;

@@ -5,7 +5,8 @@
 
 namespace tansy {
 
-PrefixCache::Hit PrefixCache::lookup(Model& model, std::span<const int32_t> tokens, size_t max_len) {
+PrefixCache::Hit PrefixCache::lookup(Model& model, std::span<const int32_t> tokens, size_t max_len,
+                                     std::unique_ptr<SequenceState>* into) {
   auto best = entries_.end();
   for (auto it = entries_.begin(); it != entries_.end(); ++it) {
     const auto& k = it->tokens;
@@ -19,7 +20,9 @@ PrefixCache::Hit PrefixCache::lookup(Model& model, std::span<const int32_t> toke
   }
   ++hits_;
   entries_.splice(entries_.begin(), entries_, best);
-  return {model.clone_state(*best->state), int(best->tokens.size())};
+  const int n = int(best->tokens.size());
+  if (into && *into && model.copy_state(*best->state, **into)) return {std::move(*into), n};
+  return {model.clone_state(*best->state), n};
 }
 
 std::unique_ptr<SequenceState> PrefixCache::insert(std::vector<int32_t> tokens,

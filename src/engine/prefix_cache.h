@@ -22,7 +22,11 @@ class PrefixCache {
     int n_tokens = 0;
   };
   // The longest stored prefix of `tokens` no longer than max_len tokens; state is null on a miss.
-  Hit lookup(Model& model, std::span<const int32_t> tokens, size_t max_len);
+  // A hit's copy goes into the state `into` holds when there is one and the backend can copy into
+  // it (Model::copy_state: no allocation on the request's path), the hit then owning it; else it
+  // is a clone, and `into` is left as it was.
+  Hit lookup(Model& model, std::span<const int32_t> tokens, size_t max_len,
+             std::unique_ptr<SequenceState>* into = nullptr);
   // Stores `state`, which holds exactly `tokens`, as the most recently used entry (or, when
   // `cold`, as the least recently used one: kept only while there is room). Replaces an entry
   // with the same key; a hot entry also replaces the entries whose tokens it extends. Returns one

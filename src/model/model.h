@@ -83,6 +83,17 @@ class Model {
   }
   // Deep copy (prefix cache).
   virtual std::unique_ptr<SequenceState> clone_state(const SequenceState& s) = 0;
+  // Makes `dst` hold exactly the tokens `src` holds, in dst's own buffers (on CUDA dst also keeps
+  // its captured decode graph, which points at them): a copy into a state made beforehand costs
+  // no allocation or capture, which clone_state's new state does. dst must have src's capacity
+  // (new_state's max_tokens); otherwise it is an error. The CUDA plan only enqueues the copies on
+  // its stream, which every later use of either state follows. Returns false when the backend
+  // cannot (the caller then clones).
+  virtual bool copy_state(const SequenceState& src, SequenceState& dst) {
+    (void)src;
+    (void)dst;
+    return false;
+  }
 
   // Feeds `ids` after what `state` holds. Writes logits [n, vocab] when all_positions, else
   // [vocab] for the last position only. Results do not depend on how a prompt is split.

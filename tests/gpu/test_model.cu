@@ -167,6 +167,16 @@ TEST_P(Golden, SplitInvariance) {
   m->forward(*a, std::span<const int32_t>(&next, 1), l1, false);
   m->forward(*d, std::span<const int32_t>(&next, 1), l2, false);
   EXPECT_EQ(max_abs_diff(l1, l2), 0.0) << "clone_state";
+  // copy_state: b (200 tokens of its own, its own decode graph) takes a's 201 with no sync in
+  // between; decoding the same token from both gives the same logits.
+  ASSERT_TRUE(m->copy_state(*a, *b));
+  EXPECT_EQ(b->n_tokens(), a->n_tokens());
+  const int32_t after = ids[4];
+  m->forward(*a, std::span<const int32_t>(&after, 1), l1, false);
+  m->forward(*b, std::span<const int32_t>(&after, 1), l2, false);
+  EXPECT_EQ(max_abs_diff(l1, l2), 0.0) << "copy_state";
+  auto wider = m->new_state(257);
+  EXPECT_THROW(m->copy_state(*a, *wider), Error) << "a destination of another capacity";
 }
 
 // Records the experts the CUDA backend routes each MoE layer's tokens to, and makes the CPU

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -93,6 +94,7 @@ class FakeModel : public Model {
   int max_batch() const override { return batch; }
   int batch = 1;  // > 1: Model's default forward_batch (each piece alone), host samplers
   std::unique_ptr<SequenceState> new_state(int max_tokens) override {
+    record("new");
     auto s = std::make_unique<FakeState>();
     s->max_tokens = max_tokens;
     s->live = live;
@@ -100,15 +102,37 @@ class FakeModel : public Model {
     return s;
   }
   std::unique_ptr<SequenceState> clone_state(const SequenceState& s) override {
-    if (clone_fails) tansy::fail("fake model: out of memory (clone_state)");
+    record("clone");
+    if (copies_fail) tansy::fail("fake model: out of memory (clone_state)");
     return std::make_unique<FakeState>(dynamic_cast<const FakeState&>(s));
+  }
+  bool copy_state(const SequenceState& src, SequenceState& dst) override {
+    if (!can_copy) return false;
+    record("copy");
+    if (copies_fail) tansy::fail("fake model: copy_state failed");
+    const auto& a = dynamic_cast<const FakeState&>(src);
+    auto& b = dynamic_cast<FakeState&>(dst);
+    if (a.max_tokens != b.max_tokens) tansy::fail("fake model: copy_state across capacities");
+    b.toks = a.toks;
+    return true;
+  }
+  bool reset_state(SequenceState& state) override {
+    record("reset");
+    dynamic_cast<FakeState&>(state).toks.clear();
+    return true;
+  }
+  // The state calls (new, clone, copy, reset) and forwards, in order.
+  std::vector<std::string> calls() const {
+    std::lock_guard lk(calls_mu_);
+    return calls_;
   }
   ~FakeModel() override {
     if (live_at_destruction) *live_at_destruction = live->load();
   }
   std::shared_ptr<std::atomic<int>> live = std::make_shared<std::atomic<int>>(0);
   int* live_at_destruction = nullptr;  // set: receives the states still alive when the model goes
-  bool clone_fails = false;
+  bool copies_fail = false;            // clone_state and copy_state throw
+  bool can_copy = true;                // false: copy_state returns false (the engine clones)
   void forward(SequenceState& state, std::span<const int32_t> ids, std::span<float> logits,
                bool all) override {
     auto& st = dynamic_cast<FakeState&>(state);
@@ -120,6 +144,7 @@ class FakeModel : public Model {
     }
     if (st.n_tokens() > st.max_tokens) tansy::fail("fake model: state overflow");
     ++forward_calls;
+    record("forward");
     fill(st.toks, logits);
   }
   std::unique_ptr<tansy::TokenSampler> make_sampler(const tansy::SamplerSpec& spec) override {
@@ -151,7 +176,13 @@ class FakeModel : public Model {
   std::vector<std::string> log;  // its feeds (written on the engine's thread)
 
  private:
+  void record(const char* what) {
+    std::lock_guard lk(calls_mu_);
+    calls_.push_back(what);
+  }
   tansy::ModelConfig cfg_;
+  mutable std::mutex calls_mu_;  // the engine's thread records while a test reads
+  std::vector<std::string> calls_;
 };
 
 tansy::Tokenizer synth_tokenizer() {
@@ -745,6 +776,88 @@ TEST(Engine, ThePoolBoundsTheStatesAndTheCacheGivesWay) {
   EXPECT_THROW(Engine(std::move(small), synth_tokenizer(), o), tansy::Error);
 }
 
+// With the prefix cache on, once the spares exist a request's path makes no state: a cold request
+// takes a spare at admission and copies its cut into the other; the next turn's cache hit copies
+// into a spare, and its cut into the other. The spares are made at startup and while the engine
+// is idle. The answers are the cache-off engine's, token for token, greedy and seeded; the states
+// held never exceed the pool.
+TEST(Engine, SparesTakeTheCacheCopiesOffTheRequestPath) {
+  for (bool seeded : {false, true}) {
+    SCOPED_TRACE(seeded ? "seeded" : "greedy");
+    Harness hot(true), cold(true, {}, 0);
+    Engine& e = *hot.engine;
+    std::atomic<bool> done{false};
+    std::atomic<size_t> most{0};
+    std::thread watch([&] {
+      while (!done) {
+        most = std::max(most.load(), e.load().states_used);
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+      }
+    });
+    // Idle with both spares made: every state but the cache's is a spare.
+    auto wait_for_spares = [&] {
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      while (e.load().states_used != e.cache_stats().entries + 2 && std::chrono::steady_clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      ASSERT_EQ(e.load().states_used, e.cache_stats().entries + 2);
+    };
+    // The calls a request made: from `from` to its last forward (the engine makes spares after it).
+    auto request_path = [&](size_t from) {
+      auto calls = hot.model->calls();
+      auto last = std::find(calls.rbegin(), calls.rend(), "forward").base();
+      return std::vector<std::string>(calls.begin() + std::ptrdiff_t(from), last);
+    };
+    auto count = [](const std::vector<std::string>& v, const char* what) {
+      return std::count(v.begin(), v.end(), what);
+    };
+    auto request = [&](std::vector<int32_t> prompt, size_t cut) {
+      GenRequest r = greedy_request(std::move(prompt), 8);
+      r.ignore_eos = true;
+      r.cache_cut = cut;
+      if (seeded) r.sampling.temperature = 0.8, r.sampling.seed = 3;
+      return r;
+    };
+
+    const GenRequest first = request(prompt_of(30, 21), 20);
+    wait_for_spares();
+    size_t mark = hot.model->calls().size();
+    Outcome a = hot.run(first);
+    auto path = request_path(mark);
+    EXPECT_EQ(count(path, "new") + count(path, "clone"), 0) << "a state made on the cold request's path";
+    EXPECT_EQ(count(path, "reset"), 1) << "admission empties a spare";
+    EXPECT_EQ(count(path, "copy"), 1) << "the cut is copied into a spare";
+    ASSERT_EQ(a.tokens.size(), 8u);
+
+    // The next turn extends the first one's end state (its prompt and all but the last token).
+    std::vector<int32_t> ext = first.prompt;
+    ext.insert(ext.end(), a.tokens.begin(), a.tokens.end());
+    ext.insert(ext.end(), {42, 7});
+    const GenRequest second = request(ext, ext.size() - 2);
+    wait_for_spares();
+    mark = hot.model->calls().size();
+    Outcome b = hot.run(second);
+    path = request_path(mark);
+    EXPECT_EQ(count(path, "new") + count(path, "clone"), 0) << "a state made on the cache hit's path";
+    EXPECT_EQ(count(path, "reset"), 0);
+    EXPECT_EQ(count(path, "copy"), 2) << "the hit and the cut are copied into spares";
+    EXPECT_EQ(b.res.cached_tokens, int(first.prompt.size()) + 7);
+
+    for (const auto& [req, got] : {std::pair{&first, &a}, std::pair{&second, &b}}) {
+      Outcome ref = cold.run(*req);
+      EXPECT_EQ(got->tokens, ref.tokens);
+      EXPECT_EQ(got->text, ref.text);
+      EXPECT_EQ(got->res.finish, ref.res.finish);
+    }
+    if (!seeded) {
+      EXPECT_EQ(b.tokens, oracle(ext, 8));
+    }
+    wait_for_spares();
+    done = true;
+    watch.join();
+    EXPECT_LE(most.load(), e.pool_states());
+  }
+}
+
 // What the engine's thread does when things go wrong around it: a caller whose callback throws
 // gets the exception and its request is stopped (the engine goes on serving); a state copy that
 // fails costs only the cache entry; with memory for a single state the cut is not copied at all;
@@ -766,14 +879,18 @@ TEST(Engine, ThrowingCallersFailingCopiesTightPoolsAndShutdown) {
     Outcome o = h.run(greedy_request(prompt, 5));
     EXPECT_EQ(o.tokens, oracle(prompt, 5));
   }
-  {
+  for (bool can_copy : {true, false}) {  // into a spare, or a clone
     Harness h(true);
-    h.model->clone_fails = true;
+    h.model->copies_fail = true;
+    h.model->can_copy = can_copy;
     GenRequest r = greedy_request(prompt, 6);
     r.cache_cut = 12;
     Outcome o = h.run(r);
     EXPECT_EQ(o.tokens, oracle(prompt, 6));
     EXPECT_EQ(o.res.finish, Finish::kLength);
+    const auto calls = h.model->calls();
+    EXPECT_EQ(std::count(calls.begin(), calls.end(), can_copy ? "copy" : "clone"), 1)
+        << "the snapshot was tried";
   }
   {
     auto m = std::make_unique<FakeModel>();

@@ -5,6 +5,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
+#include <span>
+#include <string>
+#include <vector>
 
 #include "core/error.h"
 #include "model/model.h"
@@ -116,6 +120,54 @@ TEST_P(Golden, PrefillSplitInvariance) {
   for (size_t c = 0; c < V; ++c) {
     EXPECT_NEAR(last[c], whole[(n - 2) * V + c], 1e-5f * std::max(1.0f, std::fabs(last[c])));
     EXPECT_EQ(cont[c], cont2[c]);
+  }
+}
+
+// copy_state into a state that held other, more tokens: continuing the copy gives the source's
+// logits bit for bit (nothing of the destination's own keys, values or GDN state is left), and
+// the source continues like a state nobody copied from; into a state holding fewer tokens as well.
+// A destination of another capacity is an error.
+TEST_P(Golden, CopyStateContinuesLikeTheSource) {
+  const fs::path dir = test::goldens_dir() / GetParam();
+  auto ids = read_vec<int32_t>(dir / "seq200.ids");
+  auto model = open_model(dir, ModelOptions{});
+  const size_t V = size_t(model->config().vocab_size);
+  const int cap = 256, k = 100;
+  const std::span<const int32_t> all(ids);
+  ASSERT_EQ(all.size(), 200u);
+  auto src = model->new_state(cap), ref = model->new_state(cap), dst = model->new_state(cap);
+  std::vector<float> scratch(V);
+  model->forward(*src, all.first(k), scratch, false);
+  model->forward(*ref, all.first(k), scratch, false);
+  const std::vector<int32_t> other(ids.rbegin(), ids.rbegin() + 150);
+  model->forward(*dst, other, scratch, false);
+  ASSERT_TRUE(model->copy_state(*src, *dst));
+  EXPECT_EQ(dst->n_tokens(), k);
+  const auto rest = all.subspan(k);
+  std::vector<float> from_copy(rest.size() * V), from_src(rest.size() * V), from_ref(rest.size() * V);
+  model->forward(*dst, rest, from_copy, true);  // the copy first: feeding it must not touch the source
+  model->forward(*src, rest, from_src, true);
+  model->forward(*ref, rest, from_ref, true);
+  auto same_bits = [](const std::vector<float>& a, const std::vector<float>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  };
+  EXPECT_TRUE(same_bits(from_copy, from_src)) << "the copy continues unlike its source";
+  EXPECT_TRUE(same_bits(from_src, from_ref)) << "copying changed the source";
+  auto shorter = model->new_state(cap);
+  model->forward(*shorter, all.first(3), scratch, false);
+  ASSERT_TRUE(model->copy_state(*src, *shorter));
+  EXPECT_EQ(shorter->n_tokens(), 200);
+  std::vector<float> a(V), b(V);
+  model->forward(*src, all.subspan(5, 1), a, false);
+  model->forward(*shorter, all.subspan(5, 1), b, false);
+  EXPECT_TRUE(same_bits(a, b)) << "a copy into a state that held fewer tokens";
+  auto wider = model->new_state(cap + 1);
+  try {
+    model->copy_state(*src, *wider);
+    ADD_FAILURE() << "copy_state into a state of another capacity did not fail";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "copy_state: the destination holds up to 257 tokens, the source up to 256");
   }
 }
 

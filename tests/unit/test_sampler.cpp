@@ -173,7 +173,8 @@ struct ListState : SequenceState {
 };
 struct ListModel : Model {
   ModelConfig cfg;
-  int clones = 0;
+  int clones = 0, copies = 0;
+  bool can_copy = false;
   const ModelConfig& config() const override { return cfg; }
   std::string backend_name() const override { return "list"; }
   size_t state_bytes(int) const override { return 1; }
@@ -181,6 +182,12 @@ struct ListModel : Model {
   std::unique_ptr<SequenceState> clone_state(const SequenceState& s) override {
     ++clones;
     return std::make_unique<ListState>(static_cast<const ListState&>(s));
+  }
+  bool copy_state(const SequenceState& src, SequenceState& dst) override {
+    if (!can_copy) return false;
+    ++copies;
+    static_cast<ListState&>(dst).toks = static_cast<const ListState&>(src).toks;
+    return true;
   }
   void forward(SequenceState& s, std::span<const int32_t> ids, std::span<float>, bool) override {
     auto& l = static_cast<ListState&>(s).toks;
@@ -224,6 +231,37 @@ TEST(PrefixCache, LongestPrefixWithinLimitAndLru) {
   auto h2 = c.lookup(m, q, 4);
   static_cast<ListState&>(*h2.state).toks.push_back(99);
   EXPECT_EQ(static_cast<ListState&>(*c.lookup(m, q, 4).state).toks, (std::vector<int32_t>{1, 2}));
+}
+
+// A hit copies into the state the caller gives when the backend can (the hit then owns that
+// state); a miss, or a backend that cannot copy (a clone then), leaves the caller's state alone.
+TEST(PrefixCache, AHitCopiesIntoTheStateItIsGiven) {
+  ListModel m;
+  m.can_copy = true;
+  PrefixCache c(2);
+  c.insert({1, 2, 3}, state_of({1, 2, 3}));
+  std::vector<int32_t> q = {1, 2, 3, 4};
+  std::unique_ptr<SequenceState> spare = state_of({9, 9, 9, 9, 9});
+  const SequenceState* given = spare.get();
+  auto h = c.lookup(m, q, 3, &spare);
+  EXPECT_EQ(h.state.get(), given);
+  EXPECT_FALSE(spare);
+  EXPECT_EQ(h.n_tokens, 3);
+  EXPECT_EQ(static_cast<ListState&>(*h.state).toks, (std::vector<int32_t>{1, 2, 3}));
+  spare = state_of({9});
+  given = spare.get();
+  std::vector<int32_t> none = {7, 8};
+  EXPECT_FALSE(c.lookup(m, none, 1, &spare).state);
+  EXPECT_EQ(spare.get(), given);
+  m.can_copy = false;
+  auto h2 = c.lookup(m, q, 3, &spare);
+  EXPECT_EQ(spare.get(), given);
+  ASSERT_TRUE(h2.state);
+  EXPECT_EQ(static_cast<ListState&>(*h2.state).toks, (std::vector<int32_t>{1, 2, 3}));
+  EXPECT_EQ(m.copies, 1);
+  EXPECT_EQ(m.clones, 1);
+  EXPECT_EQ(c.hits(), 2u);
+  EXPECT_EQ(c.misses(), 1u);
 }
 
 TEST(PrefixCache, ColdEntriesAreEvictedFirst) {

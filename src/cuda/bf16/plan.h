@@ -145,6 +145,8 @@ class CudaModel final : public Model, public StageProfiler {
   bool reset_state(SequenceState& state) override;
 
   std::unique_ptr<SequenceState> clone_state(const SequenceState& src) override;
+  // Enqueues the copies on the stream: the tokens' keys and values, pos, conv windows, GDN state.
+  bool copy_state(const SequenceState& src, SequenceState& dst) override;
 
   void forward(SequenceState& state, std::span<const int32_t> ids, std::span<float> logits,
                bool all_positions) override;

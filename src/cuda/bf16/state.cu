@@ -46,11 +46,27 @@ std::unique_ptr<SequenceState> CudaModel::clone_state(const SequenceState& src) 
   const auto& a = dynamic_cast<const CudaState&>(src);
   CUDA_CHECK(cudaStreamSynchronize(stream_));
   auto s = make_state(a.max_tokens, true);
-  s->n = a.n;
-  CUDA_CHECK(cudaMemcpyAsync(s->pos.get(), a.pos.get(), sizeof(int), cudaMemcpyDeviceToDevice, stream_));
+  copy_state(a, *s);
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return s;
+}
+
+// No host synchronisation: every use of either state is enqueued on stream_, after these copies,
+// so src cannot change and dst cannot be read before they are done (and a state freed meanwhile
+// waits for them: cudaFree synchronises the device).
+bool CudaModel::copy_state(const SequenceState& src, SequenceState& dst) {
+  const auto& a = dynamic_cast<const CudaState&>(src);
+  auto& b = dynamic_cast<CudaState&>(dst);
+  TANSY_CHECK(b.max_tokens == a.max_tokens,
+              "copy_state: the destination holds up to {} tokens, the source up to {}", b.max_tokens,
+              a.max_tokens);
+  if (&a == &b) return true;
+  b.n = a.n;
+  CUDA_CHECK(cudaMemcpyAsync(b.pos.get(), a.pos.get(), sizeof(int), cudaMemcpyDeviceToDevice, stream_));
   for (size_t i = 0; i < a.layers.size(); ++i) {
     const auto& A = a.layers[i];
-    auto& B = s->layers[i];
+    auto& B = b.layers[i];
+    // The keys and values of the tokens held: attention reads positions < n only.
     const size_t kv = size_t(a.n) * cfg_.kv_dim() * sizeof(bf16);
     if (A.K.size() && kv) {
       CUDA_CHECK(cudaMemcpyAsync(B.K.get(), A.K.get(), kv, cudaMemcpyDeviceToDevice, stream_));
@@ -62,8 +78,7 @@ std::unique_ptr<SequenceState> CudaModel::clone_state(const SequenceState& src) 
       CUDA_CHECK(cudaMemcpyAsync(B.S.get(), A.S.get(), A.S.bytes(), cudaMemcpyDeviceToDevice, stream_));
     }
   }
-  CUDA_CHECK(cudaStreamSynchronize(stream_));
-  return s;
+  return true;
 }
 
 }  // namespace tansy::cuda

@@ -172,28 +172,35 @@ class F32Model final : public Model {
   }
 
   std::unique_ptr<SequenceState> clone_state(const SequenceState& state) override {
-    const auto& src = dynamic_cast<const F32State&>(state);
-    auto s = std::make_unique<F32State>();
-    s->n = src.n;
-    s->max_tokens = src.max_tokens;
-    s->capacity = src.capacity;
-    s->layers.resize(src.layers.size());
+    auto s = new_state(dynamic_cast<const F32State&>(state).max_tokens);
+    copy_state(state, *s);
+    return s;
+  }
+
+  // The attention caches grow to hold src's tokens as feeding them would have grown them (this
+  // plan allocates them on demand); every other buffer is dst's own.
+  bool copy_state(const SequenceState& from, SequenceState& to) override {
+    const auto& src = dynamic_cast<const F32State&>(from);
+    auto& dst = dynamic_cast<F32State&>(to);
+    TANSY_CHECK(dst.max_tokens == src.max_tokens,
+                "copy_state: the destination holds up to {} tokens, the source up to {}", dst.max_tokens,
+                src.max_tokens);
+    if (&src == &dst) return true;
+    dst.n = 0;  // nothing of dst's own is kept: reserve() copies no rows
+    reserve(dst, src.n);
+    dst.n = src.n;
     const size_t kvd = size_t(cfg_.kv_dim());
     for (size_t i = 0; i < src.layers.size(); ++i) {
       const auto& a = src.layers[i];
-      auto& b = s->layers[i];
+      auto& b = dst.layers[i];
       if (a.K.size()) {
-        b.K.resize(a.K.size());
-        b.V.resize(a.V.size());
         copy_d2d(b.K, a.K, size_t(src.n) * kvd);
         copy_d2d(b.V, a.V, size_t(src.n) * kvd);
       }
-      b.conv.resize(a.conv.size());
       copy_d2d(b.conv, a.conv, a.conv.size());
-      b.S.resize(a.S.size());
       copy_d2d(b.S, a.S, a.S.size());
     }
-    return s;
+    return true;
   }
 
   void forward(SequenceState& state, std::span<const int32_t> ids, std::span<float> logits,
