@@ -241,7 +241,11 @@ void Engine::make_spares() {
       if (stop_ || !waiting_.empty()) break;
     }
     try {
-      spares_.push_back(model_->new_state(opt_.max_seq));
+      std::unique_ptr<SequenceState> s = model_->new_state(opt_.max_seq);
+      // Emptied once here: on CUDA the first reset captures the state's reset graph, which a
+      // request's admission would otherwise pay.
+      model_->reset_state(*s);
+      spares_.push_back(std::move(s));
     } catch (const std::exception&) {
       break;
     }
