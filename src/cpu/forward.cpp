@@ -66,9 +66,7 @@ class CpuModel final : public Model {
   bool copy_state(const SequenceState& src, SequenceState& dst) override {
     const auto& a = dynamic_cast<const CpuState&>(src);
     auto& b = dynamic_cast<CpuState&>(dst);
-    TANSY_CHECK(b.max_tokens == a.max_tokens,
-                "copy_state: the destination holds up to {} tokens, the source up to {}", b.max_tokens,
-                a.max_tokens);
+    check_copy_capacity(b.max_tokens, a.max_tokens);
     b = a;  // vector assignment keeps b's buffers wherever they are large enough
     return true;
   }

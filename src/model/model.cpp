@@ -13,6 +13,12 @@
 
 namespace tansy {
 
+void Model::check_copy_capacity(int dst_max_tokens, int src_max_tokens) {
+  TANSY_CHECK(dst_max_tokens == src_max_tokens,
+              "copy_state: the destination holds up to {} tokens, the source up to {}", dst_max_tokens,
+              src_max_tokens);
+}
+
 int32_t argmax(std::span<const float> v) {
   if (v.empty()) fail("argmax of an empty vector");
   size_t best = 0;

@@ -94,6 +94,8 @@ class Model {
     (void)dst;
     return false;
   }
+  // copy_state's precondition, one error for every backend: dst and src hold up to as many tokens.
+  static void check_copy_capacity(int dst_max_tokens, int src_max_tokens);
 
   // Feeds `ids` after what `state` holds. Writes logits [n, vocab] when all_positions, else
   // [vocab] for the last position only. Results do not depend on how a prompt is split.

@@ -213,6 +213,32 @@ struct Outcome {
   std::vector<int> limits;
 };
 
+// The most states an engine held while it ran: states_used sampled every 100 µs on a thread of
+// its own until stop().
+class PeakStates {
+ public:
+  explicit PeakStates(const Engine& e)
+      : watch_([this, &e] {
+          while (!done_) {
+            most_ = std::max(most_.load(), e.load().states_used);
+            std::this_thread::sleep_for(std::chrono::microseconds(100));
+          }
+        }) {}
+  ~PeakStates() { stop(); }
+  PeakStates(const PeakStates&) = delete;
+  PeakStates& operator=(const PeakStates&) = delete;
+  size_t stop() {
+    done_ = true;
+    if (watch_.joinable()) watch_.join();
+    return most_;
+  }
+
+ private:
+  std::atomic<bool> done_{false};
+  std::atomic<size_t> most_{0};
+  std::thread watch_;
+};
+
 struct Harness {
   FakeModel* model;
   std::unique_ptr<Engine> engine;
@@ -741,14 +767,7 @@ TEST(Engine, ThePoolBoundsTheStatesAndTheCacheGivesWay) {
   Engine e(std::move(m), synth_tokenizer(), o);
   EXPECT_EQ(e.max_running(), 2);
   EXPECT_EQ(e.pool_states(), 4u);
-  std::atomic<bool> done{false};
-  std::atomic<size_t> most{0};
-  std::thread watch([&] {
-    while (!done) {
-      most = std::max(most.load(), e.load().states_used);
-      std::this_thread::sleep_for(std::chrono::microseconds(100));
-    }
-  });
+  PeakStates peak(e);
   std::vector<std::thread> th;
   std::vector<std::vector<int32_t>> got(6);
   std::vector<std::vector<int32_t>> prompts;
@@ -764,10 +783,9 @@ TEST(Engine, ThePoolBoundsTheStatesAndTheCacheGivesWay) {
       });
     });
   for (auto& t : th) t.join();
-  done = true;
-  watch.join();
+  const size_t most = peak.stop();
   for (int c = 0; c < 6; ++c) EXPECT_EQ(got[size_t(c)], oracle(prompts[size_t(c)], 12)) << c;
-  EXPECT_LE(most.load(), 4u);
+  EXPECT_LE(most, 4u);
   EXPECT_LE(e.load().states_used, 4u);
   EXPECT_GT(e.cache_stats().evictions, 0u) << "12 states were offered to a cache with room for 2-3";
   // Too little memory for even one state is a startup error naming the limit.
@@ -786,14 +804,7 @@ TEST(Engine, SparesTakeTheCacheCopiesOffTheRequestPath) {
     SCOPED_TRACE(seeded ? "seeded" : "greedy");
     Harness hot(true), cold(true, {}, 0);
     Engine& e = *hot.engine;
-    std::atomic<bool> done{false};
-    std::atomic<size_t> most{0};
-    std::thread watch([&] {
-      while (!done) {
-        most = std::max(most.load(), e.load().states_used);
-        std::this_thread::sleep_for(std::chrono::microseconds(100));
-      }
-    });
+    PeakStates peak(e);
     // Idle with both spares made: every state but the cache's is a spare.
     auto wait_for_spares = [&] {
       const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
@@ -852,9 +863,7 @@ TEST(Engine, SparesTakeTheCacheCopiesOffTheRequestPath) {
       EXPECT_EQ(b.tokens, oracle(ext, 8));
     }
     wait_for_spares();
-    done = true;
-    watch.join();
-    EXPECT_LE(most.load(), e.pool_states());
+    EXPECT_LE(peak.stop(), e.pool_states());
   }
 }
 

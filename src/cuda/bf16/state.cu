@@ -57,9 +57,7 @@ std::unique_ptr<SequenceState> CudaModel::clone_state(const SequenceState& src) 
 bool CudaModel::copy_state(const SequenceState& src, SequenceState& dst) {
   const auto& a = dynamic_cast<const CudaState&>(src);
   auto& b = dynamic_cast<CudaState&>(dst);
-  TANSY_CHECK(b.max_tokens == a.max_tokens,
-              "copy_state: the destination holds up to {} tokens, the source up to {}", b.max_tokens,
-              a.max_tokens);
+  check_copy_capacity(b.max_tokens, a.max_tokens);
   if (&a == &b) return true;
   b.n = a.n;
   CUDA_CHECK(cudaMemcpyAsync(b.pos.get(), a.pos.get(), sizeof(int), cudaMemcpyDeviceToDevice, stream_));

@@ -182,9 +182,7 @@ class F32Model final : public Model {
   bool copy_state(const SequenceState& from, SequenceState& to) override {
     const auto& src = dynamic_cast<const F32State&>(from);
     auto& dst = dynamic_cast<F32State&>(to);
-    TANSY_CHECK(dst.max_tokens == src.max_tokens,
-                "copy_state: the destination holds up to {} tokens, the source up to {}", dst.max_tokens,
-                src.max_tokens);
+    check_copy_capacity(dst.max_tokens, src.max_tokens);
     if (&src == &dst) return true;
     dst.n = 0;  // nothing of dst's own is kept: reserve() copies no rows
     reserve(dst, src.n);
