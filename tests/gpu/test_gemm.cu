@@ -64,6 +64,7 @@ void plain_cases() {
       {WFormat::kAffine4, 512, 2048, 300, "k_proj"},
       {WFormat::kAffine4, 2048, 512, 129, "shared down"},
       {WFormat::kAffine8, 256, 2048, 65, "router"},
+      {WFormat::kAffine8, 257, 2048, 4096, "router and shared gate (one-column last tile)"},
       {WFormat::kAffine8, 1, 2048, 63, "shared gate"},
       {WFormat::kAffine4, 37, 192, 3, "odd rows"},
       {WFormat::kAffine8, 70, 128, 17, "8-bit small"},
