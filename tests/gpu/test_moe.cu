@@ -324,6 +324,8 @@ void grouped_cases() {
     check_moe(WFormat::kAffine4, 2, 256, 128, 1, n, &all_to_1, " one expert");
   }
   check_moe(WFormat::kAffine4, 256, 2048, 512, 8, 512);  // real shapes, ~16 rows per expert, 256-column tiles
+  check_moe(WFormat::kAffine4, 8, 192, 192, 2, 150);     // 3 k-tiles per product: odd step counts, items
+                                                         // ending between the two A buffers of a trip
   check_moe(WFormat::kAffine8, 4, 128, 64, 1, 65);       // 8-bit, top-1
   check_moe(WFormat::kBF16, 16, 192, 64, 4, 33);
 }

@@ -24,7 +24,6 @@
 // accumulators (output columns by X rows) go through an f32 tile in the freed stage memory, so the
 // epilogue writes whole output rows.
 #include <algorithm>
-#include <cstdlib>
 #include <type_traits>
 
 #include "core/error.h"
@@ -387,7 +386,11 @@ Params make_params(const DevLinear& W, int out, const __nv_bfloat16* X, int64_t 
 }
 
 // kAuto's kernel for the grouped expert products: mma.sync measured 1.1x the first warpgroup kernel
-// there (gate|up 0.609 vs 0.675 ms, Timing.Gemm, H200, 2026-12-01).
+// there (gate|up 0.609 vs 0.675 ms, Timing.Gemm, H200, 2026-12-01). The persistent warpgroup kernel
+// is faster on gate|up in Timing.Gemm's uniform routing (0.504 vs 0.605 ms, 2026-12-02) but not
+// in the model, whose routing is less even (stage at 4,096 tokens: gate|up 24.1 vs 24.8 ms, down
+// 18.4 vs 14.6; prefill 43,518 vs 45,360 tok/s): its tiles have one row count per launch, so the
+// partial tiles of lightly chosen experts cost full ones.
 constexpr GemmKernel kGroupedAuto = GemmKernel::kMma;
 
 GemmKernel& kernel_state() {

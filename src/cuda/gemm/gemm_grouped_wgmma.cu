@@ -23,9 +23,11 @@
 //   each other and share its weights). The small tiles of rarely chosen experts come last and fill
 //   the tail. Experts with no rows have no tiles.
 //
-// Per k-tile step: issue the wgmmas of step s; wait for stage s+1, barrier; start the copy of step
-// s+3 (into the stage of step s-1, whose wgmmas every warp waited for); dequantize step s+1 into the
-// second A buffer and fetch the (scale, bias) of step s+2; wait for the wgmmas. Two cursors walk the
+// Per k-tile step: issue the wgmmas of step s; wait for step s-1's (at most one group in flight, so
+// the tensor cores always hold the next k-tile's work while the block prepares the one after); wait
+// for stage s+1, barrier; start the copy of step s+3 (into the stage of step s-1, whose wgmmas every
+// warp has waited for); dequantize step s+1 into the A buffer step s-1 read and fetch the
+// (scale, bias) of step s+2. Two cursors walk the
 // item list ahead of the products (copies at s+3, scales at s+2); each decodes its item from the
 // shared tile list when it reaches the item's first k-tile. At an item's last k-tile the
 // accumulators go, 64 rows at a time, through an f32 tile in shared memory of its own (the stages
@@ -70,25 +72,15 @@ struct Shape {
 };
 static_assert(kW % 1024 == 0 && kC % 16 == 0 && BN * (kWRow / 16) == kThreads);
 
+// A 16-byte copy to shared memory (address) that is always taken: no source-size operand.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+
 // One work item: a tile of rows [row0, row_end) of expert e times output columns n0 .. n0+BN.
 struct Item {
   int e, row0, row_end, n0;
 };
-
-// One k-tile step: the 4 k16 wgmmas at N = kN (desc[s]: k16 step s), then `overlap` while they run,
-// then the wait. The descriptors are computed before the fence: ptxas serializes the wgmmas when it
-// has to move one into a uniform register inside the window.
-template <int kN, typename F>
-__device__ __forceinline__ void ktile(float (&acc)[kN / 2], const uint32_t (&a)[4][4],
-                                      const uint64_t (&desc)[4], F&& overlap) {
-  wg::wgmma_arrive();
-#pragma unroll
-  for (int s = 0; s < 4; ++s) wg::wgmma_rs<kN>(acc, a[s], desc[s]);
-  wg::wgmma_commit();
-  overlap();
-  wg::wgmma_wait0();
-  wg::fence_regs(acc);
-}
 
 template <int kN>
 __global__ void __launch_bounds__(kThreads, Shape<kN>::kBlocksPerSm)
@@ -101,6 +93,7 @@ __global__ void __launch_bounds__(kThreads, Shape<kN>::kBlocksPerSm)
   unsigned char* const smem = smem_raw + ((1024 - (raw_addr & 1023)) & 1023);
   const uint32_t xs_addr = tc::smem_addr(smem);
   unsigned char* const Ws = smem + kStages * kX;
+  const uint32_t ws_addr = xs_addr + uint32_t(kStages * kX);
   float* const Cs = reinterpret_cast<float*>(Ws + kStages * kW);
   int* const s_off = reinterpret_cast<int*>(Ws + kStages * kW + kC);  // expert_offsets
   int* const s_order = s_off + kGroupedMaxExperts + 1;                // expert of each rank
@@ -195,32 +188,42 @@ __global__ void __launch_bounds__(kThreads, Shape<kN>::kBlocksPerSm)
   // half tid%2. Rows past the tile's end copy its first row and rows past the matrix its last (they
   // reach only outputs never stored); rows past the tile's N are not copied (wgmma does not read them).
   // (The launcher checks that every expert's codes and (scale, bias) arrays take 32-bit offsets.)
+  // The per-step work is instruction-bound (Nsight Compute: ~265 instructions per warp per k-tile,
+  // 1.5 issued per cycle per multiprocessor with 8 warps), so everything that does not change from
+  // one k-tile to the next is computed once per item: the global pointers (advanced by one k-tile
+  // per step), the shared-memory offsets (chunk i is 32 rows = 4,096 bytes after chunk 0: the
+  // swizzle term c ^ (r % 8) is the same for all of a thread's chunks) and the row predicates.
   const uint32_t row_bytes = uint32_t(p.in) / 2;
-  int ld_j = 0, ld_kt = 0, ld_rows8 = 0;
-  uint32_t x_off[kXChunks], w_off = 0;
+  int ld_j = 0, ld_kt = 0;
+  const __nv_bfloat16* x_src[kXChunks];
+  bool x_on[kXChunks];
+  const unsigned char* w_src = nullptr;
+  const uint32_t x_dst = uint32_t((tid / 8) * 128 + (((tid % 8) ^ ((tid / 8) & 7)) << 4));
+  const uint32_t w_dst = uint32_t((tid / 2) * kWRow + (tid % 2) * 16);
   auto load_next = [&](int ld_stage) {
     if (ld_kt == 0) {
       const Item it = decode(ld_j);
-      ld_rows8 = (it.row_end - it.row0 + 7) / 8 * 8;
+      const int rows8 = (it.row_end - it.row0 + 7) / 8 * 8;
 #pragma unroll
       for (int i = 0; i < kXChunks; ++i) {
         const int r = tid / 8 + i * (kThreads / 8);
         const int grow = it.row0 + r < it.row_end ? it.row0 + r : it.row0;
         const int xrow = p.sorted_slot ? p.sorted_slot[grow] / p.gather_k : grow;
-        x_off[i] = uint32_t(xrow) * uint32_t(p.ldx) + uint32_t(tid % 8) * 8;
+        x_src[i] = p.X + (uint32_t(xrow) * uint32_t(p.ldx) + uint32_t(tid % 8) * 8);
+        x_on[i] = r < rows8;  // (rows8 <= kN also bounds the last, partial round of copies)
       }
-      w_off = (uint32_t(it.e) * uint32_t(p.out) + uint32_t(min(it.n0 + tid / 2, p.out - 1))) * row_bytes +
-              uint32_t(tid % 2) * 16;
+      w_src = reinterpret_cast<const unsigned char*>(p.q) +
+              ((uint32_t(it.e) * uint32_t(p.out) + uint32_t(min(it.n0 + tid / 2, p.out - 1))) * row_bytes +
+               uint32_t(tid % 2) * 16);
     }
-    unsigned char* xs = smem + ld_stage * kX;
+    const uint32_t xs = xs_addr + uint32_t(ld_stage * kX) + x_dst;
 #pragma unroll
     for (int i = 0; i < kXChunks; ++i) {
-      const int r = tid / 8 + i * (kThreads / 8), c = tid % 8;
-      if (r < ld_rows8)  // (r < ld_rows8 <= kN also bounds the last, partial round of copies)
-        tc::cp_async16(xs + r * 128 + ((c ^ (r & 7)) << 4), p.X + x_off[i] + uint32_t(ld_kt) * BK, true);
+      if (x_on[i]) cp_async16(xs + uint32_t(i * (kThreads / 8) * 128), x_src[i]);
+      x_src[i] += BK;
     }
-    tc::cp_async16(Ws + ld_stage * kW + (tid / 2) * kWRow + (tid % 2) * 16,
-                   reinterpret_cast<const unsigned char*>(p.q) + w_off + uint32_t(ld_kt) * kWRow, true);
+    cp_async16(ws_addr + uint32_t(ld_stage * kW) + w_dst, w_src);
+    w_src += kWRow;
     if (++ld_kt == KT) {
       ld_kt = 0;
       ++ld_j;
@@ -232,18 +235,20 @@ __global__ void __launch_bounds__(kThreads, Shape<kN>::kBlocksPerSm)
   const int wr0 = (warp / 4) * 64 + (warp % 4) * 16 + g, wr1 = wr0 + 8;
   const int groups = p.in / kQuantGroup;
   int sb_j = 0, sb_kt = 0;
-  uint32_t sb0 = 0, sb1 = 0;   // (scale, bias) index of the rows' first group
+  // scale and bias of rows wr0, wr1 at the next group to fetch
+  const __nv_bfloat16 *sc0 = nullptr, *sc1 = nullptr, *bi0 = nullptr, *bi1 = nullptr;
   __nv_bfloat162 sbn[2] = {};  // (scale, bias) of rows wr0, wr1 for the next step to dequantize
   auto load_sb_next = [&] {
     if (sb_j >= my_items) return;
     if (sb_kt == 0) {
       const Item it = decode(sb_j);
       const uint32_t e_row = uint32_t(it.e) * uint32_t(p.out);
-      sb0 = (e_row + uint32_t(min(it.n0 + wr0, p.out - 1))) * uint32_t(groups);
-      sb1 = (e_row + uint32_t(min(it.n0 + wr1, p.out - 1))) * uint32_t(groups);
+      const uint32_t i0 = (e_row + uint32_t(min(it.n0 + wr0, p.out - 1))) * uint32_t(groups);
+      const uint32_t i1 = (e_row + uint32_t(min(it.n0 + wr1, p.out - 1))) * uint32_t(groups);
+      sc0 = p.scales + i0, bi0 = p.biases + i0, sc1 = p.scales + i1, bi1 = p.biases + i1;
     }
-    sbn[0] = __halves2bfloat162(p.scales[sb0 + sb_kt], p.biases[sb0 + sb_kt]);
-    sbn[1] = __halves2bfloat162(p.scales[sb1 + sb_kt], p.biases[sb1 + sb_kt]);
+    sbn[0] = __halves2bfloat162(*sc0++, *bi0++);
+    sbn[1] = __halves2bfloat162(*sc1++, *bi1++);
     if (++sb_kt == KT) {
       sb_kt = 0;
       ++sb_j;
@@ -283,37 +288,39 @@ __global__ void __launch_bounds__(kThreads, Shape<kN>::kBlocksPerSm)
   tc::cp_async_wait<kStages - 2>();
   wg::fence_proxy_async();
   __syncthreads();
-  uint32_t a_cur[4][4];
-  dequant(0, a_cur);
+  uint32_t a_even[4][4], a_odd[4][4];  // A of the even / odd steps: one is read by the running wgmmas
+  dequant(0, a_even);
   load_sb_next();
 
-  // Products: step s of item cj (its k-tile ckt), in stage s % kStages.
+  // Step s of item cj (its k-tile ckt), in stage s % kStages: issue its wgmmas from a_use, then wait
+  // for step s-1's (they read a_fill and stage (s-1) % kStages), so that step s keeps the tensor
+  // cores busy while the block refills that stage and dequantizes step s+1 into a_fill.
   int cj = 0, ckt = 0;
-  for (int s = 0; s < total_steps; ++s) {
-    const int stage = s % kStages;
-    uint32_t a_next[4][4] = {};  // (zeroed here: a write inside the wgmma window serializes them)
-    const uint64_t desc0 = wg::desc_sw128(xs_addr + uint32_t(stage * kX));
-    const uint64_t desc[4] = {desc0, desc0 + 2, desc0 + 4, desc0 + 6};  // k16 steps: 32 bytes apart
+  auto step = [&](int s, uint32_t(&a_use)[4][4], uint32_t(&a_fill)[4][4]) {
+    uint64_t desc[4];  // k16 steps: 32 bytes apart (+2 in the address field, which cannot carry)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) desc[k] = wg::desc_sw128_at(xs_addr + uint32_t((s % kStages) * kX), k);
     wg::fence_regs(acc);
-    ktile<kN>(acc, a_cur, desc, [&] {    // while the wgmmas run
-      tc::cp_async_wait<kStages - 3>();  // step s+1 has landed (this thread's copies)
-      wg::fence_proxy_async();
-      __syncthreads();  // ... everyone's; and every warp is done with the wgmmas of step s-1
-      if (s + kStages - 1 < total_steps) load_next((s + kStages - 1) % kStages);
-      tc::cp_async_commit();
-      if (s + 1 < total_steps) {
-        dequant((s + 1) % kStages, a_next);
-        load_sb_next();
-      }
-    });
-    wg::fence_regs(a_cur);
+    wg::fence_regs(a_use);
+    wg::wgmma_arrive();
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) a_cur[i][r] = a_next[i][r];
-    if (++ckt < KT) continue;
+    for (int k = 0; k < 4; ++k) wg::wgmma_rs<kN>(acc, a_use[k], desc[k]);
+    wg::wgmma_commit();
+    wg::wgmma_wait1();
+    wg::fence_regs(a_fill);
+    tc::cp_async_wait<kStages - 3>();  // step s+1 has landed (this thread's copies)
+    wg::fence_proxy_async();
+    __syncthreads();  // ... everyone's; and every warp is done with the wgmmas of step s-1
+    if (s + kStages - 1 < total_steps) load_next((s + kStages - 1) % kStages);
+    tc::cp_async_commit();
+    // (unconditional: past the last step it reads a stage that is never used, harmlessly)
+    dequant((s + 1) % kStages, a_fill);
+    load_sb_next();
+    if (++ckt < KT) return;
 
     // Item cj is complete: acc[4i + r] is output column wr0 + (r >> 1)·8, tile row 8i + 2t + (r & 1).
+    wg::wgmma_wait0();
+    wg::fence_regs(acc);
     ckt = 0;
     const Item it = decode(cj++);
 #pragma unroll
@@ -330,7 +337,12 @@ __global__ void __launch_bounds__(kThreads, Shape<kN>::kBlocksPerSm)
     }
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
+  };
+  for (int s = 0; s < total_steps; s += 2) {  // two steps a trip: the A buffers swap roles by name
+    step(s, a_even, a_odd);
+    if (s + 1 < total_steps) step(s + 1, a_odd, a_even);
   }
+  wg::wgmma_wait0();
   tc::cp_async_wait<0>();
 }
 

@@ -18,9 +18,10 @@
 // offset); k16 step s starts 32·s bytes into the rows. The cp.async copies write that layout.
 //
 // Pipeline (4 stages of X and of packed weights): in k-tile kt the warpgroup issues the wgmmas of
-// kt, then, while they run, waits for stage kt+1, starts the copy of stage kt+3 (into the stage the
+// kt and waits for those of kt-1 (at most one group in flight: the tensor cores hold kt's work while
+// the block prepares kt+1), waits for stage kt+1, starts the copy of stage kt+3 (into the stage the
 // wgmmas of kt-1 read: every warp waited for them before the barrier) and dequantizes kt+1 into the
-// second A buffer, then waits for its wgmmas. The accumulators go through an f32 tile in the freed
+// A buffer kt-1 read. The accumulators go through an f32 tile in the freed
 // stage memory to the shared epilogue (gemm_impl.cuh).
 #include <algorithm>
 
@@ -178,37 +179,38 @@ __global__ void __launch_bounds__(128 * kWG, kWG == 2 ? 2 : 1) gemm_wgmma_kernel
   tc::cp_async_wait<kStages - 2>();
   fence_proxy_async();
   __syncthreads();
-  uint32_t a_cur[4][4];
-  dequant(0, a_cur);
+  uint32_t a_even[4][4], a_odd[4][4];  // A of the even / odd k-tiles: one is read by the running wgmmas
+  dequant(0, a_even);
   load_sb(1);
 
-  for (int kt = 0; kt < KT; ++kt) {
-    const int stage = kt % kStages;
+  // k-tile kt: issue its wgmmas from a_use, then wait for kt-1's (they read a_fill and stage
+  // (kt-1) % kStages), so that kt keeps the tensor cores busy while the block refills that stage and
+  // dequantizes kt+1 into a_fill.
+  auto step = [&](int kt, uint32_t(&a_use)[4][4], uint32_t(&a_fill)[4][4]) {
+    const uint64_t desc = desc_sw128(xs_addr + uint32_t((kt % kStages) * L::kX));
     fence_regs(acc);
+    fence_regs(a_use);
     wgmma_arrive();
-    const uint64_t desc = desc_sw128(xs_addr + uint32_t(stage * L::kX));
 #pragma unroll
-    for (int s = 0; s < 4; ++s) wgmma(acc, a_cur[s], desc + uint64_t(2 * s));
+    for (int s = 0; s < 4; ++s) wgmma(acc, a_use[s], desc + uint64_t(2 * s));
     wgmma_commit();
-
+    wg::wgmma_wait1();
+    fence_regs(a_fill);
     tc::cp_async_wait<kStages - 3>();  // stage kt+1 has landed (this thread's copies)
     fence_proxy_async();
     __syncthreads();  // ... everyone's; and every warp is done with the wgmmas of kt-1
     if (kt + kStages - 1 < KT) load_stage(kt + kStages - 1, (kt + kStages - 1) % kStages);
     tc::cp_async_commit();
-    uint32_t a_next[4][4] = {};
-    if (kt + 1 < KT) {
-      dequant((kt + 1) % kStages, a_next);
-      load_sb(kt + 2);
-    }
-    wgmma_wait0();
-    fence_regs(acc);
-    fence_regs(a_cur);
-#pragma unroll
-    for (int s = 0; s < 4; ++s)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) a_cur[s][r] = a_next[s][r];
+    // (unconditional: past the last k-tile it reads a stage that is never used, harmlessly)
+    dequant((kt + 1) % kStages, a_fill);
+    load_sb(kt + 2);
+  };
+  for (int kt = 0; kt < KT; kt += 2) {  // two k-tiles a trip: the A buffers swap roles by name
+    step(kt, a_even, a_odd);
+    if (kt + 1 < KT) step(kt + 1, a_odd, a_even);
   }
+  wgmma_wait0();
+  fence_regs(acc);
   tc::cp_async_wait<0>();
   __syncthreads();  // stages free: reuse them for the output tile
 

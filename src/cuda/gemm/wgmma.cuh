@@ -171,6 +171,11 @@ __device__ __forceinline__ void wgmma_commit() {
 __device__ __forceinline__ void wgmma_wait0() {
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 }
+// Waits until at most one committed group is still running: the previous k-tile's wgmmas are done
+// while the newest ones keep the tensor cores busy.
+__device__ __forceinline__ void wgmma_wait1() {
+  asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+}
 // Orders this thread's generic-proxy shared-memory writes (the cp.async copies) before the async
 // proxy's reads (wgmma's B operand).
 __device__ __forceinline__ void fence_proxy_async() {
@@ -194,6 +199,15 @@ __device__ __forceinline__ void fence_regs(uint32_t (&r)[4][4]) {
 __device__ __forceinline__ uint64_t desc_sw128(uint32_t addr) {
   return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) |
          (uint64_t(1) << 62);
+}
+
+// desc_sw128(addr) advanced by k16 step k (32·k bytes), built from two 32-bit halves: the address
+// field (addr / 16, below 2^14 for any shared-memory address) takes the step without a carry, so no
+// 64-bit add is needed (one per wgmma otherwise, in an instruction-bound loop).
+__device__ __forceinline__ uint64_t desc_sw128_at(uint32_t addr, int k) {
+  const uint32_t lo = (((addr & 0x3FFFF) >> 4) + 2 * uint32_t(k)) | (1u << 16);
+  const uint32_t hi = (1024 >> 4) | (1u << 30);
+  return (uint64_t(hi) << 32) | lo;
 }
 
 __device__ __forceinline__ uint4 lds128(const void* p) { return *reinterpret_cast<const uint4*>(p); }
