@@ -387,10 +387,11 @@ Params make_params(const DevLinear& W, int out, const __nv_bfloat16* X, int64_t 
 
 // kAuto's kernel for the grouped expert products: mma.sync measured 1.1x the first warpgroup kernel
 // there (gate|up 0.609 vs 0.675 ms, Timing.Gemm, H200, 2026-12-01). The persistent warpgroup kernel
-// is faster on gate|up in Timing.Gemm's uniform routing (0.504 vs 0.605 ms, 2026-12-02) but not
-// in the model, whose routing is less even (stage at 4,096 tokens: gate|up 24.1 vs 24.8 ms, down
-// 18.4 vs 14.6; prefill 43,518 vs 45,360 tok/s): its tiles have one row count per launch, so the
-// partial tiles of lightly chosen experts cost full ones.
+// is faster on gate|up in Timing.Gemm (0.504 vs 0.605 ms uniform, 0.603 vs 0.629 skewed;
+// 2026-12-02) but slower on down (0.401 vs 0.359), and in the model at 4,096 tokens its gate|up
+// gains less than Timing.Gemm says (stages: gate|up 24.1 vs 24.8 ms over 40 layers, down 18.4 vs
+// 14.6; prefill 43,518 vs 45,360 tok/s). Why the model's gate|up runs at 0.60 ms a layer where
+// the timing gives 0.50 is not measured yet (docs/PERFORMANCE.md, change log).
 constexpr GemmKernel kGroupedAuto = GemmKernel::kMma;
 
 GemmKernel& kernel_state() {
