@@ -121,6 +121,10 @@ def test_unknown_model_404(server):
 def test_unknown_fields_are_ignored(server):
     r = post(server, CHAT, chat(my_client_extension={"a": 1}, another=5))
     assert r.status_code == 200, r.text
+    # The request's log line is written after its response is sent: wait for it.
+    deadline = time.time() + 10
+    while "my_client_extension" not in server.log_text() and time.time() < deadline:
+        time.sleep(0.05)
     assert "my_client_extension" in server.log_text()
 
 
