@@ -188,8 +188,9 @@ __global__ void __launch_bounds__(kThreads, Shape<kN>::kBlocksPerSm)
   // half tid%2. Rows past the tile's end copy its first row and rows past the matrix its last (they
   // reach only outputs never stored); rows past the tile's N are not copied (wgmma does not read them).
   // (The launcher checks that every expert's codes and (scale, bias) arrays take 32-bit offsets.)
-  // The per-step work is instruction-bound (Nsight Compute: ~265 instructions per warp per k-tile,
-  // 1.5 issued per cycle per multiprocessor with 8 warps), so everything that does not change from
+  // The per-step work is instruction-bound (Nsight Compute: ~265 instructions per warp in each
+  // k-tile step, ~330 with the per-item work; 1.5 issued per cycle per multiprocessor with 8
+  // warps), so everything that does not change from
   // one k-tile to the next is computed once per item: the global pointers (advanced by one k-tile
   // per step), the shared-memory offsets (chunk i is 32 rows = 4,096 bytes after chunk 0: the
   // swizzle term c ^ (r % 8) is the same for all of a thread's chunks) and the row predicates.

@@ -58,6 +58,7 @@ using wg::lds128;
 using wg::wgmma_arrive;
 using wg::wgmma_commit;
 using wg::wgmma_wait0;
+using wg::wgmma_wait1;
 __device__ __forceinline__ void wgmma(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
   wg::wgmma_rs<64>(d, a, desc_b);
 }
@@ -194,7 +195,7 @@ __global__ void __launch_bounds__(128 * kWG, kWG == 2 ? 2 : 1) gemm_wgmma_kernel
 #pragma unroll
     for (int s = 0; s < 4; ++s) wgmma(acc, a_use[s], desc + uint64_t(2 * s));
     wgmma_commit();
-    wg::wgmma_wait1();
+    wgmma_wait1();
     fence_regs(a_fill);
     tc::cp_async_wait<kStages - 3>();  // stage kt+1 has landed (this thread's copies)
     fence_proxy_async();

@@ -194,21 +194,17 @@ __device__ __forceinline__ void fence_regs(uint32_t (&r)[4][4]) {
     for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
 }
 
-// Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 bytes apart (the
-// leading offset is unused in this mode; 1 as CUTLASS sets it).
-__device__ __forceinline__ uint64_t desc_sw128(uint32_t addr) {
-  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) |
-         (uint64_t(1) << 62);
-}
-
-// desc_sw128(addr) advanced by k16 step k (32·k bytes), built from two 32-bit halves: the address
-// field (addr / 16, below 2^14 for any shared-memory address) takes the step without a carry, so no
-// 64-bit add is needed (one per wgmma otherwise, in an instruction-bound loop).
+// Shared-memory matrix descriptor, advanced by k16 step k (32·k bytes): K-major, 128-byte swizzle,
+// 8-row groups 1024 bytes apart (the leading offset is unused in this mode; 1 as CUTLASS sets it).
+// Built from two 32-bit halves: the address field (addr / 16, below 2^14 for any shared-memory
+// address) takes the step without a carry, so no 64-bit add is needed (one per wgmma otherwise, in
+// an instruction-bound loop).
 __device__ __forceinline__ uint64_t desc_sw128_at(uint32_t addr, int k) {
   const uint32_t lo = (((addr & 0x3FFFF) >> 4) + 2 * uint32_t(k)) | (1u << 16);
   const uint32_t hi = (1024 >> 4) | (1u << 30);
   return (uint64_t(hi) << 32) | lo;
 }
+__device__ __forceinline__ uint64_t desc_sw128(uint32_t addr) { return desc_sw128_at(addr, 0); }
 
 __device__ __forceinline__ uint4 lds128(const void* p) { return *reinterpret_cast<const uint4*>(p); }
 
