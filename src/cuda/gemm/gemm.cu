@@ -385,14 +385,15 @@ Params make_params(const DevLinear& W, int out, const __nv_bfloat16* X, int64_t 
   return p;
 }
 
-// kAuto's kernel for the grouped expert products: mma.sync measured 1.1x the first warpgroup kernel
-// there (gate|up 0.609 vs 0.675 ms, Timing.Gemm, H200, 2026-12-01). The persistent warpgroup kernel
-// is faster on gate|up in Timing.Gemm (0.504 vs 0.605 ms uniform, 0.603 vs 0.629 skewed;
-// 2026-12-02) but slower on down (0.401 vs 0.359), and in the model at 4,096 tokens its gate|up
-// gains less than Timing.Gemm says (stages: gate|up 24.1 vs 24.8 ms over 40 layers, down 18.4 vs
-// 14.6; prefill 43,518 vs 45,360 tok/s). Why the model's gate|up runs at 0.60 ms a layer where
-// the timing gives 0.50 is not measured yet (docs/PERFORMANCE.md, change log).
-constexpr GemmKernel kGroupedAuto = GemmKernel::kMma;
+// kAuto's kernels for the grouped expert products, by product. gate|up (the gathered one): the
+// persistent warpgroup kernel, faster in Timing.Gemm (0.504 vs 0.605 ms with uniform routing,
+// 0.603 vs 0.629 skewed; H200, 2026-12-02) and in the model at 4,096 tokens (gate|up stage 24.1 vs
+// 24.8 ms over 40 layers). Its in-model 0.60 ms a layer matches Timing.Gemm's skewed routing
+// (0.603), not its uniform one: its cost follows the tile count (each tile dequantizes its
+// expert's weights again), and the synthetic checkpoint's expert counts per layer have not been
+// measured. down: mma.sync, which measured
+// faster there (0.359 vs 0.401 ms uniform; stage 14.6 vs 18.4 ms in the model).
+GemmKernel grouped_auto(bool gather) { return gather ? GemmKernel::kWgmmaGrouped : GemmKernel::kMma; }
 
 GemmKernel& kernel_state() {
   static GemmKernel k = GemmKernel::kAuto;
@@ -429,7 +430,7 @@ void gemm_grouped(const DevLinear& W, int n_experts, const __nv_bfloat16* X, int
   p.n_experts = n_experts;
   // Each expert's last tile may be partial: at most rows/BM full tiles plus one per non-empty expert.
   const long max_tiles = (rows + BM - 1) / BM + std::min<long>(n_experts, rows);
-  const GemmKernel kernel = kernel_state() == GemmKernel::kAuto ? kGroupedAuto : kernel_state();
+  const GemmKernel kernel = kernel_state() == GemmKernel::kAuto ? grouped_auto(gather) : kernel_state();
   if (W.fmt == WFormat::kAffine4 && kernel == GemmKernel::kWgmma)
     return gemm_impl::launch_wgmma(p, true, max_tiles, stream);
   if (W.fmt == WFormat::kAffine4 && kernel == GemmKernel::kWgmmaGrouped)

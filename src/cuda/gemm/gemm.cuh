@@ -46,7 +46,7 @@ struct GemmOutput {
 // Which kernel runs the 4-bit products (other formats always take mma.sync). kAuto, the product's
 // choice: the Hopper warpgroup kernel (gemm_wgmma.cu) for the dense products, where it measured
 // 1.6x the mma.sync kernel (Timing.Gemm, H200, 2026-12-01: in_proj 0.456 vs 0.782 ms at 4,096
-// tokens), and for the grouped expert products the kernel named by kGroupedAuto (gemm.cu). kMma /
+// tokens), and for the grouped expert products the kernels grouped_auto names (gemm.cu). kMma /
 // kWgmma force one kernel for both; kWgmmaGrouped runs the grouped products on the persistent
 // warpgroup kernel with per-expert tiles (gemm_grouped_wgmma.cu) and the dense ones as kAuto does.
 // The tests and Timing.Gemm use them to check and time each.
