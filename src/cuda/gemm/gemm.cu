@@ -385,15 +385,19 @@ Params make_params(const DevLinear& W, int out, const __nv_bfloat16* X, int64_t 
   return p;
 }
 
-// kAuto's kernels for the grouped expert products, by product. gate|up (the gathered one): the
-// persistent warpgroup kernel, faster in Timing.Gemm (0.504 vs 0.605 ms with uniform routing,
-// 0.603 vs 0.629 skewed; H200, 2026-12-02) and in the model at 4,096 tokens (gate|up stage 24.1 vs
-// 24.8 ms over 40 layers). Its in-model 0.60 ms a layer matches Timing.Gemm's skewed routing
-// (0.603), not its uniform one: its cost follows the tile count (each tile dequantizes its
-// expert's weights again), and the synthetic checkpoint's expert counts per layer have not been
-// measured. down: mma.sync, which measured
-// faster there (0.359 vs 0.401 ms uniform; stage 14.6 vs 18.4 ms in the model).
-GemmKernel grouped_auto(bool gather) { return gather ? GemmKernel::kWgmmaGrouped : GemmKernel::kMma; }
+// kAuto's kernel for a grouped expert product. gate|up (the gathered one) with at least 128 rows
+// per expert on average (4,096 prompt tokens and more): the persistent warpgroup kernel, faster in
+// Timing.Gemm at 4,096 tokens (0.504 vs 0.605 ms with uniform routing, 0.603 vs 0.629 skewed; H200,
+// 2026-12-02) and in the model (gate|up stage 24.3 vs 24.7 ms over 40 layers; prefill 45,947 vs
+// 45,677 tok/s). With fewer rows per expert it lost: routed there at every size, prefill fell 12% at
+// 256 tokens and 4% at 2,048 (contract run of 3dd0a35). Its in-model 0.60 ms a layer matches
+// Timing.Gemm's skewed routing (0.603), not its uniform one: its cost follows the tile count (each
+// tile dequantizes its expert's weights again), and the synthetic checkpoint's expert counts per
+// layer have not been measured. down, and gate|up below 128 rows per expert: mma.sync (down 0.359
+// vs 0.401 ms uniform in Timing.Gemm; stage 14.6 vs 18.4 ms in the model).
+GemmKernel grouped_auto(bool gather, long rows, int n_experts) {
+  return gather && rows >= 128L * n_experts ? GemmKernel::kWgmmaGrouped : GemmKernel::kMma;
+}
 
 GemmKernel& kernel_state() {
   static GemmKernel k = GemmKernel::kAuto;
@@ -430,7 +434,8 @@ void gemm_grouped(const DevLinear& W, int n_experts, const __nv_bfloat16* X, int
   p.n_experts = n_experts;
   // Each expert's last tile may be partial: at most rows/BM full tiles plus one per non-empty expert.
   const long max_tiles = (rows + BM - 1) / BM + std::min<long>(n_experts, rows);
-  const GemmKernel kernel = kernel_state() == GemmKernel::kAuto ? grouped_auto(gather) : kernel_state();
+  const GemmKernel kernel =
+      kernel_state() == GemmKernel::kAuto ? grouped_auto(gather, rows, n_experts) : kernel_state();
   if (W.fmt == WFormat::kAffine4 && kernel == GemmKernel::kWgmma)
     return gemm_impl::launch_wgmma(p, true, max_tiles, stream);
   if (W.fmt == WFormat::kAffine4 && kernel == GemmKernel::kWgmmaGrouped)
