@@ -69,6 +69,16 @@ __device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_
   lo = *reinterpret_cast<const uint32_t*>(&l);
 }
 
+// A 16 x 16 product onto two n8 tiles, hi and lo parts of B in chains of their own: hi[nt] += a·bh,
+// lo[nt] += a·bl for the n-tiles of an ldmatrix.x4.trans pair (b[0..1] tile 0, b[2..3] tile 1).
+__device__ __forceinline__ void mma_hi_lo(float (&hi)[2][4], float (&lo)[2][4], const uint32_t (&a)[4],
+                                          const uint32_t (&bh)[4], const uint32_t (&bl)[4]) {
+  tc::mma_bf16(hi[0], a, bh[0], bh[1]);
+  tc::mma_bf16(lo[0], a, bl[0], bl[1]);
+  tc::mma_bf16(hi[1], a, bh[2], bh[3]);
+  tc::mma_bf16(lo[1], a, bl[2], bl[3]);
+}
+
 // Element offset, in a [k][n] row-major bf16 tile of pitch `pitch`, of this lane's row address for
 // ldmatrix.x4.trans giving the B fragments (b0, b1) of the n-tiles n0 and n0+8 at k-step k0.
 __device__ __forceinline__ int b_trans_off(int lane, int k0, int n0, int pitch) {
@@ -411,10 +421,7 @@ __global__ void __launch_bounds__(kStateThreads, 1)
         const int off = b_trans_off(lane, kk * 16, nh, HP);
         tc::ldmatrix_x4_trans(bh, sm.s_hi + off);
         tc::ldmatrix_x4_trans(bl, sm.s_lo + off);
-        tc::mma_bf16(xs[0], a, bh[0], bh[1]);
-        tc::mma_bf16(xl[0], a, bl[0], bl[1]);
-        tc::mma_bf16(xs[1], a, bh[2], bh[3]);
-        tc::mma_bf16(xl[1], a, bl[2], bl[3]);
+        mma_hi_lo(xs, xl, a, bh, bl);
       }
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
@@ -522,10 +529,7 @@ __global__ void __launch_bounds__(kStateThreads, 1)
         const int off = b_trans_off(lane, kk * 16, sc0, HP);
         tc::ldmatrix_x4_trans(bh, sm.vd_hi + off);
         tc::ldmatrix_x4_trans(bl, sm.vd_lo + off);
-        tc::mma_bf16(s[0], a, bh[0], bh[1]);
-        tc::mma_bf16(sl[0], a, bl[0], bl[1]);
-        tc::mma_bf16(s[1], a, bh[2], bh[3]);
-        tc::mma_bf16(sl[1], a, bl[2], bl[3]);
+        mma_hi_lo(s, sl, a, bh, bl);
       }
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
