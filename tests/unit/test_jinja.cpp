@@ -117,6 +117,18 @@ TEST(Jinja, OutputMarksRequestData) {
   EXPECT_EQ(r.data, (R{{12, 16}, {17, 30}, {40, 43}, {44, 48}}));
 }
 
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kSanitized = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr bool kSanitized = true;
+#else
+constexpr bool kSanitized = false;
+#endif
+#else
+constexpr bool kSanitized = false;
+#endif
+
 TEST(Jinja, QwenTemplateRenderTime) {
   const auto& tmpl = tansy::text::ChatTemplate::qwen36();
   Json tools = Json::array({Json::parse(R"({"type": "function", "function": {"name": "get_weather",
@@ -149,5 +161,7 @@ TEST(Jinja, QwenTemplateRenderTime) {
   double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / n;
   EXPECT_EQ(bytes, first.size() * n);
   std::printf("Qwen3.6 template, 8 messages + 1 tool (%zu bytes): %.1f us per render\n", first.size(), us);
-  EXPECT_LT(us, 1000.0);
+  // The bound is for the release build: under ASan/UBSan, beside the other tests of `ctest -j`,
+  // one render has taken 1.14 ms on a CI machine, so there it only catches a blow-up.
+  EXPECT_LT(us, kSanitized ? 10000.0 : 1000.0);
 }
