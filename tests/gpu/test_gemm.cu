@@ -145,7 +145,8 @@ TEST(Gemm, WgmmaTiles) {
   const GemmCase cases[] = {{WFormat::kAffine4, 300, 192, 1, "one row"},
                             {WFormat::kAffine4, 1100, 128, 129, "partial tiles"},
                             {WFormat::kAffine4, 2048, 2048, 300, "in_proj-like"}};
-  for (const auto& [rows, wg] : {std::pair{64, 2}, std::pair{64, 4}, std::pair{128, 2}, std::pair{128, 4}}) {
+  for (const auto& [rows, wg] :
+       {std::pair{64, 2}, std::pair{64, 4}, std::pair{128, 2}, std::pair{128, 4}, std::pair{256, 2}}) {
     cuda::gemm_impl::set_wgmma_tiles(rows, wg);
     for (const auto& c : cases) {
       TestMatrix W = make_matrix(c.fmt, c.out, c.in);
@@ -165,6 +166,7 @@ TEST(Gemm, WgmmaTiles) {
   }
   cuda::gemm_impl::set_wgmma_tiles(0, 0);
   EXPECT_THROW(cuda::gemm_impl::set_wgmma_tiles(96, 2), Error);
+  EXPECT_THROW(cuda::gemm_impl::set_wgmma_tiles(256, 4), Error);
 }
 
 void epilogue_cases() {

@@ -79,7 +79,8 @@ void compare(const char* what, double flop, DeviceBuffer<bf16>& y, bool grouped,
   // Each wgmma tile shape forced (grouped products always take 64-row tiles), for choosing the
   // automatic rule in gemm_wgmma.cu's launch_wgmma.
   std::printf("         %-40s wgmma tiles rows x cols:", "");
-  for (const auto& [rows, wg] : {std::pair{64, 2}, std::pair{64, 4}, std::pair{128, 2}, std::pair{128, 4}}) {
+  for (const auto& [rows, wg] :
+       {std::pair{64, 2}, std::pair{64, 4}, std::pair{128, 2}, std::pair{128, 4}, std::pair{256, 2}}) {
     if (grouped && rows != 64) continue;
     cuda::gemm_impl::set_wgmma_tiles(rows, wg);
     run(2);
@@ -136,8 +137,8 @@ TEST(Timing, Gemm) {
   auto x = randn(size_t(n) * 4096);
   round_bf16_inplace(x);
   auto dx = to_device_bf16(x);
-  auto dense = [&](const char* what, int out, int in) {
-    TestMatrix W = make_matrix(WFormat::kAffine4, out, in);
+  auto dense = [&](const char* what, int out, int in, WFormat fmt = WFormat::kAffine4) {
+    TestMatrix W = make_matrix(fmt, out, in);
     DeviceBuffer<bf16> y(size_t(n) * out);
     compare(what, 2.0 * n * out * in, y, false, [&](int v) {
       const cuda::GemmOutput o{y.get(), cuda::GemmOutType::kBF16, out, cuda::GemmEpilogue::kStore};
@@ -151,6 +152,10 @@ TEST(Timing, Gemm) {
   dense("gemm gdn in_proj [12352x2048]", 12352, 2048);
   dense("gemm gdn out_proj [2048x4096]", 2048, 4096);
   dense("gemm attn in_qkv [8192x2048]", 8192, 2048);
+  dense("gemm shared gate|up [1024x2048]", 1024, 2048);
+  dense("gemm shared down [2048x512]", 2048, 512);
+  // (8-bit: the wgmma kernels are 4-bit only, so their columns repeat the mma.sync kernel)
+  dense("gemm router|shared gate [258x2048] 8-bit", 258, 2048, WFormat::kAffine8);
 
   constexpr int E = 256, k = 8, H = 2048, I = 512;
   TestMatrix GU = make_matrix(WFormat::kAffine4, E * 2 * I, H);

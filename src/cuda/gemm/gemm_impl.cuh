@@ -132,8 +132,9 @@ void launch_wgmma_grouped(const Params& p, cudaStream_t stream);
 inline constexpr int kGroupedWgmmaRows[] = {64, 96, 128, 144, 192, 256};
 int grouped_wgmma_rows(long rows, int experts);
 void set_grouped_wgmma_rows(int rows);
-// For tests and Timing.Gemm: every wgmma launch uses `rows` (64 or 128; grouped always 64) x
-// 64·`warpgroups` (2 or 4) tiles instead of the automatic choice; (0, 0) restores it.
+// For tests and Timing.Gemm: every wgmma launch uses `rows` (64 or 128, or 256 with 2 warpgroups;
+// grouped always 64) x 64·`warpgroups` (2 or 4) tiles instead of the automatic choice; (0, 0)
+// restores it. The 256-row tile is only reachable from here until Timing.Gemm has measured it.
 void set_wgmma_tiles(int rows, int warpgroups);
 
 }  // namespace tansy::cuda::gemm_impl

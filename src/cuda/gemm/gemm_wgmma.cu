@@ -23,6 +23,12 @@
 // wgmmas of kt-1 read: every warp waited for them before the barrier) and dequantizes kt+1 into the
 // A buffer kt-1 read. The accumulators go through an f32 tile in the freed
 // stage memory to the shared epilogue (gemm_impl.cuh).
+//
+// Tiles (kN token rows x BN columns): 64 x 128 when 128-row tiles would not fill the machine; 128 x
+// 128 otherwise (the profile: instruction-bound, ~40% of the issue slots the per-lane dequant, which
+// a wider wgmma N shares over more products). 256 x 128 halves the dequant per product again, at 225
+// registers (one block per multiprocessor) and 144 KB of stages; not chosen automatically before
+// Timing.Gemm has compared it. 64 x 256 and 128 x 256 (4 warpgroups) measured slower than 128 x 128.
 #include <algorithm>
 
 #include "core/error.h"
@@ -65,9 +71,13 @@ __device__ __forceinline__ void wgmma(float (&d)[32], const uint32_t (&a)[4], ui
 __device__ __forceinline__ void wgmma(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
   wg::wgmma_rs<128>(d, a, desc_b);
 }
+__device__ __forceinline__ void wgmma(float (&d)[128], const uint32_t (&a)[4], uint64_t desc_b) {
+  wg::wgmma_rs<256>(d, a, desc_b);
+}
 
 template <int kN, int kWG>
-__global__ void __launch_bounds__(128 * kWG, kWG == 2 ? 2 : 1) gemm_wgmma_kernel(const Params p) {
+__global__ void __launch_bounds__(128 * kWG, kWG == 2 && kN <= 128 ? 2 : 1)
+    gemm_wgmma_kernel(const Params p) {
   using L = WgLayout<kN, kWG>;
   constexpr int kThreads = 128 * kWG;
   constexpr int BN = L::BN;
@@ -251,9 +261,10 @@ void launch_n(const Params& p, int wg, long row_tiles, cudaStream_t stream) {
 }  // namespace
 
 void set_wgmma_tiles(int rows, int warpgroups) {
-  TANSY_CHECK(
-      (rows == 0 && warpgroups == 0) || ((rows == 64 || rows == 128) && (warpgroups == 2 || warpgroups == 4)),
-      "gemm (wgmma): tile {} rows x {} warpgroups is not built", rows, warpgroups);
+  TANSY_CHECK((rows == 0 && warpgroups == 0) ||
+                  ((rows == 64 || rows == 128) && (warpgroups == 2 || warpgroups == 4)) ||
+                  (rows == 256 && warpgroups == 2),
+              "gemm (wgmma): tile {} rows x {} warpgroups is not built", rows, warpgroups);
   g_force_rows = rows;
   g_force_wg = warpgroups;
 }
@@ -266,6 +277,7 @@ void launch_wgmma(const Params& p, bool grouped, long row_tiles, cudaStream_t st
   if (g_force_rows) {
     const int rows = grouped ? 64 : g_force_rows;
     if (!grouped) row_tiles = (long(p.n_rows) + rows - 1) / rows;
+    if (rows == 256) return launch<256, 2>(p, row_tiles, stream);
     if (rows == 128) return launch_n<128>(p, g_force_wg, row_tiles, stream);
     return launch_n<64>(p, g_force_wg, row_tiles, stream);
   }
