@@ -542,17 +542,26 @@ bool Engine::step(std::vector<std::shared_ptr<Seq>>& admitted) {
     const int n_prompt = int(s.req.prompt.size());
     std::span<const int32_t> ids;
     int n_piece = 0;
+    size_t cut = 0;  // a cache cut inside the piece, from its start (FeedEntry::cut)
     if (s.decoding()) {
       ids = std::span<const int32_t>(&s.to_feed, 1);
     } else {
       // A piece's length depends on its own prompt only (--prefill-chunk, the cache cuts), never
       // on what else is in the step, so that its arithmetic is the same alone or batched (a
       // backend's prefill kernels may round differently for different piece lengths); the
-      // budget decides which prompts get a piece this step.
+      // budget decides which prompts get a piece this step. The first cut inside the piece is
+      // the backend's to show (FeedEntry::cut: no extra pass where the backend computes the
+      // piece at once); a second one ends the piece.
       if (budget <= 0) continue;
       int end = std::min(n_prompt, s.pos + opt_.prefill_chunk);
-      for (size_t c : {s.cut, s.shared_cut})
-        if (c > size_t(s.pos) && c < size_t(end)) end = int(c);
+      const size_t lo = std::min(s.cut, s.shared_cut), hi = std::max(s.cut, s.shared_cut);
+      for (size_t c : {lo, hi}) {
+        if (c <= size_t(s.pos) || c >= size_t(end) || c == size_t(s.pos) + cut) continue;
+        if (cut)
+          end = int(c);
+        else
+          cut = c - size_t(s.pos);
+      }
       n_piece = end - s.pos;
       budget -= n_piece;
       ids = std::span<const int32_t>(s.req.prompt.data() + s.pos, size_t(n_piece));
@@ -561,7 +570,17 @@ bool Engine::step(std::vector<std::shared_ptr<Seq>>& admitted) {
     if (chooses) prepare_choice(s);
     // A greedy sequence's forced token needs no argmax: the step runs without a choice.
     s.choice_fed = chooses && !(s.greedy && s.forced >= 0);
-    entries.push_back({s.state.get(), ids, s.choice_fed ? s.sampler.get() : nullptr});
+    FeedEntry entry{s.state.get(), ids, s.choice_fed ? s.sampler.get() : nullptr};
+    if (cut) {
+      entry.cut = cut;
+      const size_t at = size_t(s.pos) + cut;
+      entry.on_cut = [this, &s, ids, cut, at](const SequenceState& state) {
+        std::vector<int32_t> tokens = s.fed;
+        tokens.insert(tokens.end(), ids.begin(), ids.begin() + std::ptrdiff_t(cut));
+        snapshot(std::move(tokens), state, /*shared=*/at == s.shared_cut && at != s.cut);
+      };
+    }
+    entries.push_back(std::move(entry));
     parts.push_back({&s, n_piece, chooses});
   }
   if (entries.empty()) return false;  // every sequence waits for its caller
@@ -583,7 +602,7 @@ bool Engine::step(std::vector<std::shared_ptr<Seq>>& admitted) {
     if (parts[i].n_prompt > 0) {
       s.pos += parts[i].n_prompt;
       const bool own = size_t(s.pos) == s.cut, shared = size_t(s.pos) == s.shared_cut;
-      if ((own || shared) && !s.decoding()) snapshot(s, shared && !own);
+      if ((own || shared) && !s.decoding()) snapshot(s.fed, *s.state, shared && !own);
     }
     if (parts[i].chooses) {
       try {
@@ -600,16 +619,16 @@ bool Engine::step(std::vector<std::shared_ptr<Seq>>& admitted) {
 // Keeps a copy of the state at a cut in the prefix cache: in a spare state (already counted in
 // the pool; the copy allocates nothing), else in a new one when the pool has room for it. A copy
 // that fails (out of memory) only costs the cache an entry.
-void Engine::snapshot(Seq& s, bool shared) {
+void Engine::snapshot(std::vector<int32_t> tokens, const SequenceState& from, bool shared) {
   try {
     std::unique_ptr<SequenceState> copy = take_spare();
-    if (copy && !model_->copy_state(*s.state, *copy)) keep_spare(std::move(copy));  // the backend clones
+    if (copy && !model_->copy_state(from, *copy)) keep_spare(std::move(copy));  // the backend clones
     if (!copy) {
       make_room(1);
       if (states_used() + 1 > pool_states_) return;
-      copy = model_->clone_state(*s.state);
+      copy = model_->clone_state(from);
     }
-    keep_spare(cache_.insert(s.fed, std::move(copy), /*cold=*/false, shared));
+    keep_spare(cache_.insert(std::move(tokens), std::move(copy), /*cold=*/false, shared));
   } catch (const std::exception&) {
     make_room(0);
   }

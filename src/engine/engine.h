@@ -158,7 +158,7 @@ class Engine {
   void admit(Seq& s);
   void make_room(size_t keep_free);
   size_t states_used() const;
-  void snapshot(Seq& s, bool shared);
+  void snapshot(std::vector<int32_t> tokens, const SequenceState& from, bool shared);
   std::shared_ptr<Seq> take(Seq& s);
   void prepare_choice(Seq& s);
   void choose(Seq& s);

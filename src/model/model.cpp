@@ -144,6 +144,9 @@ void Model::check_batch(std::span<const FeedEntry> entries) const {
     fail("feed_batch: {} sequences exceed the backend's batch of {}", entries.size(), max_batch());
   for (size_t i = 0; i < entries.size(); ++i) {
     if (!entries[i].state || entries[i].ids.empty()) fail("feed_batch: entry {} has no state or no ids", i);
+    if (entries[i].cut && (entries[i].cut >= entries[i].ids.size() || !entries[i].on_cut))
+      fail("feed_batch: entry {}'s cut {} is not inside its {} ids or nobody takes it", i, entries[i].cut,
+           entries[i].ids.size());
     for (size_t j = 0; j < i; ++j)
       if (entries[j].state == entries[i].state) fail("feed_batch: one state fed twice in a step");
   }
@@ -156,16 +159,25 @@ bool Model::give_host_logits(TokenSampler* sampler, std::span<const float> row) 
   return true;
 }
 
+std::span<const int32_t> Model::feed_to_cut(const FeedEntry& e) {
+  if (!e.cut) return e.ids;
+  scratch_logits_.resize(size_t(config().vocab_size));
+  forward(*e.state, e.ids.first(e.cut), scratch_logits_, false);
+  e.on_cut(*e.state);
+  return e.ids.subspan(e.cut);
+}
+
 void Model::feed_batch(std::span<const FeedEntry> entries) {
   if (entries.empty()) return;
   check_batch(entries);
   if (max_batch() == 1 || entries.size() == 1) {
     for (const FeedEntry& e : entries) {
+      const std::span<const int32_t> rest = feed_to_cut(e);
       if (e.sampler) {
-        e.sampler->feed(*e.state, e.ids);
+        e.sampler->feed(*e.state, rest);
       } else {
         scratch_logits_.resize(size_t(config().vocab_size));
-        forward(*e.state, e.ids, scratch_logits_, false);
+        forward(*e.state, rest, scratch_logits_, false);
       }
     }
     return;
@@ -176,7 +188,7 @@ void Model::feed_batch(std::span<const FeedEntry> entries) {
     HostSampler* h = nullptr;
     if (e.sampler && !(h = dynamic_cast<HostSampler*>(e.sampler)))
       fail("feed_batch: a batched backend needs host samplers (the batch's logits come to the host)");
-    pieces.push_back({e.state, e.ids, h != nullptr});
+    pieces.push_back({e.state, feed_to_cut(e), h != nullptr});
     if (h) takers.push_back(h);
   }
   const size_t V = size_t(config().vocab_size);

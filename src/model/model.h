@@ -58,10 +58,17 @@ class TokenSampler {
 // `sampler`, when set, is the sequence's sampler, which chooses the token after the last of them
 // (TokenSampler::next) once the step has run. Null: no choice is wanted (a piece of prompt that
 // does not end it, or a step whose next token is forced).
+// `cut` (0 < cut < ids.size(); 0: none) marks a state the prefix cache keeps: during the feed,
+// on_cut is called once with a state that holds what `state` held plus ids [0, cut), which it
+// may copy but not keep. Model::feed_batch feeds such a piece in two parts and shows `state`
+// itself between them, so the piece costs two passes over the weights; a backend that computes
+// the piece in one pass and shows a copy of its state at the cut overrides that.
 struct FeedEntry {
   SequenceState* state = nullptr;
   std::span<const int32_t> ids;
   TokenSampler* sampler = nullptr;
+  size_t cut = 0;
+  std::function<void(const SequenceState&)> on_cut = {};
 };
 
 class Model {
@@ -168,8 +175,12 @@ class Model {
     bool want_logits = false;
   };
   virtual void forward_batch(std::span<const BatchPiece> pieces, std::span<float> logits);
-  // feed_batch's checks: at most max_batch() entries, each with a state and ids, no state twice.
+  // feed_batch's checks: at most max_batch() entries, each with a state and ids, no state twice,
+  // a cut inside its ids with someone to show it to.
   void check_batch(std::span<const FeedEntry> entries) const;
+  // The default treatment of a cut: feeds ids [0, cut) alone (no logits wanted) and shows the
+  // state to on_cut; returns the ids still to feed (all of them when the entry has no cut).
+  std::span<const int32_t> feed_to_cut(const FeedEntry& e);
   // Hands a host sampler (make_host_sampler's) its row of a batch's logits; false for another kind.
   bool give_host_logits(TokenSampler* sampler, std::span<const float> row) const;
 

@@ -124,6 +124,64 @@ TEST(Batch, CpuFeedBatchEqualsFeedingAlone) {
   EXPECT_THROW(m->feed_batch(twice), tansy::Error);
 }
 
+// A cut inside a piece (FeedEntry::cut): on_cut sees, once, a state holding exactly the ids
+// before the cut, and the piece ends where feeding it whole ends, alone and in a batch; a cut
+// outside the piece, or one nobody takes, is refused.
+TEST(Batch, ACutInsideAPieceShowsTheStateThereOnce) {
+  if (!std::filesystem::exists(demo_dir() / "config.json")) GTEST_SKIP() << "no demo model";
+  auto m = open_demo();
+  const int V = m->config().vocab_size;
+  const std::vector<int32_t> history = ids_of(9, 11, V), piece = ids_of(12, 12, V), other = ids_of(6, 13, V);
+  const size_t cut = 5;
+  std::vector<float> scratch(static_cast<size_t>(V));
+  auto fed = [&](std::span<const int32_t> a, std::span<const int32_t> b) {
+    auto st = m->new_state(128);
+    m->forward(*st, a, scratch, false);
+    if (!b.empty()) m->forward(*st, b, scratch, false);
+    return st;
+  };
+  auto next_logits = [&](SequenceState& st) {
+    std::vector<float> l(static_cast<size_t>(V));
+    const std::vector<int32_t> more = {31, 4001};
+    m->forward(st, more, l, false);
+    return l;
+  };
+  const auto at_cut = fed(history, std::span(piece).first(cut));
+  const auto whole = fed(history, piece);
+  const std::vector<float> want_cut = next_logits(*at_cut), want_end = next_logits(*whole);
+  for (bool together : {false, true}) {
+    SCOPED_TRACE(together ? "in a batch" : "alone");
+    auto st = fed(history, {});
+    auto beside = fed(other, {});
+    std::unique_ptr<SequenceState> shown;
+    int calls = 0;
+    FeedEntry e{st.get(), piece, nullptr};
+    e.cut = cut;
+    e.on_cut = [&](const SequenceState& at) {
+      ++calls;
+      EXPECT_EQ(at.n_tokens(), int(history.size() + cut));
+      shown = m->clone_state(at);
+    };
+    std::vector<FeedEntry> entries = {e};
+    if (together) entries.push_back({beside.get(), other, nullptr});
+    m->feed_batch(entries);
+    EXPECT_EQ(calls, 1);
+    ASSERT_TRUE(shown);
+    EXPECT_EQ(st->n_tokens(), int(history.size() + piece.size()));
+    EXPECT_TRUE(same_bits(next_logits(*shown), want_cut)) << "the state shown is not the one at the cut";
+    EXPECT_TRUE(same_bits(next_logits(*st), want_end)) << "the piece did not end where feeding it whole ends";
+  }
+  auto st = fed(history, {});
+  FeedEntry bad{st.get(), piece, nullptr};
+  bad.cut = piece.size();
+  bad.on_cut = [](const SequenceState&) {};
+  EXPECT_THROW(m->feed_batch(std::span<const FeedEntry>(&bad, 1)), tansy::Error);
+  bad.cut = cut;
+  bad.on_cut = nullptr;
+  EXPECT_THROW(m->feed_batch(std::span<const FeedEntry>(&bad, 1)), tansy::Error);
+  EXPECT_EQ(st->n_tokens(), int(history.size())) << "a refused entry was fed";
+}
+
 struct Out {
   std::vector<int32_t> tokens;
   std::string text;
@@ -245,12 +303,14 @@ class PieceRecorder final : public Model {
     for (const FeedEntry& e : entries) {
       if (e.ids.size() > 1) ++prompts;
       if (e.ids.size() > 1 && !e.sampler) inner_pieces.push_back(int(e.ids.size()));
+      if (e.ids.size() > 1) pieces.push_back({int(e.ids.size()), int(e.cut)});
     }
     if (prompts > 1) ++shared_prompt_steps;
     m_->feed_batch(entries);
   }
-  std::vector<int> inner_pieces;  // engine thread only; read after the requests are done
-  int shared_prompt_steps = 0;    // steps that carried pieces of several prompts
+  std::vector<int> inner_pieces;            // engine thread only; read after the requests are done
+  std::vector<std::pair<int, int>> pieces;  // every piece of prompt: (length, FeedEntry::cut)
+  int shared_prompt_steps = 0;              // steps that carried pieces of several prompts
 
  private:
   std::unique_ptr<Model> m_;
@@ -285,6 +345,42 @@ TEST(Batch, PromptPiecesAreWholeChunksWhateverElseIsInTheStep) {
   ASSERT_FALSE(r->inner_pieces.empty());
   EXPECT_GT(r->shared_prompt_steps, 0) << "no step carried two prompts: the test proves nothing";
   for (int n : r->inner_pieces) EXPECT_EQ(n, eo.prefill_chunk) << "a piece cut short by the step's budget";
+}
+
+// A prompt whose cache cut lies inside a piece is fed as one piece with the cut marked (the
+// backend shows the state there), not as two pieces in two steps: a cold request with the cache
+// on feeds what it feeds with the cache off. The next turn resumes from the cut with the answer
+// computed cold.
+TEST(Batch, ACutInsideAPieceIsFedWithItNotSplit) {
+  if (!std::filesystem::exists(demo_dir() / "config.json")) GTEST_SKIP() << "no demo model";
+  EngineOptions eo;
+  eo.max_seq = 256;
+  eo.prefill_chunk = 32;
+  eo.prefix_cache_entries = 4;
+  auto rec = std::make_unique<PieceRecorder>(open_demo());
+  PieceRecorder* r = rec.get();
+  Engine e(std::move(rec), tansy::Tokenizer::load(demo_dir()), eo);
+  EngineOptions cold_opt = eo;
+  cold_opt.prefix_cache_entries = 0;
+  Engine cold(open_demo(), tansy::Tokenizer::load(demo_dir()), cold_opt);
+  const int V = std::min(e.config().vocab_size, e.tokenizer().vocab_size());
+  GenRequest q;
+  q.prompt = ids_of(40, 21, V);
+  q.cache_cut = 37;  // inside the second piece, [32, 40)
+  q.max_tokens = 4;
+  q.ignore_eos = true;
+  q.sampling.temperature = 0;
+  Out first = run_one(e, q);
+  expect_same(first, run_one(cold, q));
+  EXPECT_EQ(r->pieces, (std::vector<std::pair<int, int>>{{32, 0}, {8, 5}}));
+  GenRequest next = q;
+  next.prompt.resize(37);
+  const auto turn = ids_of(9, 22, V);
+  next.prompt.insert(next.prompt.end(), turn.begin(), turn.end());
+  next.cache_cut = 0;
+  Out hot = run_one(e, next);
+  EXPECT_EQ(hot.res.cached_tokens, 37);
+  expect_same(hot, run_one(cold, next));
 }
 
 // At most max_running in flight; the others wait their turn and all finish; one that leaves or

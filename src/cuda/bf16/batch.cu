@@ -242,7 +242,13 @@ void CudaModel::feed_batch(std::span<const FeedEntry> entries) {
     if (decode_row(e)) continue;
     auto& st = dynamic_cast<CudaState&>(*e.state);
     check_ids(st, e.ids);
-    feed_device(st, e.ids, false);
+    std::span<const int32_t> ids = e.ids;
+    if (e.cut) {  // the state at the cut, then the rest (FeedEntry)
+      feed_device(st, ids.first(e.cut), false);
+      e.on_cut(st);
+      ids = ids.subspan(e.cut);
+    }
+    feed_device(st, ids, false);
     if (!e.sampler) continue;
     TANSY_CHECK(rows < std::max(kLogitRows, kMaxBatch), "feed_batch: more rows than the batch logits hold");
     const int r = rows++;
