@@ -25,6 +25,7 @@
 #include "bench/synth.h"
 #include "cpu/backend.h"
 #include "cuda/backend.h"
+#include "cuda/bf16/plan.h"
 #include "gpu_test_util.h"
 #include "model/model.h"
 
@@ -177,6 +178,49 @@ TEST_P(Golden, SplitInvariance) {
   EXPECT_EQ(max_abs_diff(l1, l2), 0.0) << "copy_state";
   auto wider = m->new_state(257);
   EXPECT_THROW(m->copy_state(*a, *wider), Error) << "a destination of another capacity";
+}
+
+// A FeedEntry's cut computed in the piece's one pass (set_cut_in_one_pass) against
+// Model::feed_batch's two passes: the state shown at the cut and the state at the piece's end
+// continue (three tokens fed after a clone) like theirs within the plan's tolerance, for cuts
+// inside, at the edges of and one token into GDN chunks of 64.
+TEST_P(Golden, CutInOnePass) {
+  const fs::path dir = goldens_dir() / GetParam();
+  auto owned = open_cuda(dir, cuda::PrefillKernels::kTensorCore);
+  auto* m = dynamic_cast<cuda::CudaModel*>(owned.get());
+  ASSERT_NE(m, nullptr);
+  const auto ids = read_bin<int32_t>(dir / "seq200.ids");
+  const int V = m->config().vocab_size;
+  const std::vector<int32_t> more = {ids[3], ids[7], ids[11]};
+  auto continue_from = [&](const SequenceState& s) {
+    auto c = m->clone_state(s);
+    std::vector<float> l(size_t(V) * more.size());
+    m->forward(*c, more, l, true);
+    return l;
+  };
+  for (int cut : {1, 2, 63, 64, 65, 130, 199}) {
+    std::vector<float> shown[2], end[2];
+    for (int one_pass : {0, 1}) {
+      m->set_cut_in_one_pass(one_pass == 1);
+      auto st = m->new_state(256);
+      FeedEntry e{st.get(), ids, nullptr};
+      e.cut = size_t(cut);
+      int calls = 0;
+      e.on_cut = [&](const SequenceState& at) {
+        ++calls;
+        EXPECT_EQ(at.n_tokens(), cut);
+        shown[one_pass] = continue_from(at);
+      };
+      m->feed_batch(std::span<const FeedEntry>(&e, 1));
+      EXPECT_EQ(calls, 1);
+      EXPECT_EQ(st->n_tokens(), int(ids.size()));
+      end[one_pass] = continue_from(*st);
+    }
+    m->set_cut_in_one_pass(false);
+    const std::string at = GetParam() + " cut " + std::to_string(cut);
+    expect_logits(shown[1], shown[0], V, at + ": from the cut");
+    expect_logits(end[1], end[0], V, at + ": from the end");
+  }
 }
 
 // Records the experts the CUDA backend routes each MoE layer's tokens to, and makes the CPU

@@ -212,7 +212,21 @@ static bool decode_row(const FeedEntry& e) {
 }
 
 void CudaModel::feed_batch(std::span<const FeedEntry> entries) {
-  if (entries.size() <= 1 || !batch_ok_ || trace_ || route_trace_) return Model::feed_batch(entries);
+  const auto feed_alone = [this](const FeedEntry& e) {
+    return [this, &e](std::span<const int32_t> ids) {
+      if (e.sampler)
+        e.sampler->feed(*e.state, ids);
+      else
+        feed_device(dynamic_cast<CudaState&>(*e.state), ids, false);
+    };
+  };
+  if (entries.size() <= 1 || !batch_ok_ || trace_ || route_trace_) {
+    if (entries.size() == 1 && entries[0].cut && cut_in_one_pass_ && !trace_ && !route_trace_) {
+      check_batch(entries);
+      return feed_cut_in_one_pass(entries[0], feed_alone(entries[0]));
+    }
+    return Model::feed_batch(entries);
+  }
   check_batch(entries);
   const size_t V = size_t(cfg_.vocab_size);
   // The previous step's copy of h_rows_ids_ (pinned: the copy reads it when the stream gets there)
@@ -242,13 +256,17 @@ void CudaModel::feed_batch(std::span<const FeedEntry> entries) {
     if (decode_row(e)) continue;
     auto& st = dynamic_cast<CudaState&>(*e.state);
     check_ids(st, e.ids);
-    std::span<const int32_t> ids = e.ids;
-    if (e.cut) {  // the state at the cut, then the rest (FeedEntry)
-      feed_device(st, ids.first(e.cut), false);
-      e.on_cut(st);
-      ids = ids.subspan(e.cut);
+    if (e.cut && cut_in_one_pass_) {
+      feed_cut_in_one_pass(e, [&](std::span<const int32_t> ids) { feed_device(st, ids, false); });
+    } else {
+      std::span<const int32_t> ids = e.ids;
+      if (e.cut) {  // the state at the cut, then the rest, as Model::feed_batch does
+        feed_device(st, ids.first(e.cut), false);
+        e.on_cut(st);
+        ids = ids.subspan(e.cut);
+      }
+      feed_device(st, ids, false);
     }
-    feed_device(st, ids, false);
     if (!e.sampler) continue;
     TANSY_CHECK(rows < std::max(kLogitRows, kMaxBatch), "feed_batch: more rows than the batch logits hold");
     const int r = rows++;

@@ -231,8 +231,40 @@ void CudaModel::capture_decode_graph(CudaState& st) {
 }
 
 void CudaModel::run_chunk(CudaState& st, int m) {
-  run_layers(st, d_ids_.get(), m, tc_prefill_ && m > 1);
+  const bool inside = cut_.dst && cut_.at > st.n && cut_.at < st.n + m;
+  run_layers(st, d_ids_.get(), m, tc_prefill_ && m > 1, inside ? cut_.at - st.n : 0);
+  if (inside) {  // the keys and values before the cut: later tokens do not change them
+    CudaState& D = *cut_.dst;
+    const size_t kv = size_t(cut_.at) * cfg_.kv_dim() * sizeof(bf16);
+    for (size_t i = 0; i < st.layers.size(); ++i)
+      if (st.layers[i].K.size()) {
+        CUDA_CHECK(cudaMemcpyAsync(D.layers[i].K.get(), st.layers[i].K.get(), kv, cudaMemcpyDeviceToDevice,
+                                   stream_));
+        CUDA_CHECK(cudaMemcpyAsync(D.layers[i].V.get(), st.layers[i].V.get(), kv, cudaMemcpyDeviceToDevice,
+                                   stream_));
+      }
+    D.n = cut_.at;
+  }
   st.n += m;
+  if (cut_.dst && cut_.at == st.n) copy_state(st, *cut_.dst);  // the cut at the chunk's end
+}
+
+void CudaModel::feed_cut_in_one_pass(const FeedEntry& e,
+                                     const std::function<void(std::span<const int32_t>)>& feed) {
+  auto& st = dynamic_cast<CudaState&>(*e.state);
+  if (!cut_state_ || cut_state_->max_tokens != st.max_tokens) {
+    CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old one may still be read
+    cut_state_ = make_state(st.max_tokens, false);
+  }
+  cut_ = Cut{cut_state_.get(), st.n + int(e.cut)};
+  try {
+    feed(e.ids);
+  } catch (...) {
+    cut_ = Cut{};
+    throw;
+  }
+  cut_ = Cut{};
+  e.on_cut(*cut_state_);  // its copy is enqueued after the feed's writes, before the next feed's
 }
 
 int32_t CudaModel::prefill_argmax(CudaState& st, std::span<const int32_t> ids, int limit) {

@@ -178,6 +178,12 @@ class CudaModel final : public Model, public StageProfiler {
   // one-token entry in one batched decode step (run_decode_batch), each entry's logits in its
   // own row of batch_logits() for its sampler (the plan's, or a host sampler).
   void feed_batch(std::span<const FeedEntry> entries) override;
+  // A FeedEntry's cut computed in the piece's one pass (the GDN delta rule run in two segments
+  // split at the cut, the conv windows, GDN states, keys and values there copied into a scratch
+  // state that on_cut is shown) instead of Model::feed_batch's two passes. Off until
+  // Golden.CutInOnePass (tests/gpu/test_model.cu) has passed on the H200 and the cold request's
+  // time with the cache on and off is measured (docs/PERFORMANCE.md, change log).
+  void set_cut_in_one_pass(bool on) { cut_in_one_pass_ = on; }
   const float* batch_logits(int row) const { return d_logits_.get() + size_t(row) * cfg_.vocab_size; }
   // The greedy token of batch row `row` once the stream is done with the step.
   int32_t batch_token(int row);
@@ -235,8 +241,12 @@ class CudaModel final : public Model, public StageProfiler {
 
   void capture_decode_graph(CudaState& st);
 
-  // Feeds the m ids in d_ids_ (host state advanced here).
+  // Feeds the m ids in d_ids_ (host state advanced here); with cut_ set and its position in
+  // this chunk, also writes the state there into cut_.dst.
   void run_chunk(CudaState& st, int m);
+  // Feeds e's ids whole through `feed` with its cut computed in that pass (set_cut_in_one_pass),
+  // then shows the state at the cut to e.on_cut.
+  void feed_cut_in_one_pass(const FeedEntry& e, const std::function<void(std::span<const int32_t>)>& feed);
 
   // Feeds `ids` in chunks, then lm_head and the argmax over [0, limit) of the last row only,
   // the id moved to the host (d_tok_ holds it for a decode step that feeds it).
@@ -273,7 +283,9 @@ class CudaModel final : public Model, public StageProfiler {
 
   // The whole stack for m tokens whose ids are at `ids` (device); leaves final-normed rows in xn_
   // and advances the device position. Graph-capturable when tc is false.
-  void run_layers(CudaState& st, const int* ids, int m, bool tc);
+  // cut (0 < cut < m; 0: none): also copies each layer's conv window and GDN state after the
+  // chunk's first `cut` tokens, and the position there, into cut_.dst (run_chunk copies the keys).
+  void run_layers(CudaState& st, const int* ids, int m, bool tc, int cut = 0);
 
   // One token, each norm / routing / GDN step fused into its neighbour (see the file comment).
   // The products that end a block add into the f32 residual row h_ in place and leave the partial
@@ -302,7 +314,8 @@ class CudaModel final : public Model, public StageProfiler {
   void project(const DevLinear& W, const bf16* X, int64_t ldx, int m, void* Y, bool f32, int64_t ldy,
                bool tc);
 
-  void gdn(DevLayer& L, CudaState::Layer& S, int m, bool tc);
+  // at_cut: the state after the first `cut` of the m tokens goes there (run_layers' cut).
+  void gdn(DevLayer& L, CudaState::Layer& S, int m, bool tc, int cut = 0, CudaState::Layer* at_cut = nullptr);
 
   void attention(DevLayer& L, CudaState& st, CudaState::Layer& S, int m, bool tc);
 
@@ -315,6 +328,15 @@ class CudaModel final : public Model, public StageProfiler {
   cudaStream_t side_ = nullptr;
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
   bool tc_prefill_ = true;  // prefill on the tensor-core kernels (else the GEMV ones: tests)
+  // A cut computed in one pass (set_cut_in_one_pass): the state after `at` tokens (counted from
+  // the start of the sequence) is written into dst while the piece is fed.
+  struct Cut {
+    CudaState* dst = nullptr;
+    int at = 0;
+  };
+  Cut cut_;
+  std::unique_ptr<CudaState> cut_state_;  // cut_.dst: made on first use, at the fed state's capacity
+  bool cut_in_one_pass_ = false;
   bool head_fused_ = true;  // decode ends with lm_head_argmax (4-bit lm_heads)
   bool step_ok_ = false;    // decode runs the persistent step (plan_decode_step)
   std::string step_why_;    // why not, when it does not

@@ -8,7 +8,8 @@ void CudaModel::lm_head(int row0, int rows) {
          MatvecOut{d_logits_.get(), true, cfg_.vocab_size}, stream_);
 }
 
-void CudaModel::run_layers(CudaState& st, const int* ids, int m, bool tc) {
+void CudaModel::run_layers(CudaState& st, const int* ids, int m, bool tc, int cut) {
+  TANSY_CHECK(cut >= 0 && cut < m && (cut == 0 || cut_.dst), "run_layers: cut {} of {} tokens", cut, m);
   if (m == 1 && !tc && !trace_) return run_decode_fused(st, ids);
   const ModelConfig& c = cfg_;
   const int H = c.hidden_size;
@@ -20,7 +21,7 @@ void CudaModel::run_layers(CudaState& st, const int* ids, int m, bool tc) {
   for (int i = 0; i < c.num_layers; ++i) {
     DevLayer& L = layers_[i];
     if (L.kind == LayerKind::kLinear)
-      gdn(L, st.layers[i], m, tc);
+      gdn(L, st.layers[i], m, tc, cut, cut ? &cut_.dst->layers[i] : nullptr);
     else
       attention(L, st, st.layers[i], m, tc);
     trace_row("layer." + std::to_string(i) + ".mixer_out", r_.get(), m, H);
@@ -35,6 +36,11 @@ void CudaModel::run_layers(CudaState& st, const int* ids, int m, bool tc) {
   }
   trace_row("final_norm", xn_.get(), m, H);
   mark("position");
+  if (cut) {
+    CUDA_CHECK(
+        cudaMemcpyAsync(cut_.dst->pos.get(), st.pos.get(), sizeof(int), cudaMemcpyDeviceToDevice, stream_));
+    advance_pos(cut_.dst->pos.get(), cut, stream_);
+  }
   advance_pos(st.pos.get(), m, stream_);
 }
 
@@ -51,13 +57,23 @@ void CudaModel::project(const DevLinear& W, const bf16* X, int64_t ldx, int m, v
   }
 }
 
-void CudaModel::gdn(DevLayer& L, CudaState::Layer& S, int m, bool tc) {
+void CudaModel::gdn(DevLayer& L, CudaState::Layer& S, int m, bool tc, int cut, CudaState::Layer* at_cut) {
   const ModelConfig& c = cfg_;
   const int H = c.hidden_size, C = c.lin_conv_dim(), KD = c.lin_key_dim(), VD = c.lin_value_dim();
   const int NK = c.lin_num_k_heads, NV = c.lin_num_v_heads;
   bf16* P = proj_.get();
+  // The conv window after `cut` tokens: its last kernel-1 inputs, oldest first; the ones from
+  // before this chunk are copied before gdn_conv advances the window, the rest from P below.
+  const int W = c.conv_kernel - 1, from_old = at_cut ? std::max(0, W - cut) : 0;
+  if (from_old)
+    CUDA_CHECK(cudaMemcpyAsync(at_cut->window.get(), S.window.get() + size_t(W - from_old) * C,
+                               sizeof(bf16) * size_t(from_old) * C, cudaMemcpyDeviceToDevice, stream_));
   mark("gdn.in_proj", wbytes(L.gdn_in.view), wflops(L.gdn_in.view, m));
   project(L.gdn_in.view, xn_.get(), H, m, P, false, proj_ld_, tc);  // [qkv | z | a | b]
+  if (at_cut)
+    CUDA_CHECK(cudaMemcpy2DAsync(at_cut->window.get() + size_t(from_old) * C, sizeof(bf16) * C,
+                                 P + size_t(cut - (W - from_old)) * proj_ld_, sizeof(bf16) * proj_ld_,
+                                 sizeof(bf16) * C, size_t(W - from_old), cudaMemcpyDeviceToDevice, stream_));
   GdnConvArgs ca;
   ca.x = P;
   ca.ldx = proj_ld_;
@@ -93,10 +109,28 @@ void CudaModel::gdn(DevLayer& L, CudaState::Layer& S, int m, bool tc) {
   // chunked delta rule: per chunk of 64 and value head ~ (2 + 4 + 2) * 64 * 128 * 128 multiply-adds
   mark(tc ? "gdn.chunked delta rule" : "gdn.recurrence", 2.0 * NV * kGdnDim * kGdnDim * 4,
        tc ? 2.0 * 8 * double(m) * NV * kGdnDim * kGdnDim : 0, tc ? gdn_prefill_launches(m, NV) : 1);
-  if (tc)
-    gdn_prefill(ra, stream_);
-  else
-    gdn_recurrent(ra, stream_);
+  auto delta_rule = [&](const GdnPrefillArgs& a) {
+    if (tc)
+      gdn_prefill(a, stream_);
+    else
+      gdn_recurrent(a, stream_);
+  };
+  if (at_cut) {  // two segments, the state between them copied
+    GdnPrefillArgs head = ra, tail = ra;
+    head.n = cut;
+    delta_rule(head);
+    CUDA_CHECK(cudaMemcpyAsync(at_cut->S.get(), S.S.get(), S.S.bytes(), cudaMemcpyDeviceToDevice, stream_));
+    tail.q += size_t(cut) * C;
+    tail.k += size_t(cut) * C;
+    tail.v += size_t(cut) * C;
+    tail.beta += size_t(cut) * NV;
+    tail.g += size_t(cut) * NV;
+    tail.o_f32 += size_t(cut) * VD;
+    tail.n = m - cut;
+    delta_rule(tail);
+  } else {
+    delta_rule(ra);
+  }
   mark("gdn.gated_norm");
   GdnGatedNormArgs na;
   na.o = o_.get();
