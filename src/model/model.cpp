@@ -182,12 +182,13 @@ void Model::feed_batch(std::span<const FeedEntry> entries) {
     }
     return;
   }
+  for (const FeedEntry& e : entries)  // before anything is fed (a cut is fed ahead of the batch)
+    if (e.sampler && !dynamic_cast<HostSampler*>(e.sampler))
+      fail("feed_batch: a batched backend needs host samplers (the batch's logits come to the host)");
   std::vector<BatchPiece> pieces;
   std::vector<HostSampler*> takers;
   for (const FeedEntry& e : entries) {
-    HostSampler* h = nullptr;
-    if (e.sampler && !(h = dynamic_cast<HostSampler*>(e.sampler)))
-      fail("feed_batch: a batched backend needs host samplers (the batch's logits come to the host)");
+    auto* h = dynamic_cast<HostSampler*>(e.sampler);
     pieces.push_back({e.state, feed_to_cut(e), h != nullptr});
     if (h) takers.push_back(h);
   }

@@ -192,6 +192,35 @@ TEST(Batch, CudaDecodeIsBatchInvariant) {
   EXPECT_NE(greedy1.tokens, alone[1].tokens);
 }
 
+// A step of prompt pieces only (requests arriving together, no sequence decoding yet): every
+// piece's logits stay its own until its sampler draws from them, whatever is fed after it (the
+// pieces' lm_head all write row 0: a sampled piece fed first used to draw from the last one's).
+TEST(Batch, CudaPromptsTogetherKeepTheirOwnLogits) {
+  if (!batch_synth_dir()) GTEST_SKIP() << "set TANSY_SYNTH_DIR to a `tansy synth` checkpoint";
+  auto model = make_cuda_model(batch_synth_dir());
+  auto* m = dynamic_cast<cuda::CudaModel*>(model.get());
+  ASSERT_NE(m, nullptr);
+  ASSERT_GT(m->max_batch(), 1) << m->decode_persistent_why();
+  const int V = m->config().vocab_size;
+  std::vector<Seq> seqs;
+  for (int j = 0; j < 4; ++j) {
+    Seq s;
+    s.prompt.resize(size_t(20 + 7 * j));
+    for (size_t i = 0; i < s.prompt.size(); ++i)
+      s.prompt[i] = int32_t((uint64_t(i + 1) * 2654435761u + uint64_t(j + 50) * 40503u) % uint64_t(V));
+    s.n_new = 3;
+    s.params.temperature = j == 3 ? 0 : 1.0;  // the last one greedy: the sampled ones are fed first
+    s.params.seed = 77 + uint64_t(j);
+    seqs.push_back(std::move(s));
+  }
+  std::vector<Out> alone;
+  for (const Seq& s : seqs) alone.push_back(run_alone(*m, s));
+  int max_rows = 0;
+  const std::vector<Out> together = run_batched(*m, seqs, &max_rows);
+  EXPECT_EQ(max_rows, 4);
+  for (size_t j = 0; j < seqs.size(); ++j) EXPECT_EQ(together[j].tokens, alone[j].tokens) << "sequence " << j;
+}
+
 // The batched step at every batch size up to the limit: the same sequence as row 0 of a batch of
 // n (the others distinct) gives its alone logits bit for bit.
 TEST(Batch, CudaRowMatchesAloneAtEverySize) {

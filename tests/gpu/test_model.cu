@@ -182,8 +182,9 @@ TEST_P(Golden, SplitInvariance) {
 
 // A FeedEntry's cut computed in the piece's one pass (set_cut_in_one_pass) against
 // Model::feed_batch's two passes: the state shown at the cut and the state at the piece's end
-// continue (three tokens fed after a clone) like theirs within the plan's tolerance, for cuts
-// inside, at the edges of and one token into GDN chunks of 64.
+// continue (three tokens fed after a clone) like theirs within the plan's tolerance. The piece
+// follows 37 tokens already fed (conv windows and keys from before it), its cuts 1 and 2 tokens in
+// (windows partly from before the piece), at the edges of GDN chunks of 64 and one token from its end.
 TEST_P(Golden, CutInOnePass) {
   const fs::path dir = goldens_dir() / GetParam();
   auto owned = open_cuda(dir, cuda::PrefillKernels::kTensorCore);
@@ -191,24 +192,29 @@ TEST_P(Golden, CutInOnePass) {
   ASSERT_NE(m, nullptr);
   const auto ids = read_bin<int32_t>(dir / "seq200.ids");
   const int V = m->config().vocab_size;
+  const int before = 37;
+  const std::span<const int32_t> history = std::span<const int32_t>(ids).first(before),
+                                 piece = std::span<const int32_t>(ids).subspan(before);
   const std::vector<int32_t> more = {ids[3], ids[7], ids[11]};
+  std::vector<float> scratch(static_cast<size_t>(V));
   auto continue_from = [&](const SequenceState& s) {
     auto c = m->clone_state(s);
     std::vector<float> l(size_t(V) * more.size());
     m->forward(*c, more, l, true);
     return l;
   };
-  for (int cut : {1, 2, 63, 64, 65, 130, 199}) {
+  for (int cut : {1, 2, 27, 28, 29, 93, 162}) {
     std::vector<float> shown[2], end[2];
     for (int one_pass : {0, 1}) {
       m->set_cut_in_one_pass(one_pass == 1);
       auto st = m->new_state(256);
-      FeedEntry e{st.get(), ids, nullptr};
+      m->forward(*st, history, scratch, false);
+      FeedEntry e{st.get(), piece, nullptr};
       e.cut = size_t(cut);
       int calls = 0;
       e.on_cut = [&](const SequenceState& at) {
         ++calls;
-        EXPECT_EQ(at.n_tokens(), cut);
+        EXPECT_EQ(at.n_tokens(), before + cut);
         shown[one_pass] = continue_from(at);
       };
       m->feed_batch(std::span<const FeedEntry>(&e, 1));
@@ -217,7 +223,7 @@ TEST_P(Golden, CutInOnePass) {
       end[one_pass] = continue_from(*st);
     }
     m->set_cut_in_one_pass(false);
-    const std::string at = GetParam() + " cut " + std::to_string(cut);
+    const std::string at = GetParam() + " cut " + std::to_string(before + cut);
     expect_logits(shown[1], shown[0], V, at + ": from the cut");
     expect_logits(end[1], end[0], V, at + ": from the end");
   }

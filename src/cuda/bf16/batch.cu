@@ -249,11 +249,16 @@ void CudaModel::feed_batch(std::span<const FeedEntry> entries) {
     limits.push_back(rs ? rs->limit() : int(V));
   }
   int rows = int(dec.size());
-  // Prompt pieces, each as feeding it alone would run it; the last row's logits (and for the
-  // plan's samplers its argmax) moved to a row of its own.
-  for (size_t i = 0; i < entries.size(); ++i) {
+  // Prompt pieces, each as feeding it alone would run it: each leaves its last row's logits in
+  // row 0, moved to a row of its own (and for the plan's samplers its argmax taken) at once. Row
+  // 0 is the first decode row's, written after every piece; in a step without decode rows it is
+  // the last choosing piece's, so that piece is fed last (no later piece overwrites its logits).
+  size_t keeps_row0 = entries.size();
+  if (dec.empty())
+    for (size_t i = 0; i < entries.size(); ++i)
+      if (entries[i].sampler) keeps_row0 = i;
+  auto feed_piece = [&](size_t i) {
     const FeedEntry& e = entries[i];
-    if (decode_row(e)) continue;
     auto& st = dynamic_cast<CudaState&>(*e.state);
     check_ids(st, e.ids);
     if (e.cut && cut_in_one_pass_) {
@@ -267,9 +272,9 @@ void CudaModel::feed_batch(std::span<const FeedEntry> entries) {
       }
       feed_device(st, ids, false);
     }
-    if (!e.sampler) continue;
-    TANSY_CHECK(rows < std::max(kLogitRows, kMaxBatch), "feed_batch: more rows than the batch logits hold");
-    const int r = rows++;
+    if (!e.sampler) return;
+    const int r = i == keeps_row0 ? 0 : rows++;
+    TANSY_CHECK(r < std::max(kLogitRows, kMaxBatch), "feed_batch: more rows than the batch logits hold");
     row_of[i] = r;
     if (r > 0)
       CUDA_CHECK(cudaMemcpyAsync(d_logits_.get() + size_t(r) * V, d_logits_.get(), sizeof(float) * V,
@@ -277,7 +282,11 @@ void CudaModel::feed_batch(std::span<const FeedEntry> entries) {
     if (auto* rs = dynamic_cast<CudaRowSampler*>(e.sampler))
       argmax(d_logits_.get() + size_t(r) * V, rs->limit(), d_argmax_.get(), d_rows_tok_.get() + r, nullptr,
              nullptr, stream_);
-  }
+  };
+  if (keeps_row0 < entries.size()) rows = 1;
+  for (size_t i = 0; i < entries.size(); ++i)
+    if (!decode_row(entries[i]) && i != keeps_row0) feed_piece(i);
+  if (keeps_row0 < entries.size()) feed_piece(keeps_row0);
   if (!dec.empty()) {
     CUDA_CHECK(cudaMemcpyAsync(d_ids_.get(), h_rows_ids_, sizeof(int32_t) * dec.size(),
                                cudaMemcpyHostToDevice, stream_));

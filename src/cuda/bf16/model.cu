@@ -256,7 +256,9 @@ void CudaModel::feed_cut_in_one_pass(const FeedEntry& e,
     CUDA_CHECK(cudaStreamSynchronize(stream_));  // the old one may still be read
     cut_state_ = make_state(st.max_tokens, false);
   }
-  cut_ = Cut{cut_state_.get(), st.n + int(e.cut)};
+  const int at = st.n + int(e.cut);
+  cut_ = Cut{cut_state_.get(), at};
+  cut_state_->n = -1;  // run_chunk sets it when it writes the state at the cut
   try {
     feed(e.ids);
   } catch (...) {
@@ -264,6 +266,7 @@ void CudaModel::feed_cut_in_one_pass(const FeedEntry& e,
     throw;
   }
   cut_ = Cut{};
+  TANSY_CHECK(cut_state_->n == at, "feed_batch: the feed did not write the state at its cut {}", at);
   e.on_cut(*cut_state_);  // its copy is enqueued after the feed's writes, before the next feed's
 }
 

@@ -182,7 +182,9 @@ class CudaModel final : public Model, public StageProfiler {
   // split at the cut, the conv windows, GDN states, keys and values there copied into a scratch
   // state that on_cut is shown) instead of Model::feed_batch's two passes. Off until
   // Golden.CutInOnePass (tests/gpu/test_model.cu) has passed on the H200 and the cold request's
-  // time with the cache on and off is measured (docs/PERFORMANCE.md, change log).
+  // time with the cache on and off is measured (docs/PERFORMANCE.md, change log). Before it is
+  // on in the product, the engine's pool must count the scratch state (one state of the fed
+  // state's capacity, made on first use), which it does not yet.
   void set_cut_in_one_pass(bool on) { cut_in_one_pass_ = on; }
   const float* batch_logits(int row) const { return d_logits_.get() + size_t(row) * cfg_.vocab_size; }
   // The greedy token of batch row `row` once the stream is done with the step.
