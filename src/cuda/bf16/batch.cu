@@ -212,18 +212,16 @@ static bool decode_row(const FeedEntry& e) {
 }
 
 void CudaModel::feed_batch(std::span<const FeedEntry> entries) {
-  const auto feed_alone = [this](const FeedEntry& e) {
-    return [this, &e](std::span<const int32_t> ids) {
-      if (e.sampler)
-        e.sampler->feed(*e.state, ids);
-      else
-        feed_device(dynamic_cast<CudaState&>(*e.state), ids, false);
-    };
-  };
   if (entries.size() <= 1 || !batch_ok_ || trace_ || route_trace_) {
     if (entries.size() == 1 && entries[0].cut && cut_in_one_pass_ && !trace_ && !route_trace_) {
       check_batch(entries);
-      return feed_cut_in_one_pass(entries[0], feed_alone(entries[0]));
+      const FeedEntry& e = entries[0];
+      return feed_cut_in_one_pass(e, [&](std::span<const int32_t> ids) {
+        if (e.sampler)
+          e.sampler->feed(*e.state, ids);
+        else
+          feed_device(dynamic_cast<CudaState&>(*e.state), ids, false);
+      });
     }
     return Model::feed_batch(entries);
   }

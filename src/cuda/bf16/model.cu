@@ -234,16 +234,8 @@ void CudaModel::run_chunk(CudaState& st, int m) {
   const bool inside = cut_.dst && cut_.at > st.n && cut_.at < st.n + m;
   run_layers(st, d_ids_.get(), m, tc_prefill_ && m > 1, inside ? cut_.at - st.n : 0);
   if (inside) {  // the keys and values before the cut: later tokens do not change them
-    CudaState& D = *cut_.dst;
-    const size_t kv = size_t(cut_.at) * cfg_.kv_dim() * sizeof(bf16);
-    for (size_t i = 0; i < st.layers.size(); ++i)
-      if (st.layers[i].K.size()) {
-        CUDA_CHECK(cudaMemcpyAsync(D.layers[i].K.get(), st.layers[i].K.get(), kv, cudaMemcpyDeviceToDevice,
-                                   stream_));
-        CUDA_CHECK(cudaMemcpyAsync(D.layers[i].V.get(), st.layers[i].V.get(), kv, cudaMemcpyDeviceToDevice,
-                                   stream_));
-      }
-    D.n = cut_.at;
+    copy_keys(st, *cut_.dst, cut_.at);
+    cut_.dst->n = cut_.at;
   }
   st.n += m;
   if (cut_.dst && cut_.at == st.n) copy_state(st, *cut_.dst);  // the cut at the chunk's end

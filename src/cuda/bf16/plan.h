@@ -242,6 +242,8 @@ class CudaModel final : public Model, public StageProfiler {
   }
 
   void capture_decode_graph(CudaState& st);
+  // Enqueues the copy of the keys and values of a's first n tokens into b (copy_state, cuts).
+  void copy_keys(const CudaState& a, CudaState& b, int n);
 
   // Feeds the m ids in d_ids_ (host state advanced here); with cut_ set and its position in
   // this chunk, also writes the state there into cut_.dst.

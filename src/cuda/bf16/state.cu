@@ -51,6 +51,19 @@ std::unique_ptr<SequenceState> CudaModel::clone_state(const SequenceState& src) 
   return s;
 }
 
+// The keys and values of the first n tokens (attention reads positions < n only).
+void CudaModel::copy_keys(const CudaState& a, CudaState& b, int n) {
+  const size_t kv = size_t(n) * cfg_.kv_dim() * sizeof(bf16);
+  if (!kv) return;
+  for (size_t i = 0; i < a.layers.size(); ++i)
+    if (a.layers[i].K.size()) {
+      CUDA_CHECK(
+          cudaMemcpyAsync(b.layers[i].K.get(), a.layers[i].K.get(), kv, cudaMemcpyDeviceToDevice, stream_));
+      CUDA_CHECK(
+          cudaMemcpyAsync(b.layers[i].V.get(), a.layers[i].V.get(), kv, cudaMemcpyDeviceToDevice, stream_));
+    }
+}
+
 // No host synchronisation: every use of either state is enqueued on stream_, after these copies,
 // so src cannot change and dst cannot be read before they are done (and a state freed meanwhile
 // waits for them: cudaFree synchronises the device).
@@ -61,15 +74,10 @@ bool CudaModel::copy_state(const SequenceState& src, SequenceState& dst) {
   if (&a == &b) return true;
   b.n = a.n;
   CUDA_CHECK(cudaMemcpyAsync(b.pos.get(), a.pos.get(), sizeof(int), cudaMemcpyDeviceToDevice, stream_));
+  copy_keys(a, b, a.n);
   for (size_t i = 0; i < a.layers.size(); ++i) {
     const auto& A = a.layers[i];
     auto& B = b.layers[i];
-    // The keys and values of the tokens held: attention reads positions < n only.
-    const size_t kv = size_t(a.n) * cfg_.kv_dim() * sizeof(bf16);
-    if (A.K.size() && kv) {
-      CUDA_CHECK(cudaMemcpyAsync(B.K.get(), A.K.get(), kv, cudaMemcpyDeviceToDevice, stream_));
-      CUDA_CHECK(cudaMemcpyAsync(B.V.get(), A.V.get(), kv, cudaMemcpyDeviceToDevice, stream_));
-    }
     if (A.S.size()) {
       CUDA_CHECK(cudaMemcpyAsync(B.window.get(), A.window.get(), A.window.bytes(), cudaMemcpyDeviceToDevice,
                                  stream_));
