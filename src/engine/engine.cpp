@@ -143,18 +143,20 @@ Engine::Engine(std::unique_ptr<Model> model, Tokenizer tokenizer, const EngineOp
   n_real_ = size_t(std::min(model_->config().vocab_size, tok_.vocab_size()));
   // The pool: the states that fit in what the backend has free (a tenth of it, at least 1 GiB,
   // kept for everything else it allocates later), less one for the clone a cache hit or a
-  // snapshot holds for a moment beside the pool when no spare takes the copy.
+  // snapshot holds for a moment beside the pool when no spare takes the copy, and less the
+  // backend's own scratch states.
   state_bytes_ = std::max<size_t>(1, model_->state_bytes(opt_.max_seq));
   size_t fit = std::numeric_limits<size_t>::max();
   if (auto free = model_->free_state_memory()) {
     const size_t keep = std::max<size_t>(*free / 10, size_t(1) << 30);
+    const size_t held = 1 + size_t(std::max(0, model_->scratch_states()));
     fit = *free > keep ? (*free - keep) / state_bytes_ : 0;
-    if (fit < 2)
+    if (fit < 1 + held)
       fail(
           "not enough memory for a sequence of {} tokens: a state takes {:.1f} MiB and {:.1f} MiB are free "
           "(lower --max-seq)",
           opt_.max_seq, double(state_bytes_) / (1 << 20), double(*free) / (1 << 20));
-    fit -= 1;
+    fit -= held;
   }
   run_cap_ = int(std::min<size_t>({size_t(opt_.max_running), size_t(model_->max_batch()), fit}));
   // At most: every running sequence, a full cache and one spare; a second spare (kSpares) has

@@ -137,6 +137,10 @@ class Model {
   // now (nullopt: the backend does not know). The engine sizes its pool of states from them.
   virtual size_t state_bytes(int max_tokens) const = 0;
   virtual std::optional<size_t> free_state_memory() const { return std::nullopt; }
+  // States the backend makes for itself beside the ones it is given (each at most state_bytes of
+  // the fed states' capacity), which the engine keeps room for in its pool: the bf16 plan's
+  // scratch state for a cut computed in the piece's one pass.
+  virtual int scratch_states() const { return 0; }
 
   // A sampler choosing the argmax over [0, limit) (ties to the lower id), the reference Sampler's
   // greedy rule: through greedy_step for a backend that feeds one sequence at a time (on CUDA the

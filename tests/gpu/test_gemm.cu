@@ -174,7 +174,9 @@ void epilogue_cases() {
        {GemmCase{WFormat::kAffine4, 1024, 2048, 100, "expert gate|up"},
         GemmCase{WFormat::kAffine4, 1024, 2048, 300, "shared gate|up"},
         GemmCase{WFormat::kAffine8, 64, 256, 5, "8-bit"}, GemmCase{WFormat::kBF16, 256, 128, 70, "bf16"},
-        GemmCase{WFormat::kAffine4, 4224, 128, 1030, "128-row tiles"}}) {
+        GemmCase{WFormat::kAffine4, 4224, 128, 1030, "128-row tiles"},
+        // 256-row tiles under the automatic rule (15 x 16 tiles, the last one 16 rows short)
+        GemmCase{WFormat::kAffine4, 2048, 256, 3824, "256-row tiles"}}) {
     TestMatrix W = make_matrix(c.fmt, c.out, c.in);
     auto x = randn(size_t(c.n) * c.in);
     round_bf16_inplace(x);

@@ -180,11 +180,17 @@ TEST_P(Golden, SplitInvariance) {
   EXPECT_THROW(m->copy_state(*a, *wider), Error) << "a destination of another capacity";
 }
 
-// A FeedEntry's cut computed in the piece's one pass (set_cut_in_one_pass) against
-// Model::feed_batch's two passes: the state shown at the cut and the state at the piece's end
-// continue (three tokens fed after a clone) like theirs within the plan's tolerance. The piece
-// follows 37 tokens already fed (conv windows and keys from before it), its cuts 1 and 2 tokens in
-// (windows partly from before the piece), at the edges of GDN chunks of 64 and one token from its end.
+// A FeedEntry's cut computed in the piece's one pass (set_cut_in_one_pass) and in
+// Model::feed_batch's two passes, each against a plain feed on the same kernels: the state shown
+// at the cut and the state at the piece's end continue (three tokens fed after a clone) like the
+// states of a feed without a cut, within the plan's tolerance. The reference for the state at the
+// cut feeds its last tokens as a piece of at least two (the tensor-core prefill, as the one pass
+// computes them): a one-token piece runs the decode step's kernels, whose bf16 rounding can flip a
+// near-tied expert of the tiny random checkpoints (measured on the H200: 4-bit golden, cut one
+// token in, 0.072 of the largest logit against the CPU where both prefill paths were 0.008). The
+// two-pass path is compared only where its first pass is such a piece. The piece follows 37 tokens
+// already fed (conv windows and keys from before it), its cuts 1 and 2 tokens in (windows partly
+// from before the piece), at the edges of GDN chunks of 64 and one token from its end.
 TEST_P(Golden, CutInOnePass) {
   const fs::path dir = goldens_dir() / GetParam();
   auto owned = open_cuda(dir, cuda::PrefillKernels::kTensorCore);
@@ -193,8 +199,7 @@ TEST_P(Golden, CutInOnePass) {
   const auto ids = read_bin<int32_t>(dir / "seq200.ids");
   const int V = m->config().vocab_size;
   const int before = 37;
-  const std::span<const int32_t> history = std::span<const int32_t>(ids).first(before),
-                                 piece = std::span<const int32_t>(ids).subspan(before);
+  const std::span<const int32_t> all(ids), history = all.first(before), piece = all.subspan(before);
   const std::vector<int32_t> more = {ids[3], ids[7], ids[11]};
   std::vector<float> scratch(static_cast<size_t>(V));
   auto continue_from = [&](const SequenceState& s) {
@@ -203,29 +208,39 @@ TEST_P(Golden, CutInOnePass) {
     m->forward(*c, more, l, true);
     return l;
   };
+  m->set_cut_in_one_pass(false);
+  // the state after ids [0, n) fed as [0, before - 1) and [before - 1, n): no cut, no one-token piece
+  auto reference = [&](size_t n) {
+    auto st = m->new_state(256);
+    m->forward(*st, all.first(before - 1), scratch, false);
+    m->forward(*st, all.subspan(before - 1, n - (before - 1)), scratch, false);
+    return continue_from(*st);
+  };
+  const auto ref_end = reference(ids.size());
   for (int cut : {1, 2, 27, 28, 29, 93, 162}) {
-    std::vector<float> shown[2], end[2];
-    for (int one_pass : {0, 1}) {
+    const auto ref_cut = reference(size_t(before + cut));
+    for (int one_pass : {1, 0}) {
       m->set_cut_in_one_pass(one_pass == 1);
       auto st = m->new_state(256);
       m->forward(*st, history, scratch, false);
       FeedEntry e{st.get(), piece, nullptr};
       e.cut = size_t(cut);
       int calls = 0;
+      std::vector<float> shown;
       e.on_cut = [&](const SequenceState& at) {
         ++calls;
         EXPECT_EQ(at.n_tokens(), before + cut);
-        shown[one_pass] = continue_from(at);
+        shown = continue_from(at);
       };
       m->feed_batch(std::span<const FeedEntry>(&e, 1));
+      m->set_cut_in_one_pass(false);
       EXPECT_EQ(calls, 1);
       EXPECT_EQ(st->n_tokens(), int(ids.size()));
-      end[one_pass] = continue_from(*st);
+      const std::string at =
+          GetParam() + (one_pass ? " one pass" : " two passes") + ", cut " + std::to_string(before + cut);
+      if (one_pass || cut >= 2) expect_logits(shown, ref_cut, V, at + ": from the cut");
+      expect_logits(continue_from(*st), ref_end, V, at + ": from the end");
     }
-    m->set_cut_in_one_pass(false);
-    const std::string at = GetParam() + " cut " + std::to_string(before + cut);
-    expect_logits(shown[1], shown[0], V, at + ": from the cut");
-    expect_logits(end[1], end[0], V, at + ": from the end");
   }
 }
 

@@ -91,6 +91,8 @@ class FakeModel : public Model {
   size_t state_bytes(int n) const override { return size_t(n) * 4; }
   std::optional<size_t> free_state_memory() const override { return free_bytes; }
   std::optional<size_t> free_bytes;  // what the engine sizes its pool from (nullopt: unknown)
+  int scratch_states() const override { return scratch; }
+  int scratch = 0;  // states the backend makes for itself, which the pool leaves room for
   int max_batch() const override { return batch; }
   int batch = 1;  // > 1: Model's default forward_batch (each piece alone), host samplers
   std::unique_ptr<SequenceState> new_state(int max_tokens) override {
@@ -792,6 +794,26 @@ TEST(Engine, ThePoolBoundsTheStatesAndTheCacheGivesWay) {
   auto small = std::make_unique<FakeModel>();
   small->free_bytes = size_t(1) << 30;
   EXPECT_THROW(Engine(std::move(small), synth_tokenizer(), o), tansy::Error);
+}
+
+// A backend's own scratch states (the bf16 plan's state for a cut computed in one pass) come out of
+// the pool: the same memory holds one state fewer for requests and the cache, and memory for the
+// copy and the scratch alone is a startup error.
+TEST(Engine, ThePoolLeavesRoomForTheBackendsScratchStates) {
+  EngineOptions o;
+  o.max_seq = 1024;
+  o.prefix_cache_entries = 8;
+  o.max_running = 2;
+  auto m = std::make_unique<FakeModel>();
+  m->free_bytes = (size_t(1) << 30) + 5 * 4096;
+  m->scratch = 1;
+  m->batch = 4;
+  Engine e(std::move(m), synth_tokenizer(), o);
+  EXPECT_EQ(e.pool_states(), 3u);
+  auto two = std::make_unique<FakeModel>();
+  two->free_bytes = (size_t(1) << 30) + 2 * 4096;
+  two->scratch = 1;
+  EXPECT_THROW(Engine(std::move(two), synth_tokenizer(), o), tansy::Error);
 }
 
 // With the prefix cache on, once the spares exist a request's path makes no state: a cold request

@@ -30,8 +30,8 @@ group() {
 }
 
 nvidia-smi -L 2>&1 | tee "$OUT/log"
-group kernels 45 "$T" --gtest_filter='Matvec.*:Gemm.*:Attention.*:Gdn.*:Moe.*:Norm.*:Head.*'
-group models 45 "$T" --gtest_filter='*Golden*:ModelErrors.*'
+group kernels 150 "$T" --gtest_filter='Matvec.*:Gemm.*:Attention.*:Gdn.*:Moe.*:Norm.*:Head.*'
+group models 90 "$T" --gtest_filter='*Golden*:ModelErrors.*'
 group synthetic_timing 100 env TANSY_SYNTH_DIR=/dev/shm/synth "$T" --gtest_filter='Synthetic.Timing'
 group synthetic_cuda_vs_cpu 60 env TANSY_SYNTH_DIR=/dev/shm/synth "$T" --gtest_filter='Synthetic.CudaVsCpu*'
 # batch invariance of the batched decode step (continuous batching) against each sequence alone

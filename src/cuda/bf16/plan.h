@@ -180,11 +180,11 @@ class CudaModel final : public Model, public StageProfiler {
   void feed_batch(std::span<const FeedEntry> entries) override;
   // A FeedEntry's cut computed in the piece's one pass (the GDN delta rule run in two segments
   // split at the cut, the conv windows, GDN states, keys and values there copied into a scratch
-  // state that on_cut is shown) instead of Model::feed_batch's two passes. Off until
-  // Golden.CutInOnePass (tests/gpu/test_model.cu) has passed on the H200 and the cold request's
-  // time with the cache on and off is measured (docs/PERFORMANCE.md, change log). Before it is
-  // on in the product, the engine's pool must count the scratch state (one state of the fed
-  // state's capacity, made on first use), which it does not yet.
+  // state that on_cut is shown) instead of Model::feed_batch's two passes; on by default
+  // (Golden.CutInOnePass, tests/gpu/test_model.cu). The scratch state (one of the fed state's
+  // capacity, made on first use) is counted by scratch_states, so the engine's pool leaves room
+  // for it. Off: the two passes (the tests' reference).
+  int scratch_states() const override { return cut_in_one_pass_ ? 1 : 0; }
   void set_cut_in_one_pass(bool on) { cut_in_one_pass_ = on; }
   const float* batch_logits(int row) const { return d_logits_.get() + size_t(row) * cfg_.vocab_size; }
   // The greedy token of batch row `row` once the stream is done with the step.
@@ -340,7 +340,7 @@ class CudaModel final : public Model, public StageProfiler {
   };
   Cut cut_;
   std::unique_ptr<CudaState> cut_state_;  // cut_.dst: made on first use, at the fed state's capacity
-  bool cut_in_one_pass_ = false;
+  bool cut_in_one_pass_ = true;
   bool head_fused_ = true;  // decode ends with lm_head_argmax (4-bit lm_heads)
   bool step_ok_ = false;    // decode runs the persistent step (plan_decode_step)
   std::string step_why_;    // why not, when it does not
