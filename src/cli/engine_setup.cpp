@@ -80,7 +80,12 @@ LoadedEngine load_engine(const Flags& flags) {
   EngineOptions eo;
   const int max_pos = model->config().max_position;
   eo.max_seq = int(flags.get_int("max-seq", std::min(max_pos, 32768), 2, max_pos));
-  eo.prefix_cache_entries = size_t(flags.get_int("prefix-cache", long(eo.prefix_cache_entries), 0, 64));
+  // auto (the default): as many states as the pool's memory holds (EngineOptions); N: at most N
+  if (const std::string pc = flags.get("prefix-cache", "auto"); pc != "auto") {
+    if (pc.empty() || pc.find_first_not_of("0123456789") != std::string::npos)
+      fail("--prefix-cache expects auto or a number of states, got '{}'", pc);
+    eo.prefix_cache_entries = size_t(flags.get_int("prefix-cache", 0, 0, 65536));
+  }
   // CUDA prefills a whole 4,096-token chunk at tensor-core speed (~0.17 s on an H200); smaller
   // pieces would re-read every expert's weights per piece. The CPU keeps short pieces, so that
   // cancellation stays prompt.

@@ -131,7 +131,7 @@ struct Engine::Seq {
 };
 
 Engine::Engine(std::unique_ptr<Model> model, Tokenizer tokenizer, const EngineOptions& opt)
-    : model_(std::move(model)), tok_(std::move(tokenizer)), opt_(opt), cache_(opt.prefix_cache_entries) {
+    : model_(std::move(model)), tok_(std::move(tokenizer)), opt_(opt), cache_(0) {
   TANSY_CHECK(opt_.max_seq >= 2, "max_seq must be at least 2");
   TANSY_CHECK(opt_.prefill_chunk >= 1, "prefill_chunk must be positive");
   TANSY_CHECK(opt_.max_running >= 1, "max_running must be at least 1");
@@ -159,9 +159,19 @@ Engine::Engine(std::unique_ptr<Model> model, Tokenizer tokenizer, const EngineOp
     fit -= held;
   }
   run_cap_ = int(std::min<size_t>({size_t(opt_.max_running), size_t(model_->max_batch()), fit}));
+  // The cache's capacity: the number asked for; by default (kPrefixCacheAuto) every state the
+  // device's memory holds but one, since the cache gives way (make_room) whenever a request or a
+  // snapshot needs a state; kPrefixCacheWithoutMemory when the states live in host memory (shared
+  // with everything else) or the backend does not know its memory.
+  size_t cache_cap = opt_.prefix_cache_entries;
+  if (cache_cap == kPrefixCacheAuto)
+    cache_cap = model_->states_on_device() && fit != std::numeric_limits<size_t>::max()
+                    ? fit - 1
+                    : kPrefixCacheWithoutMemory;
+  cache_.set_capacity(cache_cap);
   // At most: every running sequence, a full cache and one spare; a second spare (kSpares) has
   // room while fewer than run_cap sequences run or the cache is not full.
-  pool_states_ = std::min(fit, size_t(run_cap_) + opt_.prefix_cache_entries + 1);
+  pool_states_ = std::min(fit, size_t(run_cap_) + cache_cap + 1);
   spares_.reserve(kSpares);
   make_spares();
   thread_ = std::thread([this] { loop(); });

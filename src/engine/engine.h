@@ -27,9 +27,16 @@
 
 namespace tansy {
 
+// EngineOptions::prefix_cache_entries: as many states as the device's memory allows (see Engine's
+// pool) when the states live on a GPU (Model::states_on_device) whose free memory the backend
+// knows; else kPrefixCacheWithoutMemory.
+inline constexpr size_t kPrefixCacheAuto = ~size_t(0);
+inline constexpr size_t kPrefixCacheWithoutMemory = 4;
+
 struct EngineOptions {
   int max_seq = 32768;  // tokens per sequence (prompt + generated)
-  size_t prefix_cache_entries = 4;
+  // States the prefix cache keeps at most (0: off), or kPrefixCacheAuto.
+  size_t prefix_cache_entries = kPrefixCacheAuto;
   // Prompt tokens fed per step, over all the sequences being prefilled (decoding sequences feed
   // their token besides): a long prompt is cut into pieces, so that it does not stall the
   // others' tokens, and cancellation is checked between them.

@@ -44,6 +44,8 @@ class PrefixCache {
   std::unique_ptr<SequenceState> pop_lru();
 
   size_t capacity() const { return capacity_; }
+  // Before the first insert (the engine sizes the cache once it knows its pool).
+  void set_capacity(size_t capacity) { capacity_ = capacity; }
   size_t size() const { return entries_.size(); }
   uint64_t hits() const { return hits_; }
   uint64_t misses() const { return misses_; }

@@ -141,6 +141,10 @@ class Model {
   // the fed states' capacity), which the engine keeps room for in its pool: the bf16 plan's
   // scratch state for a cut computed in the piece's one pass.
   virtual int scratch_states() const { return 0; }
+  // True when the states live in memory of their own (a GPU's), which the prefix cache may then
+  // fill by default (EngineOptions::prefix_cache_entries); host memory is shared with the rest of
+  // the machine.
+  virtual bool states_on_device() const { return false; }
 
   // A sampler choosing the argmax over [0, limit) (ties to the lower id), the reference Sampler's
   // greedy rule: through greedy_step for a backend that feeds one sequence at a time (on CUDA the

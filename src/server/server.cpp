@@ -927,9 +927,10 @@ void Server::run() {
   const int port = s.http.bind_exclusive(s.opt.host, s.opt.port);
   log_line(fmt::format(
       "tansy serve: listening on http://{}:{} (model '{}', {} backend, context {} tokens, prefix cache "
-      "{} entries, queue {})",
+      "{} entries{}, queue {})",
       s.opt.host, port, s.opt.model_id, s.engine.model().backend_plan(), s.engine.options().max_seq,
-      s.engine.options().prefix_cache_entries, s.opt.max_queue));
+      s.engine.cache_stats().capacity,
+      s.engine.options().prefix_cache_entries == kPrefixCacheAuto ? " (auto)" : "", s.opt.max_queue));
   log_line("tansy serve: " + s.engine.describe_capacity());
   log_line("tansy serve: sampling defaults: " + s.opt.defaults_source);
   const ConnectionLimits& l = s.opt.limits;

@@ -93,6 +93,8 @@ class FakeModel : public Model {
   std::optional<size_t> free_bytes;  // what the engine sizes its pool from (nullopt: unknown)
   int scratch_states() const override { return scratch; }
   int scratch = 0;  // states the backend makes for itself, which the pool leaves room for
+  bool states_on_device() const override { return on_device; }
+  bool on_device = false;  // true: the states in memory of their own (the cache fills it by default)
   int max_batch() const override { return batch; }
   int batch = 1;  // > 1: Model's default forward_batch (each piece alone), host samplers
   std::unique_ptr<SequenceState> new_state(int max_tokens) override {
@@ -796,6 +798,70 @@ TEST(Engine, ThePoolBoundsTheStatesAndTheCacheGivesWay) {
   EXPECT_THROW(Engine(std::move(small), synth_tokenizer(), o), tansy::Error);
 }
 
+// The default cache capacity (kPrefixCacheAuto) is every state the device memory holds but one; the
+// cache gives way to requests, so conversations beyond it stay exact and the states held never
+// exceed the pool. States in host memory, or of unknown memory, get kPrefixCacheWithoutMemory.
+TEST(Engine, TheCacheByDefaultHoldsWhatMemoryAllows) {
+  EngineOptions o;
+  o.max_seq = 1024;
+  o.prefill_chunk = 7;
+  o.max_running = 2;
+  ASSERT_EQ(o.prefix_cache_entries, tansy::kPrefixCacheAuto);
+  {
+    auto m = std::make_unique<FakeModel>();
+    m->free_bytes = (size_t(1) << 30) + 10 * 4096;  // 10 states: 9 in the pool, 1 for a copy
+    m->on_device = true;
+    m->batch = 4;
+    Engine e(std::move(m), synth_tokenizer(), o);
+    EXPECT_EQ(e.pool_states(), 9u);
+    EXPECT_EQ(e.cache_stats().capacity, 8u);
+    PeakStates peak(e);
+    // 12 conversations of two turns, 3 at a time: their first turns fill the cache past what the
+    // pool holds beside the running requests; their second turns, the latest conversations first,
+    // hit it or not.
+    std::vector<std::vector<int32_t>> prompts;
+    for (int c = 0; c < 12; ++c) prompts.push_back(prompt_of(20 + c, 70 + c));
+    for (int turn = 0; turn < 2; ++turn)
+      for (int c0 = 0; c0 < 12; c0 += 3) {
+        std::vector<std::vector<int32_t>> p(3);
+        std::vector<int> cut(3);
+        for (int j = 0; j < 3; ++j) {
+          const int c = turn == 0 ? c0 + j : 11 - (c0 + j);
+          p[size_t(j)] = prompts[size_t(c)];
+          cut[size_t(j)] = int(p[size_t(j)].size()) - 1;
+          if (turn == 1) p[size_t(j)].insert(p[size_t(j)].end(), {5, 6, 7, 8});
+        }
+        std::vector<std::thread> th;
+        std::vector<std::vector<int32_t>> got(3);
+        for (int j = 0; j < 3; ++j)
+          th.emplace_back([&, j] {
+            GenRequest r = greedy_request(p[size_t(j)], 5);
+            r.ignore_eos = true;
+            r.cache_cut = cut[size_t(j)];
+            e.generate(r, [&](const GenStep& s) {
+              if (s.token >= 0) got[size_t(j)].push_back(s.token);
+              return true;
+            });
+          });
+        for (auto& t : th) t.join();
+        for (int j = 0; j < 3; ++j) EXPECT_EQ(got[size_t(j)], oracle(p[size_t(j)], 5)) << "turn " << turn;
+      }
+    EXPECT_LE(peak.stop(), 9u);
+    const auto cs = e.cache_stats();
+    EXPECT_GT(cs.hits, 0u);
+    EXPECT_GT(cs.evictions, 0u) << "12 conversations' states offered to a cache of 8";
+    EXPECT_LE(cs.entries, 8u);
+  }
+  auto unknown = std::make_unique<FakeModel>();  // free_state_memory: nullopt
+  unknown->on_device = true;
+  Engine e(std::move(unknown), synth_tokenizer(), o);
+  EXPECT_EQ(e.cache_stats().capacity, tansy::kPrefixCacheWithoutMemory);
+  auto host = std::make_unique<FakeModel>();  // memory known, but the host's
+  host->free_bytes = (size_t(1) << 30) + 100 * 4096;
+  Engine eh(std::move(host), synth_tokenizer(), o);
+  EXPECT_EQ(eh.cache_stats().capacity, tansy::kPrefixCacheWithoutMemory);
+}
+
 // A backend's own scratch states (the bf16 plan's state for a cut computed in one pass) come out of
 // the pool: the same memory holds one state fewer for requests and the cache, and memory for the
 // copy and the scratch alone is a startup error.
@@ -930,6 +996,7 @@ TEST(Engine, ThrowingCallersFailingCopiesTightPoolsAndShutdown) {
     EngineOptions o;
     o.max_seq = 1024;
     o.prefill_chunk = 7;
+    o.prefix_cache_entries = 4;  // more than the pool holds
     Engine e(std::move(m), synth_tokenizer(), o);
     EXPECT_EQ(e.pool_states(), 1u);
     for (int k = 0; k < 3; ++k) {

@@ -34,7 +34,7 @@
 # runs last on the same server: a 4,096-token prefix, turns of +64, +256, +1,024 tokens, 16 new
 # tokens each, MULTITURN_ROUNDS (3) conversations, into multiturn.json. Its share is MULTITURN_CAP
 # (default 90 s), added to the server step's time (and reserved from tansy bench's). The server's
-# --prefix-cache 0 makes it the cache-off side (cold TTFT, no turn cached); SERVER_ARGS="--prefix-cache 4"
+# --prefix-cache 0 makes it the cache-off side (cold TTFT, no turn cached); SERVER_ARGS="--prefix-cache auto"
 # (the server's default) gives the cache-on side. The JSON's label records SERVER_ARGS.
 # The server gets --max-queue and --max-connections-per-client above the largest level (its
 # defaults, 16 and 64, would answer 503 at 64), before SERVER_ARGS, which may override them.

@@ -132,6 +132,7 @@ class CudaModel final : public Model, public StageProfiler {
   std::unique_ptr<SequenceState> new_state(int max_tokens) override { return make_state(max_tokens, true); }
   // CudaState: bf16 keys, values and conv windows, the f32 recurrent state.
   size_t state_bytes(int max_tokens) const override { return state_bytes_of(cfg_, max_tokens, 2, 2, 4); }
+  bool states_on_device() const override { return true; }
   std::optional<size_t> free_state_memory() const override {
     size_t free = 0, total = 0;
     CUDA_CHECK(cudaMemGetInfo(&free, &total));

@@ -145,6 +145,7 @@ class F32Model final : public Model {
 
   // F32State at its largest (the attention caches grow on demand up to max_tokens).
   size_t state_bytes(int max_tokens) const override { return state_bytes_of(cfg_, max_tokens, 4, 4, 4); }
+  bool states_on_device() const override { return true; }
   std::optional<size_t> free_state_memory() const override {
     size_t free = 0, total = 0;
     CUDA_CHECK(cudaMemGetInfo(&free, &total));
