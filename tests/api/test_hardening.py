@@ -9,9 +9,10 @@ import subprocess
 import threading
 import time
 
+import pytest
 import requests
 
-from api_support import MAX_SEQ, MODEL_ID, TANSY
+from api_support import MAX_SEQ, MODEL_ID, TANSY, ServerProcess
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -502,3 +503,16 @@ def test_connections_per_client_and_in_total_are_bounded(start_server):
     time.sleep(0.5)
     assert health_time(s) < 2
     assert "refused a connection from 127.0.0.2" in s.log_text()
+
+
+def test_prefix_cache_flag(tiny_model, tmp_path, start_server):
+    # auto (the default) and a number are taken, and the startup line says what the cache became
+    # (on the CPU backend auto keeps 4 states: its memory is the host's); anything else is refused.
+    for bad in ("x", "-1", "4.5", "auto4"):
+        with pytest.raises(RuntimeError, match="--prefix-cache expects auto or a number of states"):
+            ServerProcess(tiny_model, str(tmp_path / "bad.log"), "--prefix-cache", bad)
+    for name, extra, line in (("pc-default", (), "prefix cache 4 entries (auto)"),
+                              ("pc-auto", ("--prefix-cache", "auto"), "prefix cache 4 entries (auto)"),
+                              ("pc-3", ("--prefix-cache", "3"), "prefix cache 3 entries,")):
+        s = start_server(name, *extra)
+        assert line in s.log_text()
