@@ -8,6 +8,7 @@
 // unsampled rows are still checked for being written.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <numeric>
 #include <string>
@@ -384,6 +385,35 @@ void check_grouped(const std::string& what, TestMatrix& W, int E, int n, int k, 
   cuda::gemm_impl::set_grouped_wgmma_rows(0);
 }
 
+// The grouped warpgroup kernel's tile size changes which tile holds a row, never the row's sums:
+// the f32 outputs at every forced size and at the automatic per-launch choice are the same bits.
+void expect_same_bits_at_every_size(const TestMatrix& W, int E, int n, int k, const std::vector<int>& idx,
+                                    int in, int out, const std::string& what) {
+  DeviceRouting R;
+  const auto rv = R.view(E, n * k);
+  auto didx = to_device(idx);
+  cuda::moe_route_sort(didx.get(), n, k, E, rv, 0);
+  auto x = randn(size_t(n) * in);
+  round_bf16_inplace(x);
+  auto dx = to_device_bf16(x);
+  DeviceBuffer<float> y(size_t(n) * k * out);
+  auto run = [&](int size) {
+    cuda::gemm_impl::set_grouped_wgmma_rows(size);
+    poison(y);
+    cuda::gemm_grouped(W.dev, E, dx.get(), in, true, n, k, rv,
+                       {y.get(), cuda::GemmOutType::kF32, out, cuda::GemmEpilogue::kStore}, 0);
+    cuda::gemm_impl::set_grouped_wgmma_rows(0);
+    return from_device(y.get(), y.size());
+  };
+  const auto automatic = run(0);
+  ASSERT_TRUE(all_finite(automatic)) << what << ": automatic tiles left rows unwritten or non-finite";
+  for (const int size : cuda::gemm_impl::kGroupedWgmmaRows) {
+    const auto forced = run(size);
+    EXPECT_EQ(0, std::memcmp(forced.data(), automatic.data(), forced.size() * sizeof(float)))
+        << what << " routing: " << size << "-row tiles give other bits than the automatic choice";
+  }
+}
+
 TEST(Gemm, GroupedWgmma) {
   GemmKernelScope scope(cuda::GemmKernel::kWgmmaGrouped);
   constexpr int E = 256, k = 8, H = 2048, I = 512;
@@ -410,6 +440,25 @@ TEST(Gemm, GroupedWgmma) {
     const std::vector<int> check{0, 1, 2, 7, 31, 100, 200, lightest, 128, 254};
     check_grouped("grouped gate|up skewed", GU, E, n, k, idx, true, check, all_sizes);
     check_grouped("grouped down skewed", Dn, E, n, k, idx, false, check, all_sizes);
+    expect_same_bits_at_every_size(GU, E, n, k, idx, H, 2 * I, "skewed");
+  }
+  // Wide counts around the mean of 128 (the synthetic checkpoint's kind: 28-356 rows, where the
+  // kernel's per-launch choice takes 192-row tiles) and Poisson-like ones (144-row tiles).
+  {
+    constexpr int n = 4096;
+    ASSERT_EQ(cuda::gemm_impl::grouped_wgmma_rows(long(n) * k, E), 144);  // the pair 144 | 192
+    for (const double alpha : {0.35, 0.0}) {
+      const auto idx = power_law_routing(n, E, k, alpha);
+      std::vector<int> count(E, 0);
+      for (int e : idx) ++count[size_t(e)];
+      long t144 = 0, t192 = 0;  // the kernel's rule
+      for (int c : count) t144 += (c + 143) / 144, t192 += (c + 191) / 192;
+      const bool wide = alpha > 0;
+      constexpr int ov = cuda::gemm_impl::kGroupedTileOverheadRows;
+      // each side of the choice is met: the wide counts take 192-row tiles, the uniform ones 144
+      EXPECT_EQ(wide, t144 * (144 + ov) > t192 * (192 + ov)) << "alpha " << alpha;
+      expect_same_bits_at_every_size(GU, E, n, k, idx, H, 2 * I, wide ? "wide" : "uniform");
+    }
   }
   // Uniform at 4,096 tokens (the automatic size: one tile per expert) and at a few small counts.
   for (const int n : {4096, 1, 63, 200}) {

@@ -390,11 +390,12 @@ Params make_params(const DevLinear& W, int out, const __nv_bfloat16* X, int64_t 
 // Timing.Gemm at 4,096 tokens (0.504 vs 0.605 ms with uniform routing, 0.603 vs 0.629 skewed; H200,
 // 2026-12-02) and in the model (gate|up stage 24.3 vs 24.7 ms over 40 layers; prefill 45,947 vs
 // 45,677 tok/s). With fewer rows per expert it lost: routed there at every size, prefill fell 12% at
-// 256 tokens and 4% at 2,048 (contract run of 3dd0a35). Its in-model 0.60 ms a layer matches
-// Timing.Gemm's skewed routing (0.603), not its uniform one: its cost follows the tile count (each
-// tile dequantizes its expert's weights again), and the synthetic checkpoint's expert counts per
-// layer have not been measured. down, and gate|up below 128 rows per expert: mma.sync (down 0.359
-// vs 0.401 ms uniform in Timing.Gemm; stage 14.6 vs 18.4 ms in the model).
+// 256 tokens and 4% at 2,048 (contract run of 3dd0a35). Its cost follows the tile count (each tile
+// dequantizes its expert's weights again), so it picks its tile size per launch from the real expert
+// counts (gemm_grouped_wgmma.cu): on the synthetic checkpoint, whose counts spread far wider than
+// uniform routing's (28-356 rows at 4,096 tokens), that is 192 rows, gate|up 24.1 -> 22.4 ms over 40
+// layers (2026-12-04). down, and gate|up below 128 rows per expert: mma.sync (down 0.359 vs 0.391-0.401
+// ms uniform in Timing.Gemm; stage 14.6 vs 18.4 ms in the model).
 GemmKernel grouped_auto(bool gather, long rows, int n_experts) {
   return gather && rows >= 128L * n_experts ? GemmKernel::kWgmmaGrouped : GemmKernel::kMma;
 }

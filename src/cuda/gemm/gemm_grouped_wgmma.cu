@@ -3,15 +3,19 @@
 // Same product and fragment scheme as gemm_wgmma.cu (D[out column][token] = W_e · Xᵀ, the codes
 // dequantized by each lane straight into its wgmma A fragment, X the B operand through a
 // 128-byte-swizzle descriptor, k-tile 64 = one quant group; 2 warpgroups of 64 output columns per
-// block), with what the grouped shapes need (at 4,096 tokens each of 256 experts gets ~117-139 rows):
+// block), with what the grouped shapes need (at 4,096 tokens each of 256 experts gets 128 rows on
+// average: ~90-165 with uniform routing, 28-356 on the synthetic checkpoint):
 //
 // - Tiles sized to the experts: the token dimension is the wgmma N, so a tile of kN rows (64, 96,
-//   128, 144, 192 or 256, picked per launch by grouped_wgmma_rows from the mean rows per expert)
-//   costs kN rows of tensor work. Expert e's c_e rows form ceil(c_e / kN) tiles of balanced size.
-//   At 4,096 tokens kN = 144: one tile per expert (its weights dequantized once), 11% padding; the
-//   first wgmma kernel's 64-row tiles took 2-3 tiles per expert (25% padding, the weights
-//   dequantized 2-3 times, N = 64 wgmmas). kN is a compile-time choice: picking the instruction per
-//   tile at run time makes ptxas serialize the kernel's wgmmas (wgmma.cuh).
+//   128, 144, 192 or 256) costs kN rows of tensor work. Expert e's c_e rows form ceil(c_e / kN)
+//   tiles of balanced size. The host picks a pair of sizes from the mean rows per expert
+//   (choose_rows), the kernel one of the two from the launch's real counts
+//   (gemm_grouped_wgmma_pair_kernel): at 4,096 tokens 144 (one tile per expert under uniform
+//   routing, 11% padding) or 192 (the wider counts of real routers, 18% fewer tiles). The first
+//   wgmma kernel's 64-row tiles took 2-3 tiles per expert (25% padding, the weights dequantized 2-3
+//   times, N = 64 wgmmas). kN is a compile-time choice: picking the instruction per tile at run time
+//   makes ptxas serialize the kernel's wgmmas (wgmma.cuh); the pair kernel holds one whole copy of
+//   the body per size, chosen once per block before either starts.
 // - Persistent blocks over a tile list: one block per multiprocessor walks the work items (tile,
 //   128-column tile) blockIdx.x, + gridDim.x, ... The cp.async pipeline (4 stages of X and packed
 //   weights) runs across item boundaries, so the next item's first stages load while the current one
@@ -83,8 +87,7 @@ struct Item {
 };
 
 template <int kN>
-__global__ void __launch_bounds__(kThreads, Shape<kN>::kBlocksPerSm)
-    gemm_grouped_wgmma_kernel(const Params p) {
+__device__ __forceinline__ void grouped_body(const Params& p) {
   using S = Shape<kN>;
   constexpr int kX = S::kX, kAcc = S::kAcc, kXChunks = S::kXChunks;
   extern __shared__ unsigned char smem_raw[];
@@ -347,32 +350,89 @@ __global__ void __launch_bounds__(kThreads, Shape<kN>::kBlocksPerSm)
   tc::cp_async_wait<0>();
 }
 
+// One tile size: the sizes forced by tests and Timing.Gemm (set_grouped_wgmma_rows), and the
+// automatic choice where no larger size is built.
+template <int kN>
+__global__ void __launch_bounds__(kThreads, Shape<kN>::kBlocksPerSm)
+    gemm_grouped_wgmma_kernel(const Params p) {
+  grouped_body<kN>(p);
+}
+
+constexpr int kTileOverheadRows = kGroupedTileOverheadRows;
+
+// Two tile sizes, chosen per launch from the routed counts (which only the device knows): every
+// block sums the tiles each size would make, Σ_e ceil(c_e / N), and runs the cheaper one; the host
+// picks the pair from the mean count (choose_rows). Same products whichever size runs: an output
+// row's sums do not depend on its tile (Gemm.GroupedWgmma checks the bits), so the choice never
+// changes a result. The routed counts spread far wider than the Poisson spread of uniform routing:
+// at 4,096 tokens the synthetic checkpoint's experts get 28-356 rows (sd ~50 against ~11), where
+// 192-row tiles make 18% fewer tiles than 144-row ones.
+template <int kNa, int kNb>
+__global__ void __launch_bounds__(kThreads, 1) gemm_grouped_wgmma_pair_kernel(const Params p) {
+  __shared__ long part[2][kThreads / 32];
+  long ta = 0, tb = 0;
+  for (int e = threadIdx.x; e < p.n_experts; e += kThreads) {
+    const int c = p.expert_offsets[e + 1] - p.expert_offsets[e];
+    ta += (c + kNa - 1) / kNa;
+    tb += (c + kNb - 1) / kNb;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) {
+    ta += __shfl_xor_sync(0xffffffffu, ta, o);
+    tb += __shfl_xor_sync(0xffffffffu, tb, o);
+  }
+  if (threadIdx.x % 32 == 0) part[0][threadIdx.x / 32] = ta, part[1][threadIdx.x / 32] = tb;
+  __syncthreads();
+  ta = tb = 0;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) ta += part[0][w], tb += part[1][w];
+  if (ta * (kNa + kTileOverheadRows) <= tb * (kNb + kTileOverheadRows))
+    grouped_body<kNa>(p);
+  else
+    grouped_body<kNb>(p);
+}
+
+template <typename Kernel>
+void set_smem(Kernel kernel, int bytes) {
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) != cudaSuccess)
+    fail("gemm_grouped (wgmma): cannot reserve {} bytes of shared memory per block", bytes);
+}
+
+// Tiles: at most one per kN rows plus one partial per non-empty expert, times the column tiles.
+long max_items(const Params& p, int kN) {
+  const long rows = p.n_rows;
+  return ((rows + kN - 1) / kN + std::min<long>(p.n_experts, rows)) * ((p.out + BN - 1) / BN);
+}
+
 template <int kN>
 void launch(const Params& p, cudaStream_t stream) {
   constexpr int kSmem = Shape<kN>::kSmem;
-  static const bool attr_set = [] {
-    return cudaFuncSetAttribute(gemm_grouped_wgmma_kernel<kN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                kSmem) == cudaSuccess;
-  }();
-  if (!attr_set) fail("gemm_grouped (wgmma): cannot reserve {} bytes of shared memory per block", kSmem);
-  // Tiles: at most one per kN rows plus one partial per non-empty expert, times the column tiles.
-  const long rows = p.n_rows;
-  const long tiles = (rows + kN - 1) / kN + std::min<long>(p.n_experts, rows);
-  const long items = tiles * ((p.out + BN - 1) / BN);
-  const int grid = int(std::min<long>(items, long(Shape<kN>::kBlocksPerSm) * sm_count()));
+  static const bool attr_set = (set_smem(gemm_grouped_wgmma_kernel<kN>, kSmem), true);
+  (void)attr_set;
+  const int grid = int(std::min<long>(max_items(p, kN), long(Shape<kN>::kBlocksPerSm) * sm_count()));
   gemm_grouped_wgmma_kernel<kN><<<grid, kThreads, kSmem, stream>>>(p);
+  launch_check("gemm_grouped (wgmma)");
+}
+
+template <int kNa, int kNb>
+void launch_pair(const Params& p, cudaStream_t stream) {
+  static_assert(kNa > 64 && kNa < kNb);  // one block per multiprocessor for both
+  constexpr int kSmem = std::max(Shape<kNa>::kSmem, Shape<kNb>::kSmem);
+  static const bool attr_set = (set_smem(gemm_grouped_wgmma_pair_kernel<kNa, kNb>, kSmem), true);
+  (void)attr_set;
+  const int grid = int(std::min<long>(max_items(p, kNb), sm_count()));
+  gemm_grouped_wgmma_pair_kernel<kNa, kNb><<<grid, kThreads, kSmem, stream>>>(p);
   launch_check("gemm_grouped (wgmma)");
 }
 
 int g_force_rows = 0;  // set_grouped_wgmma_rows
 
-// The tile rows for `rows` routed rows over `experts` experts: the built size with the least expected
-// work when each expert's count is Poisson with the mean rows / experts (uniform routing), a tile of
-// N rows costing N + kTileOverheadRows (its dequant, barriers and epilogue, in rows of tensor work;
-// an estimate). At 4,096 tokens (mean 128, counts ~117-139) that is 144: one tile per expert, 11%
-// padding, where 128-row tiles would split half the experts in two.
+// The smaller tile rows for `rows` routed rows over `experts` experts: the built size with the least
+// expected work when each expert's count is Poisson with the mean rows / experts (uniform routing),
+// at kTileOverheadRows per tile. At 4,096 tokens (mean 128) that is 144: one tile per expert, 11%
+// padding, where 128-row tiles would split half the experts in two. The kernel then takes it or
+// the next larger size, whichever the launch's real counts make cheaper.
 int choose_rows(long rows, int experts) {
-  constexpr double kTileOverheadRows = 16;
   thread_local long memo_rows = -1;
   thread_local int memo_experts = -1, memo_n = 0;
   if (rows == memo_rows && experts == memo_experts) return memo_n;
@@ -413,6 +473,16 @@ void launch_wgmma_grouped(const Params& p, cudaStream_t stream) {
               "gemm_grouped (wgmma): {} stacked experts of [{}, {}] exceed 32-bit offsets", p.n_experts,
               p.out, p.in);
   static_assert(sizeof(kGroupedWgmmaRows) / sizeof(int) == 6);
+  if (!g_force_rows) switch (choose_rows(p.n_rows, p.n_experts)) {
+      case 128:
+        return launch_pair<128, 144>(p, stream);
+      case 144:
+        return launch_pair<144, 192>(p, stream);
+      case 192:
+        return launch_pair<192, 256>(p, stream);
+      default:
+        break;  // (below 128: one size; the product routes those counts to the mma.sync kernel)
+    }
   switch (grouped_wgmma_rows(p.n_rows, p.n_experts)) {
     case 64:
       return launch<64>(p, stream);
