@@ -78,6 +78,12 @@ void plain_cases() {
       {WFormat::kAffine4, 1100, 128, 4096, "partial tile"},
       {WFormat::kAffine8, 1300, 256, 4096, "8-bit wide"},
       {WFormat::kBF16, 2000, 512, 4096, "bf16 wide"},
+      // bf16 wgmma (gemm_bf16_wgmma.cu): the prefill router's bf16 copy, 128- and 64-token tiles,
+      // partial row and column tiles, one k-tile
+      {WFormat::kBF16, 258, 2048, 4096, "bf16 router shape"},
+      {WFormat::kBF16, 258, 2048, 256, "bf16 router shape, 64-token tiles"},
+      {WFormat::kBF16, 258, 2048, 4033, "bf16 router shape, partial"},
+      {WFormat::kBF16, 130, 64, 200, "bf16 one k-tile"},
       // wgmma tiles: 128 rows x 128 columns (partial last row and column tiles), one and two k-tiles
       {WFormat::kAffine4, 2048, 2048, 4000, "128-row tiles, partial"},
       {WFormat::kAffine4, 1100, 64, 4033, "one k-tile"},
@@ -138,6 +144,29 @@ TEST(Gemm, Plain) {
 TEST(Gemm, PlainWgmma) {
   GemmKernelScope scope(cuda::GemmKernel::kWgmma);
   plain_cases();
+}
+
+// The bf16 wgmma kernel (the prefill router) gives a row the same bits whatever else is in the
+// product: a 4,096-token chunk (128-token tiles), a 200-token piece (64-token tiles) and one token.
+TEST(Gemm, Bf16WgmmaRowsDoNotDependOnTheOthers) {
+  GemmKernelScope scope(cuda::GemmKernel::kAuto);
+  constexpr int out = 258, in = 2048, n = 4096;
+  TestMatrix W = make_matrix(WFormat::kBF16, out, in);
+  auto x = randn(size_t(n) * in);
+  round_bf16_inplace(x);
+  auto dx = to_device_bf16(x);
+  auto run = [&](int rows) {
+    DeviceBuffer<float> y(size_t(rows) * out);
+    poison(y);
+    cuda::gemm(W.dev, dx.get(), in, rows, {y.get(), cuda::GemmOutType::kF32, out, cuda::GemmEpilogue::kStore},
+               0);
+    return from_device(y.get(), y.size());
+  };
+  const auto all = run(n), piece = run(200), one = run(1);
+  ASSERT_TRUE(all_finite(all));
+  EXPECT_EQ(0, std::memcmp(piece.data(), all.data(), piece.size() * sizeof(float)))
+      << "rows 0..199 differ between 200 and 4,096 rows";
+  EXPECT_EQ(0, std::memcmp(one.data(), all.data(), one.size() * sizeof(float))) << "row 0 differs alone";
 }
 
 // Every wgmma tile shape forced (the automatic choice never picks some of them at these sizes).

@@ -70,6 +70,7 @@ struct DevLayer {
   DeviceBuffer<float> q_norm, k_norm;
   // MoE
   DevMatrix router;                  // [E + 1 (+1 pad), H]
+  DevMatrix router_bf16;             // the same, dequantized: the prefill router's (gemm_bf16_wgmma.cu)
   DevMatrix experts_gu;              // [E' * 2I, H] interleaved gate/up per expert (E' = E+1 when folded)
   DevMatrix experts_down;            // [E' * H, I]
   DevMatrix sh_gu, sh_down;          // [2S, H] interleaved, [H, S] (empty when folded)

@@ -198,8 +198,10 @@ void CudaModel::moe(int layer, DevLayer& L, int m, bool tc) {
   const int H = c.hidden_size, E = c.num_experts, K = c.experts_per_tok;
   const int I = c.moe_intermediate, SI = c.shared_intermediate;
   // router logits [m, E] and the shared-expert gate logit in column E
-  mark("moe.router", wbytes(L.router.view), wflops(L.router.view, m));
-  project(L.router.view, xn_.get(), H, m, router_logits_.get(), true, router_ld_, tc);
+  // (on tensor cores from the router's bf16 copy: 62 -> ~15 µs at 4,096 tokens, gemm_bf16_wgmma.cu)
+  const DevLinear& router = tc ? L.router_bf16.view : L.router.view;
+  mark("moe.router", wbytes(router), wflops(router, m));
+  project(router, xn_.get(), H, m, router_logits_.get(), true, router_ld_, tc);
   mark("moe.route_topk");
   route_topk(router_logits_.get(), router_ld_, m, E, K, topk_idx_.get(), topk_w_.get(), stream_);
   report_routes(layer, m, K);

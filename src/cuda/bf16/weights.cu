@@ -99,6 +99,31 @@ DevMatrix upload_matrix(Uploader& up, const std::vector<RowRef>& rows, const cha
   return m;
 }
 
+// The same rows as upload_matrix, dequantized to bf16 (s·q + b in f32, rounded once: the values the
+// affine kernels' dequant feeds their products), for the products that run on bf16 weights.
+DevMatrix upload_dequantized(Uploader& up, const std::vector<RowRef>& rows, const char* what) {
+  TANSY_CHECK(!rows.empty() && rows[0].L, "{}: no rows", what);
+  const int in = rows[0].L->in;
+  DevMatrix m;
+  m.view.fmt = WFormat::kBF16;
+  m.view.out = int(rows.size());
+  m.view.in = in;
+  std::vector<float> f(in);
+  std::vector<uint16_t> tmp(in, 0);
+  m.w.resize(rows.size() * in);
+  up.rows(m.w.get(), size_t(in) * 2, rows.size(), [&](size_t i) -> const void* {
+    const RowRef& rr = rows[i];
+    if (!rr.L) return std::memset(tmp.data(), 0, tmp.size() * 2);
+    TANSY_CHECK(rr.L->in == in, "{}: parts differ in input size", what);
+    rr.L->row(rr.r, f.data());
+    for (int c = 0; c < in; ++c) tmp[c] = f32_to_bf16(f[c]);
+    return tmp.data();
+  });
+  m.view.w = m.w.get();
+  m.view.check(what);
+  return m;
+}
+
 void append_rows(std::vector<RowRef>& rows, const Linear& L) {
   for (int r = 0; r < L.out; ++r) rows.push_back({&L, r});
 }
@@ -173,6 +198,7 @@ void CudaModel::upload(const ModelWeights& w) {
           if (rows.size() % 2) rows.push_back({nullptr, 0});  // even row count: paired GEMM stores
         },
         "mlp.gate|shared_expert_gate");
+    L.router_bf16 = upload_dequantized(up, rows, "mlp.gate|shared_expert_gate (bf16 copy)");
     const Linear& g0 = m.gate[0];
     L.sh_folded = m.sh_gate.out == g0.out && m.sh_gate.fmt == g0.fmt && m.sh_gate.in == g0.in &&
                   m.sh_gate.group == g0.group && m.sh_down.fmt == m.down[0].fmt &&

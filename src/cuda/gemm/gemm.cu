@@ -415,6 +415,8 @@ void gemm(const DevLinear& W, const __nv_bfloat16* X, int64_t ldx, int n, const 
   const Params p = make_params(W, W.out, X, ldx, n, n, Y, "gemm");
   if (W.fmt == WFormat::kAffine4 && kernel_state() != GemmKernel::kMma)
     return gemm_impl::launch_wgmma(p, false, 0, stream);
+  if (W.fmt == WFormat::kBF16 && kernel_state() != GemmKernel::kMma)
+    return gemm_impl::launch_bf16_wgmma(p, stream);
   dispatch_tiles(p, W.fmt, (n + BM - 1) / BM, stream, "gemm");
 }
 

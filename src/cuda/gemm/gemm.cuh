@@ -43,7 +43,8 @@ struct GemmOutput {
   GemmEpilogue epilogue = GemmEpilogue::kStore;
 };
 
-// Which kernel runs the 4-bit products (other formats always take mma.sync). kAuto, the product's
+// Which kernel runs the 4-bit and bf16 products (8-bit ones always take mma.sync; bf16 weights take
+// gemm_bf16_wgmma.cu's kernel unless kMma is forced). kAuto, the product's
 // choice: the Hopper warpgroup kernel (gemm_wgmma.cu) for the dense products, where it measured
 // 1.6x the mma.sync kernel (Timing.Gemm, H200, 2026-12-01: in_proj 0.456 vs 0.782 ms at 4,096
 // tokens), and for the grouped expert products the kernels grouped_auto names (gemm.cu). kMma /

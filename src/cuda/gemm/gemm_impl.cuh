@@ -124,6 +124,8 @@ __device__ __forceinline__ void store_tile(const Params& p, const float* Cs, int
 // The wgmma kernel's launcher (gemm_wgmma.cu): 4-bit weights only. `grouped`: p holds a tile schedule
 // and row tiles are kGroupedBM rows.
 void launch_wgmma(const Params& p, bool grouped, long row_tiles, cudaStream_t stream);
+// The bf16-weight wgmma kernel (gemm_bf16_wgmma.cu): dense products with p.w set.
+void launch_bf16_wgmma(const Params& p, cudaStream_t stream);
 // The persistent grouped wgmma kernel (gemm_grouped_wgmma.cu): 4-bit weights, p holds the expert
 // offsets (it makes its own tiles, of up to grouped_wgmma_rows rows per expert; tile_offsets is not read).
 void launch_wgmma_grouped(const Params& p, cudaStream_t stream);
