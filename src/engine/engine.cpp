@@ -265,6 +265,13 @@ void Engine::make_spares() {
   publish();
 }
 
+void Engine::spin_for_arrival() {
+  const uint64_t seen = arrivals_.load(std::memory_order_acquire);
+  const auto until = std::chrono::steady_clock::now() + kIdleSpin;
+  while (arrivals_.load(std::memory_order_acquire) == seen && std::chrono::steady_clock::now() < until)
+    std::this_thread::yield();
+}
+
 size_t Engine::states_used() const { return running_.size() + cache_.size() + spares_.size(); }
 
 // Lets go of the spare states, then of the least recently used cache entries, until at most
@@ -311,6 +318,7 @@ GenResult Engine::generate(const GenRequest& req, const std::function<bool(const
     TANSY_CHECK(!stop_, "engine: shutting down");
     waiting_.push_back(seq);
   }
+  arrivals_.fetch_add(1, std::memory_order_release);
   cv_.notify_all();
   bool started = false, cancelled = false;
   std::deque<GenStep> got;
@@ -368,6 +376,11 @@ void Engine::loop() {
     if (running_.empty() && waiting_.empty() && !stop_ && spares_.size() < kSpares) {
       lk.unlock();
       make_spares();  // idle: nothing is held up
+      lk.lock();
+    }
+    if (running_.empty() && waiting_.empty() && !stop_) {
+      lk.unlock();
+      spin_for_arrival();
       lk.lock();
     }
     cv_.wait(lk, [&] { return stop_ || !waiting_.empty() || !running_.empty(); });

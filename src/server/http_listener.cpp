@@ -272,7 +272,14 @@ void GuardedHttpServer::stop_serving() {
   }
 }
 
+namespace {
+thread_local int t_socket = -1;  // the connection this thread serves
+}  // namespace
+
+int GuardedHttpServer::current_socket() { return t_socket; }
+
 void GuardedHttpServer::connection(int fd, std::string ip, int port) {
+  t_socket = fd;
   {
     DeadlineStream strm(fd, ip, port, limits_.write_timeout_s);
     const int idle_ms = int(limits_.idle_timeout_s * 1000);
@@ -286,6 +293,7 @@ void GuardedHttpServer::connection(int fd, std::string ip, int port) {
       if (!ok || closed || strm.timed_out) break;
     }
   }
+  t_socket = -1;
   std::lock_guard lk(mu_);  // held while closing: serve() shuts down only fds still open
   fds_.erase(fd);
   ::shutdown(fd, SHUT_RDWR);

@@ -46,6 +46,10 @@ class GuardedHttpServer : public httplib::Server {
   const ConnectionLimits& limits() const { return limits_; }
   int open_connections() const;
 
+  // The socket of the connection whose request the calling thread is handling (handlers and
+  // content providers run on their connection's thread), or -1 outside one.
+  static int current_socket();
+
   // Called with a one-line description of each connection refused for a bound.
   std::function<void(const std::string&)> on_refused;
 

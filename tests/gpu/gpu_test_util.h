@@ -322,13 +322,17 @@ inline void random_routing(int n, int E, int k, std::vector<int>& idx, std::vect
 }
 
 struct DeviceRouting {
-  DeviceBuffer<int> offsets, tiles, sorted, slot_row;
+  DeviceBuffer<int> offsets, tiles, sorted, slot_row, work;
   cuda::MoeRouting view(int E, int rows) {
     offsets.resize(E + 1);
     tiles.resize(E + 1);
     sorted.resize(rows);
     slot_row.resize(rows);
-    return {offsets.get(), tiles.get(), sorted.get(), slot_row.get()};
+    if (work.size() != size_t(2 * E + 1)) {
+      work.resize(2 * E + 1);
+      CUDA_CHECK(cudaMemset(work.get(), 0, work.bytes()));
+    }
+    return {offsets.get(), tiles.get(), sorted.get(), slot_row.get(), work.get()};
   }
 };
 

@@ -281,6 +281,22 @@ std::vector<int> power_law_routing(int n, int E, int k, double alpha) {
   return idx;
 }
 
+// Top-k choices of n tokens in which expert e is chosen counts[e] times (each <= n, summing to n*k),
+// distinct per token: the experts' runs laid out slot j of every token, then slot j+1.
+std::vector<int> routing_with_counts(int n, int k, const std::vector<int>& counts) {
+  std::vector<int> runs;
+  for (size_t e = 0; e < counts.size(); ++e) {
+    EXPECT_LE(counts[e], n);
+    runs.insert(runs.end(), size_t(counts[e]), int(e));
+  }
+  EXPECT_EQ(runs.size(), size_t(n) * k);
+  runs.resize(size_t(n) * k);
+  std::vector<int> idx(size_t(n) * k);
+  for (int j = 0; j < k; ++j)
+    for (int t = 0; t < n; ++t) idx[size_t(t) * k + j] = runs[size_t(j) * n + t];
+  return idx;
+}
+
 // Moves choices so that expert `zero` has no rows and expert `one` exactly one (the first token that
 // chose it keeps it; if none did, token 0 takes it). Replacements are experts the token has not chosen.
 void pin_counts(std::vector<int>& idx, int n, int E, int k, int zero, int one) {
@@ -472,20 +488,28 @@ TEST(Gemm, GroupedWgmma) {
     expect_same_bits_at_every_size(GU, E, n, k, idx, H, 2 * I, "skewed");
   }
   // Wide counts around the mean of 128 (the synthetic checkpoint's kind: 28-356 rows, where the
-  // kernel's per-launch choice takes 192-row tiles) and Poisson-like ones (144-row tiles).
+  // kernel's per-launch choice takes 192-row tiles) and Poisson-like ones (144-row tiles). The wide
+  // counts are fixed (experts alternately 170 and 86 rows): random power-law counts fall on either
+  // side of the choice from run to run.
   {
     constexpr int n = 4096;
     ASSERT_EQ(cuda::gemm_impl::grouped_wgmma_rows(long(n) * k, E), 144);  // the pair 144 | 192
-    for (const double alpha : {0.35, 0.0}) {
-      const auto idx = power_law_routing(n, E, k, alpha);
+    for (const bool wide : {true, false}) {
+      std::vector<int> idx;
+      if (wide) {
+        std::vector<int> counts(E);
+        for (int e = 0; e < E; ++e) counts[size_t(e)] = e % 2 ? 86 : 170;
+        idx = routing_with_counts(n, k, counts);
+      } else {
+        idx = power_law_routing(n, E, k, 0.0);
+      }
       std::vector<int> count(E, 0);
       for (int e : idx) ++count[size_t(e)];
       long t144 = 0, t192 = 0;  // the kernel's rule
       for (int c : count) t144 += (c + 143) / 144, t192 += (c + 191) / 192;
-      const bool wide = alpha > 0;
       constexpr int ov = cuda::gemm_impl::kGroupedTileOverheadRows;
       // each side of the choice is met: the wide counts take 192-row tiles, the uniform ones 144
-      EXPECT_EQ(wide, t144 * (144 + ov) > t192 * (192 + ov)) << "alpha " << alpha;
+      EXPECT_EQ(wide, t144 * (144 + ov) > t192 * (192 + ov)) << (wide ? "wide" : "uniform");
       expect_same_bits_at_every_size(GU, E, n, k, idx, H, 2 * I, wide ? "wide" : "uniform");
     }
   }

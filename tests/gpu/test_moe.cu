@@ -4,6 +4,7 @@
 // gate|up and down, combine). Tolerances in gpu_test_util.h.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <string>
 #include <tuple>
@@ -13,6 +14,7 @@
 #include "cuda/gemm/gemm.cuh"
 #include "cuda/matvec/matvec.cuh"
 #include "cuda/moe/moe.cuh"
+#include "cuda/norm/norm.cuh"
 #include "gpu_test_util.h"
 
 namespace tansy {
@@ -46,7 +48,8 @@ TEST(Moe, RouteTopkTiesAtTheBoundary) {
 }
 
 TEST(Moe, RouteTopk) {
-  for (auto [E, k, n] : {std::tuple{256, 8, 5}, std::tuple{8, 2, 3}, std::tuple{16, 16, 1}}) {
+  for (auto [E, k, n] :
+       {std::tuple{256, 8, 5}, std::tuple{8, 2, 3}, std::tuple{16, 16, 1}, std::tuple{256, 8, 4099}}) {
     const int ld = E + 2;
     auto logits = randn(size_t(n) * ld, 2.f);
     // a tie between two of the largest: the lower index must win
@@ -193,6 +196,59 @@ void check_experts(WFormat fmt, int E, int H, int I, int k, int n) {
   EXPECT_REL(from_device_bf16(dout.get(), dout.size()), out_ref, kTolBf16, "  experts down + combine");
 }
 
+// The routing sort's permutation, offsets and tiles against the ids it was given.
+::testing::AssertionResult route_sort_matches(const std::vector<int>& idx, int E, DeviceRouting& R) {
+  const int rows = int(idx.size());
+  const auto off = from_device(R.offsets.get(), E + 1), tiles = from_device(R.tiles.get(), E + 1);
+  const auto sorted = from_device(R.sorted.get(), rows), slot_row = from_device(R.slot_row.get(), rows);
+  const auto work = from_device(R.work.get(), R.work.size());
+  std::vector<int> count(E, 0);
+  for (int e : idx) ++count[e];
+  if (off[0] != 0 || tiles[0] != 0) return ::testing::AssertionFailure() << "offsets do not start at 0";
+  for (int e = 0; e < E; ++e)
+    if (off[e + 1] - off[e] != count[e] ||
+        tiles[e + 1] - tiles[e] != (count[e] + cuda::kGroupedBM - 1) / cuda::kGroupedBM)
+      return ::testing::AssertionFailure()
+             << "expert " << e << ": offsets or tiles do not match its count " << count[e];
+  std::vector<int> seen(rows, 0);
+  for (int e = 0; e < E; ++e)
+    for (int r = off[e]; r < off[e + 1]; ++r) {
+      const int s = sorted[r];
+      if (s < 0 || s >= rows || idx[s] != e || slot_row[s] != r || ++seen[s] != 1)
+        return ::testing::AssertionFailure()
+               << "sorted row " << r << " (expert " << e << ") holds slot " << s;
+    }
+  for (int e = 0; e < E; ++e)
+    if (work[e] != 0) return ::testing::AssertionFailure() << "count " << e << " not left zero";
+  if (work[2 * E] != 0) return ::testing::AssertionFailure() << "the blocks-done counter was not left zero";
+  return ::testing::AssertionSuccess();
+}
+
+// Sizes around the sort's 4,096 ids a block, uniform and skewed (a few experts take most rows),
+// each sorted twice on the same counters (a sort must leave them zero for the next).
+TEST(Moe, RouteSortAcrossBlocks) {
+  const int E = 256, k = 8;
+  DeviceRouting R;
+  for (int n : {1, 511, 512, 513, 4096, 20000}) {
+    for (bool skewed : {false, true}) {
+      std::vector<int> idx(size_t(n) * k);
+      for (int t = 0; t < n; ++t)
+        for (int j = 0; j < k; ++j)  // distinct per token; skewed: token t mostly picks experts 0..k+3
+          idx[size_t(t) * k + j] =
+              skewed ? (t % 5 == 0 ? (t / 5 * k + j) % E : (t + j) % (k + 4)) : (t * 37 + j) % E;
+      auto didx = to_device(idx);
+      const cuda::MoeRouting rv = R.view(E, n * k);
+      for (int round = 0; round < 2; ++round) {
+        CUDA_CHECK(cudaMemset(R.sorted.get(), 0xff, R.sorted.bytes()));
+        CUDA_CHECK(cudaMemset(R.slot_row.get(), 0xff, R.slot_row.bytes()));
+        cuda::moe_route_sort(didx.get(), n, k, E, rv, 0);
+        ASSERT_TRUE(route_sort_matches(idx, E, R))
+            << "n=" << n << (skewed ? " skewed" : " uniform") << " round " << round;
+      }
+    }
+  }
+}
+
 TEST(Moe, Experts) {
   check_experts(WFormat::kAffine4, 16, 2048, 512, 8, 1);  // real per-expert shapes (16 of 256 experts)
   check_experts(WFormat::kAffine4, 16, 2048, 512, 8, 3);
@@ -231,21 +287,9 @@ void check_moe(WFormat fmt, int E, int H, int I, int k, int n, const std::vector
   CUDA_CHECK(cudaMemset(R.sorted.get(), 0xff, R.sorted.bytes()));
   CUDA_CHECK(cudaMemset(R.slot_row.get(), 0xff, R.slot_row.bytes()));
   cuda::moe_route_sort(didx.get(), n, k, E, rv, 0);
-  const auto off = from_device(R.offsets.get(), E + 1), tiles = from_device(R.tiles.get(), E + 1);
-  const auto sorted = from_device(R.sorted.get(), rows), slot_row = from_device(R.slot_row.get(), rows);
-  std::vector<int> count(E, 0);
-  for (int e : idx) ++count[e];
-  bool ok = off[0] == 0 && tiles[0] == 0;
-  for (int e = 0; e < E && ok; ++e)
-    ok = off[e + 1] - off[e] == count[e] &&
-         tiles[e + 1] - tiles[e] == (count[e] + cuda::kGroupedBM - 1) / cuda::kGroupedBM;
-  std::vector<int> seen(rows, 0);
-  for (int e = 0; e < E && ok; ++e)
-    for (int r = off[e]; r < off[e + 1] && ok; ++r) {
-      const int s = sorted[r];
-      ok = s >= 0 && s < rows && idx[s] == e && slot_row[s] == r && ++seen[s] == 1;
-    }
-  ASSERT_TRUE(ok) << label << ": routing sort produced an inconsistent permutation";
+  ASSERT_TRUE(route_sort_matches(idx, E, R)) << label;
+  const auto off = from_device(R.offsets.get(), E + 1);
+  const auto slot_row = from_device(R.slot_row.get(), rows);
 
   // gate|up with the SwiGLU epilogue, token rows gathered in place.
   DeviceBuffer<bf16> act(size_t(rows) * I);
@@ -382,6 +426,51 @@ TEST(Moe, GroupedUnevenExpertsWgmma) {
 TEST(Moe, GroupedUnevenExpertsWgmmaGrouped) {
   GemmKernelScope scope(cuda::GemmKernel::kWgmmaGrouped);
   uneven_cases();
+}
+
+// The fused combine + RMSNorm against the two launches it replaces (moe_combine into r, then
+// add_rmsnorm): the same bits in h and xn, at the model's shape and at small ones, with and
+// without the shared expert.
+TEST(Moe, CombineAddRmsnormIsTheTwoLaunches) {
+  for (auto [n, d, k, with_shared] : {std::tuple{4096, 2048, 8, true}, std::tuple{1, 2048, 8, true},
+                                      std::tuple{7, 64, 2, false}, std::tuple{3, 1024, 4, true}}) {
+    const std::string label =
+        "n=" + str(n) + " d=" + str(d) + " k=" + str(k) + (with_shared ? " shared" : "");
+    const int rows = n * k;
+    auto yd = randn(size_t(rows) * d), sh = randn(size_t(n) * d, 0.5f), h = randn(size_t(n) * d, 3.f);
+    auto logits = randn(size_t(n) * 3), w = randn(d, 0.2f, 1.f);
+    std::vector<int> perm(rows);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng());
+    std::vector<float> wts(rows);
+    for (float& x : wts) x = std::uniform_real_distribution<float>(0.f, 0.3f)(rng());
+    yd[0] = -0.f;  // a signed zero through the mixture
+    auto dyd = to_device_bf16(yd), dsh = to_device_bf16(sh);
+    auto dlog = to_device(logits), dw = to_device(w), dwts = to_device(wts);
+    auto dperm = to_device(perm);
+    DeviceBuffer<float> h_two = to_device(h), h_one = to_device(h);
+    DeviceBuffer<bf16> r(size_t(n) * d), xn_two(size_t(n) * d), xn_one(size_t(n) * d);
+    poison(xn_two);
+    poison(xn_one);
+    const bf16* shp = with_shared ? dsh.get() : nullptr;
+    const float* slp = with_shared ? dlog.get() + 1 : nullptr;
+    cuda::moe_combine(dyd.get(), dperm.get(), dwts.get(), n, k, d, nullptr, shp, slp, 3, r.get(), 0);
+    cuda::add_rmsnorm(h_two.get(), r.get(), dw.get(), n, d, 1e-6f, xn_two.get(), 0);
+    cuda::moe_combine_add_rmsnorm(dyd.get(), dperm.get(), dwts.get(), n, k, d, shp, slp, 3, h_one.get(),
+                                  dw.get(), 1e-6f, xn_one.get(), 0);
+    const auto a = from_device(h_two.get(), h_two.size()), b = from_device(h_one.get(), h_one.size());
+    const auto xa = from_device_bf16(xn_two.get(), xn_two.size()),
+               xb = from_device_bf16(xn_one.get(), xn_one.size());
+    EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float))) << label << ": h differs";
+    EXPECT_EQ(0, std::memcmp(xa.data(), xb.data(), xa.size() * sizeof(float))) << label << ": xn differs";
+    EXPECT_GT(max_abs_diff(a, h), 0.f) << label << ": h was not updated";
+  }
+  DeviceBuffer<bf16> y(8 * 4096);
+  DeviceBuffer<float> hh(4096);
+  DeviceBuffer<int> sr(8);
+  EXPECT_THROW(cuda::moe_combine_add_rmsnorm(y.get(), sr.get(), hh.get(), 1, 8, 4096, nullptr, nullptr, 0,
+                                             hh.get(), hh.get(), 1e-6f, y.get(), 0),
+               Error);  // wider than one block's row
 }
 
 TEST(Moe, RejectsBadShapes) {

@@ -194,6 +194,8 @@ void CudaModel::allocate_scratch() {
     tile_offsets_.resize(E + 1);
     sorted_slot_.resize(C * K);
     slot_row_.resize(C * K);
+    route_work_.resize(2 * E + 1);
+    CUDA_CHECK(cudaMemset(route_work_.get(), 0, route_work_.bytes()));
     yd_.resize(C * K * H);
   }
   CUDA_CHECK(cudaMallocHost(&h_tok_, sizeof(int32_t)));

@@ -325,7 +325,9 @@ class CudaModel final : public Model, public StageProfiler {
 
   void attention(DevLayer& L, CudaState& st, CudaState::Layer& S, int m, bool tc);
 
-  void moe(int layer, DevLayer& L, int m, bool tc);
+  // true: it also ran the next RMSNorm (h += the MoE output, xn = norm(h) · next_norm) in its
+  // combine; false: the MoE output is in r_ and the caller runs add_rmsnorm.
+  bool moe(int layer, DevLayer& L, int m, bool tc, const float* next_norm);
 
   ModelConfig cfg_;
   cudaStream_t stream_ = nullptr;
@@ -385,7 +387,8 @@ class CudaModel final : public Model, public StageProfiler {
   DeviceBuffer<unsigned long long> d_head_scratch_;  // fused head: one argmax candidate per block (and row)
   DeviceBuffer<unsigned> head_counter_;
   DeviceBuffer<int> expert_offsets_, tile_offsets_, sorted_slot_, slot_row_;  // prefill MoE routing
-  DeviceBuffer<bf16> yd_;  // [m*k, H] routed experts' down outputs in sorted order
+  DeviceBuffer<int> route_work_;  // [2E + 1] moe_route_sort's counters (left zero by every sort)
+  DeviceBuffer<bf16> yd_;         // [m*k, H] routed experts' down outputs in sorted order
   std::vector<std::unique_ptr<DeviceSampler>> sampler_pool_;  // device samplers no request holds
   bool batch_ok_ = false;                                     // max_batch() > 1
   DeviceBuffer<int> d_rows_tok_;                              // [kMaxBatch] a batched step's greedy tokens

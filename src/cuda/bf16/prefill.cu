@@ -27,11 +27,12 @@ void CudaModel::run_layers(CudaState& st, const int* ids, int m, bool tc, int cu
     trace_row("layer." + std::to_string(i) + ".mixer_out", r_.get(), m, H);
     mark("residual add + rmsnorm", norm_bytes);
     add_rmsnorm(h_.get(), r_.get(), L.post_norm.get(), m, H, c.rms_eps, xn_.get(), stream_);
-    moe(i, L, m, tc);
-    trace_row("layer." + std::to_string(i) + ".moe_out", r_.get(), m, H);
     const float* next = i + 1 < c.num_layers ? layers_[i + 1].in_norm.get() : final_norm_.get();
-    mark("residual add + rmsnorm", norm_bytes);
-    add_rmsnorm(h_.get(), r_.get(), next, m, H, c.rms_eps, xn_.get(), stream_);
+    if (!moe(i, L, m, tc, next)) {
+      trace_row("layer." + std::to_string(i) + ".moe_out", r_.get(), m, H);
+      mark("residual add + rmsnorm", norm_bytes);
+      add_rmsnorm(h_.get(), r_.get(), next, m, H, c.rms_eps, xn_.get(), stream_);
+    }
     trace_row("layer." + std::to_string(i) + ".hidden", h_.get(), m, H);
   }
   trace_row("final_norm", xn_.get(), m, H);
@@ -193,7 +194,7 @@ void CudaModel::attention(DevLayer& L, CudaState& st, CudaState::Layer& S, int m
   project(L.attn_o.view, mix_.get(), QD, m, r_.get(), false, H, tc);
 }
 
-void CudaModel::moe(int layer, DevLayer& L, int m, bool tc) {
+bool CudaModel::moe(int layer, DevLayer& L, int m, bool tc, const float* next_norm) {
   const ModelConfig& c = cfg_;
   const int H = c.hidden_size, E = c.num_experts, K = c.experts_per_tok;
   const int I = c.moe_intermediate, SI = c.shared_intermediate;
@@ -218,7 +219,7 @@ void CudaModel::moe(int layer, DevLayer& L, int m, bool tc) {
     mark("moe.experts down+combine", dn_bytes, dn_flops);
     moe_down_combine(L.routed_down, E, topk_idx_.get(), topk_w_.get(), act_.get(), m, K, r_.get(),
                      router_logits_.get() + E, router_ld_, r_.get(), stream_);
-    return;
+    return false;
   }
   // The shared expert reads only xn: beside the routing sort and the grouped GEMMs it fills the
   // multiprocessors their last waves of tiles leave idle. Profiled runs keep it in line, so that
@@ -238,6 +239,7 @@ void CudaModel::moe(int layer, DevLayer& L, int m, bool tc) {
   rt.tile_offsets = tile_offsets_.get();
   rt.sorted_slot = sorted_slot_.get();
   rt.slot_row = slot_row_.get();
+  rt.work = route_work_.get();
   mark("moe.route_sort", 0, 0, 2);
   moe_route_sort(topk_idx_.get(), m, K, E, rt, stream_);
   GemmOutput gu{act_.get(), GemmOutType::kBF16, I, GemmEpilogue::kSwiGlu};
@@ -254,9 +256,18 @@ void CudaModel::moe(int layer, DevLayer& L, int m, bool tc) {
     gemm(L.sh_gu_v, xn_.get(), H, m, sh_gu, stream_);
     gemm(L.sh_down_v, sh_act_.get(), SI, m, sh_dn, stream_);
   }
+  // With the next RMSNorm in the same pass, unless a trace wants the MoE output r itself.
+  if (!trace_ && H <= kCombineNormMaxDim) {
+    mark("moe.combine + rmsnorm", double(m) * H * (2 * K + 2 + 8 + 2));  // Yd, shared, h r+w, xn
+    moe_combine_add_rmsnorm(yd_.get(), slot_row_.get(), topk_w_.get(), m, K, H, sh_out_.get(),
+                            router_logits_.get() + E, router_ld_, h_.get(), next_norm, cfg_.rms_eps,
+                            xn_.get(), stream_);
+    return true;
+  }
   mark("moe.combine");
   moe_combine(yd_.get(), slot_row_.get(), topk_w_.get(), m, K, H, nullptr, sh_out_.get(),
               router_logits_.get() + E, router_ld_, r_.get(), stream_);
+  return false;
 }
 
 }  // namespace tansy::cuda

@@ -15,6 +15,20 @@ __device__ __forceinline__ float group_sum(float v) {
 }
 __device__ __forceinline__ float warp_sum(float v) { return group_sum<32>(v); }
 
+// Sum over a block of THREADS threads (every thread gets it): warp sums, then the warps' sums in
+// warp order. red: THREADS / 32 floats of shared memory. The RMSNorm kernels' reduction: one
+// order, so that a fused norm gives the separate launch's bits.
+template <int THREADS>
+__device__ __forceinline__ float block_sum(float v, float* red) {
+  v = warp_sum(v);
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
+  __syncthreads();
+  float r = 0.f;
+#pragma unroll
+  for (int w = 0; w < THREADS / 32; ++w) r += red[w];
+  return r;
+}
+
 // The value as a bf16 store would keep it (activations between ops are bf16 in the bf16 plan).
 __device__ __forceinline__ float round_bf(float x) { return __bfloat162float(__float2bfloat16(x)); }
 

@@ -69,6 +69,8 @@ struct MoeRouting {
   int* tile_offsets = nullptr;    // [n_experts + 1]: prefix sum of ceil(count_e / kGroupedBM)
   int* sorted_slot = nullptr;     // [n*k]: slot held by each sorted row
   int* slot_row = nullptr;        // [n*k]: sorted row of each slot (inverse of sorted_slot)
+  int* work = nullptr;            // [2*n_experts + 1]: moe_route_sort's counters; zero before the
+                                  // first sort, and each sort leaves it zero
 };
 
 // Grouped GEMM over the n*k sorted rows: Y[r, :] = X_row(r) · W_eᵀ for r in expert e's range,

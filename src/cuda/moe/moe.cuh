@@ -76,7 +76,9 @@ void moe_down_residual(const DevLinear& Wd, int n_experts, const int* idx, const
 // Routing sort: top-k expert ids [n, k] (int32, each in [0, n_experts)) -> tokens grouped by
 // expert. A "slot" is t*k + j (token t's j-th choice); a "sorted row" is its position in the
 // expert-grouped order. Order within one expert is unspecified (each row's result is independent
-// of its position, so outputs are deterministic anyway). One block, one launch; graph-capturable.
+// of its position, so outputs are deterministic anyway). Two launches over the ids (count, then
+// scatter), counting in r.work (zero before, left zero); graph-capturable. One sort at a time per
+// r.work.
 void moe_route_sort(const int* topk_ids, int n, int k, int n_experts, const MoeRouting& r,
                     cudaStream_t stream);
 
@@ -88,11 +90,22 @@ void moe_combine(const __nv_bfloat16* Yd, const int* slot_row, const float* weig
                  const __nv_bfloat16* residual, const __nv_bfloat16* shared, const float* sh_logit,
                  int64_t sh_ld, __nv_bfloat16* out, cudaStream_t stream);
 
+// moe_combine (residual null) fused with the add_rmsnorm after it, bit for bit their results:
+// r = Σ_j weight[t, j]·Yd[slot_row[t*k+j], :] + sigmoid(sh_logit[t*sh_ld])·shared[t, :] rounded to
+// bf16 (never stored), h[t, :] += r (f32), xn[t, :] = bf16(h·rsqrt(mean(h²) + eps)·norm_w).
+// d % 8 == 0, d <= kCombineNormMaxDim (the row stays in one block's shared memory).
+constexpr int kCombineNormMaxDim = 2048;
+void moe_combine_add_rmsnorm(const __nv_bfloat16* Yd, const int* slot_row, const float* weight, int n, int k,
+                             int d, const __nv_bfloat16* shared, const float* sh_logit, int64_t sh_ld,
+                             float* h, const float* norm_w, float eps, __nv_bfloat16* xn,
+                             cudaStream_t stream);
+
 // MoE prefill with these pieces (what the backend does per layer; xn = normed hidden [n, H]):
 //   router logits (gemm, f32) -> route_topk -> moe_route_sort
 //   -> gemm_grouped(gate|up interleaved [E, 2I, H], gather=true, kSwiGlu) -> act [n*k, I]
 //   -> gemm_grouped(down [E, H, I], gather=false) -> Yd [n*k, H] bf16
 //   -> shared expert: gemm(gate|up interleaved, kSwiGlu) -> gemm(down) ; gemm(shared_expert_gate, f32)
-//   -> moe_combine(..., residual = h, out = h).
+//   -> moe_combine(..., residual null, out = r) -> add_rmsnorm (h += r, the next norm), or the two as
+//      one launch: moe_combine_add_rmsnorm.
 
 }  // namespace tansy::cuda

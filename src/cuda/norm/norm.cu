@@ -1,22 +1,11 @@
+#include "cuda/common/device_math.cuh"
 #include "cuda/common/launch.cuh"
 #include "cuda/norm/norm.cuh"
 
 namespace tansy::cuda {
 namespace {
 
-constexpr int kThreads = 256;
-
-template <int THREADS>
-__device__ float block_sum(float v, float* red) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
-  __syncthreads();
-  float r = 0.f;
-#pragma unroll
-  for (int w = 0; w < THREADS / 32; ++w) r += red[w];
-  return r;
-}
+constexpr int kThreads = kNormThreads;
 
 // The row is held in registers (PER values per thread), so every load is issued before the
 // first store and the block pays one memory latency instead of one per loop trip.

@@ -9,6 +9,7 @@
 namespace tansy::cuda {
 
 constexpr int kNormMaxDim = 16384;
+constexpr int kNormThreads = 256;  // a row's block; element i of a row is thread i % 256's
 
 // Residual add fused with the next RMSNorm, per token row t < n (rows `dim` apart); the residual
 // stream h is f32: h += r (skipped when r is null), xn = bf16(h * rsqrt(mean(h^2) + eps) * w).
