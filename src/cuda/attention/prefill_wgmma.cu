@@ -48,6 +48,7 @@
 #include "cuda/attention/attention.cuh"
 #include "cuda/common/bulk_copy.cuh"
 #include "cuda/common/tensor_core.cuh"
+#include "cuda/gemm/wgmma.cuh"
 
 namespace tansy::cuda {
 namespace {
@@ -74,40 +75,6 @@ struct Cfg {
   static_assert(BN % 16 == 0 && kKVSlab % 1024 == 0, "swizzle atoms are 1024-byte aligned");
   static_assert(kSmem <= 227 * 1024, "shared memory per block");
 };
-
-// d (+)= A·B, A (64 x 16) and B (16 x BN) both K-major in shared memory; scale_d 0 overwrites d.
-__device__ __forceinline__ void wgmma_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-      "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
-        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-        "+f"(d[30]), "+f"(d[31])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d)
-      : "memory");
-}
-__device__ __forceinline__ void wgmma_ss(float (&d)[40], uint64_t desc_a, uint64_t desc_b, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39"
-      "}, %40, %41, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
-        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),
-        "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d)
-      : "memory");
-}
 
 // d += A·B, A (64 x 16) from registers (mma.m16n8k16 A fragments per warp), B (16 x 256) N-major
 // in shared memory (imm-trans-b 1).
@@ -146,39 +113,10 @@ __device__ __forceinline__ void wgmma_rs_n256_tb(float (&d)[128], const uint32_t
       : "memory");
 }
 
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-// Keeps the compiler from moving accesses of registers an asynchronous wgmma reads or writes
-// across its wait (and from reusing them while it runs); before a wgmma_fence, it keeps ordinary
-// writes of a wgmma's registers (the O rescale, zeroing) ahead of the fence, where the PTX ISA
-// requires them (CUTLASS's warpgroup_fence_operand; without it the rescale's multiplies land
-// between the fence and the P·V wgmma in the PTX, which only ptxas's reordering makes safe).
-template <int N>
-__device__ __forceinline__ void fence_regs(float (&r)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
-template <int N>
-__device__ __forceinline__ void fence_regs(uint32_t (&r)[N][4]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
-}
-
-// Shared-memory matrix descriptor, 128-byte swizzle: start address, leading byte offset (K-major:
-// unused, 1 as CUTLASS sets it; N-major: bytes between 64-column blocks), stride byte offset
-// (bytes between 8-row groups: 1024 for 128-byte rows).
-__device__ __forceinline__ uint64_t desc_sw128(uint32_t addr, uint32_t lbo_bytes) {
-  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(lbo_bytes >> 4) << 16) | (uint64_t(1024 >> 4) << 32) |
-         (uint64_t(1) << 62);
-}
+using wg::desc_sw128_lbo;
+using wg::fence_regs;
+using wg::wgmma_commit;
+using wg::wgmma_ss;
 
 __device__ __forceinline__ void tensor_copy_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2,
                                                uint64_t* bar) {
@@ -209,8 +147,8 @@ __device__ __forceinline__ void issue_s(float (&s)[BN / 2], uint32_t q_addr, uin
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
     const uint32_t off = uint32_t((kk % 4) * 32);
-    wgmma_ss(s, desc_sw128(q_addr + uint32_t((kk / 4) * kQSlab) + off, 16),
-             desc_sw128(k_addr + uint32_t((kk / 4) * Cfg<BN>::kKVSlab) + off, 16), kk > 0);
+    wgmma_ss<BN>(s, desc_sw128_lbo(q_addr + uint32_t((kk / 4) * kQSlab) + off, 16),
+                 desc_sw128_lbo(k_addr + uint32_t((kk / 4) * Cfg<BN>::kKVSlab) + off, 16), kk > 0);
   }
 }
 // O += P·V: key step kc is rows 16·kc .. 16·kc+15 of every d-block (two 8-row groups, 2048 bytes
@@ -220,7 +158,7 @@ __device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&p)[
                                          uint32_t v_addr) {
 #pragma unroll
   for (int kc = 0; kc < BN / 16; ++kc)
-    wgmma_rs_n256_tb(o, p[kc], desc_sw128(v_addr + uint32_t(kc * 16 * 128), Cfg<BN>::kKVSlab));
+    wgmma_rs_n256_tb(o, p[kc], desc_sw128_lbo(v_addr + uint32_t(kc * 16 * 128), Cfg<BN>::kKVSlab));
 }
 // P for keys 16·kc ..: rows g / g+8, keys 2c, 2c+1 and 2c+8, 2c+9 (mma.m16n8k16's A fragment),
 // from the S accumulators.
@@ -378,10 +316,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   bulk::mbar_wait(&bar->q, 0);
   bulk::mbar_wait(&bar->k_full[0], 0);
   fence_regs(s);
-  wgmma_fence();
+  wg::wgmma_arrive();
   issue_s<BN>(s, q_addr, base + C::kOffK);
   wgmma_commit();
-  wgmma_wait<0>();
+  wg::wgmma_wait0();
   fence_regs(s);
   release(&bar->k_empty[0]);
   float alpha[2];  // the factor O is scaled by before the next P·V (tile 0's: O is zero anyway)
@@ -403,13 +341,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       else
         named_sync<2>();
     }
-    wgmma_fence();
+    wg::wgmma_arrive();
     issue_s<BN>(s, q_addr, base + C::kOffK + uint32_t(st * C::kKVBytes));
     wgmma_commit();
     // While S_j runs: O (up to tile j-2, at max m_{j-2}) to the max of tile j-1, then += P_{j-1}·V_{j-1}.
     rescale(alpha);
     fence_regs(o);
-    wgmma_fence();
+    wg::wgmma_arrive();
     issue_pv<BN>(o, p, base + C::kOffV + uint32_t(sp * C::kKVBytes));
     wgmma_commit();
     if (kPingPong) {
@@ -418,11 +356,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       else
         named_arrive<1>();
     }
-    wgmma_wait<1>();  // S_j done; P_{j-1}·V_{j-1} may still run
+    wg::wgmma_wait1();  // S_j done; P_{j-1}·V_{j-1} may still run
     fence_regs(s);
     release(&bar->k_empty[st]);
     softmax(j, alpha);
-    wgmma_wait<0>();
+    wg::wgmma_wait0();
     fence_regs(o);
     fence_regs(p);
     release(&bar->v_empty[sp]);
@@ -434,10 +372,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     bulk::mbar_wait(&bar->v_full[sp], unsigned((n_tiles - 1) / kStages) & 1);
     rescale(alpha);
     fence_regs(o);
-    wgmma_fence();
+    wg::wgmma_arrive();
     issue_pv<BN>(o, p, base + C::kOffV + uint32_t(sp * C::kKVBytes));
     wgmma_commit();
-    wgmma_wait<0>();
+    wg::wgmma_wait0();
     fence_regs(o);
     fence_regs(p);
   }
@@ -505,10 +443,10 @@ __global__ void __launch_bounds__(256, 1)
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) s[i] = 0.f;
   fence_regs(s);
-  wgmma_fence();
+  wg::wgmma_arrive();
   issue_s<BN>(s, base + uint32_t(wg * 64 * 128), base + C::kOffK);
   wgmma_commit();
-  wgmma_wait<0>();
+  wg::wgmma_wait0();
   fence_regs(s);
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) s_out[row_of(i) * BN + col_of(i)] = s[i];
@@ -521,10 +459,10 @@ __global__ void __launch_bounds__(256, 1)
   for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
   fence_regs(o);
   fence_regs(p);
-  wgmma_fence();
+  wg::wgmma_arrive();
   issue_pv<BN>(o, p, base + C::kOffV);
   wgmma_commit();
-  wgmma_wait<0>();
+  wg::wgmma_wait0();
   fence_regs(o);
   fence_regs(p);
 #pragma unroll

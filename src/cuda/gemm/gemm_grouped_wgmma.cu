@@ -358,8 +358,6 @@ __global__ void __launch_bounds__(kThreads, Shape<kN>::kBlocksPerSm)
   grouped_body<kN>(p);
 }
 
-constexpr int kTileOverheadRows = kGroupedTileOverheadRows;
-
 // Two tile sizes, chosen per launch from the routed counts (which only the device knows): every
 // block sums the tiles each size would make, Σ_e ceil(c_e / N), and runs the cheaper one; the host
 // picks the pair from the mean count (choose_rows). Same products whichever size runs: an output
@@ -386,7 +384,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_grouped_wgmma_pair_kernel(co
   ta = tb = 0;
 #pragma unroll
   for (int w = 0; w < kThreads / 32; ++w) ta += part[0][w], tb += part[1][w];
-  if (ta * (kNa + kTileOverheadRows) <= tb * (kNb + kTileOverheadRows))
+  if (ta * (kNa + kGroupedTileOverheadRows) <= tb * (kNb + kGroupedTileOverheadRows))
     grouped_body<kNa>(p);
   else
     grouped_body<kNb>(p);
@@ -429,7 +427,7 @@ int g_force_rows = 0;  // set_grouped_wgmma_rows
 
 // The smaller tile rows for `rows` routed rows over `experts` experts: the built size with the least
 // expected work when each expert's count is Poisson with the mean rows / experts (uniform routing),
-// at kTileOverheadRows per tile. At 4,096 tokens (mean 128) that is 144: one tile per expert, 11%
+// at kGroupedTileOverheadRows per tile. At 4,096 tokens (mean 128) that is 144: one tile per expert, 11%
 // padding, where 128-row tiles would split half the experts in two. The kernel then takes it or
 // the next larger size, whichever the launch's real counts make cheaper.
 int choose_rows(long rows, int experts) {
@@ -445,7 +443,7 @@ int choose_rows(long rows, int experts) {
     const int c0 = std::max(1, int(mean - 8 * sd)), c1 = int(mean + 8 * sd) + 8;
     for (int c = c0; c <= c1; ++c) {
       const double pmf = std::exp(c * std::log(mean) - mean - std::lgamma(c + 1.0));
-      cost += pmf * double((c + n - 1) / n) * (n + kTileOverheadRows);
+      cost += pmf * double((c + n - 1) / n) * (n + kGroupedTileOverheadRows);
     }
     if (n == kGroupedWgmmaRows[0] || cost < best_cost) best = n, best_cost = cost;
   }

@@ -11,6 +11,40 @@ namespace {
 
 constexpr int kCombineThreads = 256;
 
+// The 8 bf16 values of a 16-byte word, as f32.
+__device__ __forceinline__ void unpack8(const __nv_bfloat16* src, float (&f)[8]) {
+  const uint4 v = *reinterpret_cast<const uint4*>(src);
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 p = __bfloat1622float2(h[i]);
+    f[2 * i] = p.x;
+    f[2 * i + 1] = p.y;
+  }
+}
+
+// Token t's mixture at columns c..c+7: its k expert rows in slot order, weighted, then the shared
+// expert gated by sg (both kernels' arithmetic, in this order).
+__device__ __forceinline__ void mixture8(const __nv_bfloat16* Yd, const int* slot_row, const float* weight,
+                                         int k, int d, int t, int c, const __nv_bfloat16* shared, float sg,
+                                         float (&mix)[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) mix[i] = 0.f;
+  for (int j = 0; j < k; ++j) {
+    const float w = weight[size_t(t) * k + j];
+    float f[8];
+    unpack8(Yd + size_t(slot_row[size_t(t) * k + j]) * d + c, f);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) mix[i] += w * f[i];
+  }
+  if (shared) {
+    float f[8];
+    unpack8(shared + size_t(t) * d + c, f);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) mix[i] += sg * f[i];
+  }
+}
+
 __global__ void __launch_bounds__(kCombineThreads)
     moe_combine_kernel(const __nv_bfloat16* Yd, const int* slot_row, const float* weight, int k, int d,
                        const __nv_bfloat16* residual, const __nv_bfloat16* shared, const float* sh_logit,
@@ -19,38 +53,9 @@ __global__ void __launch_bounds__(kCombineThreads)
   const float sg = shared ? sigmoid_fast(sh_logit[t * sh_ld]) : 0.f;
   for (int c = threadIdx.x * 8; c < d; c += kCombineThreads * 8) {
     float acc[8] = {};
-    if (residual) {
-      const uint4 v = *reinterpret_cast<const uint4*>(residual + size_t(t) * d + c);
-      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(h[i]);
-        acc[2 * i] = f.x;
-        acc[2 * i + 1] = f.y;
-      }
-    }
-    float mix[8] = {};
-    for (int j = 0; j < k; ++j) {
-      const float w = weight[size_t(t) * k + j];
-      const uint4 v = *reinterpret_cast<const uint4*>(Yd + size_t(slot_row[size_t(t) * k + j]) * d + c);
-      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(h[i]);
-        mix[2 * i] += w * f.x;
-        mix[2 * i + 1] += w * f.y;
-      }
-    }
-    if (shared) {
-      const uint4 v = *reinterpret_cast<const uint4*>(shared + size_t(t) * d + c);
-      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(h[i]);
-        mix[2 * i] += sg * f.x;
-        mix[2 * i + 1] += sg * f.y;
-      }
-    }
+    if (residual) unpack8(residual + size_t(t) * d + c, acc);
+    float mix[8];
+    mixture8(Yd, slot_row, weight, k, d, t, c, shared, sg, mix);
     uint4 o;
     uint32_t* ow = reinterpret_cast<uint32_t*>(&o);
 #pragma unroll
@@ -77,28 +82,8 @@ __global__ void __launch_bounds__(kCombineThreads)
   const float sg = shared ? sigmoid_fast(sh_logit[t * sh_ld]) : 0.f;
   // moe_combine's loop, its 8 contiguous values a thread, into shared memory instead of r.
   for (int c = threadIdx.x * 8; c < d; c += kCombineThreads * 8) {
-    float mix[8] = {};
-    for (int j = 0; j < k; ++j) {
-      const float w = weight[size_t(t) * k + j];
-      const uint4 v = *reinterpret_cast<const uint4*>(Yd + size_t(slot_row[size_t(t) * k + j]) * d + c);
-      const __nv_bfloat162* hv = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(hv[i]);
-        mix[2 * i] += w * f.x;
-        mix[2 * i + 1] += w * f.y;
-      }
-    }
-    if (shared) {
-      const uint4 v = *reinterpret_cast<const uint4*>(shared + size_t(t) * d + c);
-      const __nv_bfloat162* hv = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(hv[i]);
-        mix[2 * i] += sg * f.x;
-        mix[2 * i + 1] += sg * f.y;
-      }
-    }
+    float mix[8];
+    mixture8(Yd, slot_row, weight, k, d, t, c, shared, sg, mix);
     uint4 o;
     uint32_t* ow = reinterpret_cast<uint32_t*>(&o);
     const float zero = 0.f;  // moe_combine's residual-free accumulator (0 + -0 is +0)
