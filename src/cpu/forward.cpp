@@ -308,16 +308,9 @@ class CpuModel final : public Model {
     std::vector<int32_t> forced(size_t(n) * K);
     if (!route_override_(layer, n, forced)) return;
     for (int t = 0; t < n; ++t) {
-      const float* l = &logits[size_t(t) * E];
-      const float mx = *std::max_element(l, l + E);
-      float total = 0.f;
-      for (int j = 0; j < K; ++j) {
-        const int e = forced[size_t(t) * K + j];
-        if (e < 0 || e >= E) fail("route override: expert {} outside 0..{}", e, E - 1);
-        idx[size_t(t) * K + j] = e;
-        total += wts[size_t(t) * K + j] = std::exp(l[e] - mx);
-      }
-      for (int j = 0; j < K; ++j) wts[size_t(t) * K + j] /= total;
+      const std::span<const int32_t> f(&forced[size_t(t) * K], K);
+      override_weights(&logits[size_t(t) * E], E, f, &wts[size_t(t) * K]);
+      std::copy(f.begin(), f.end(), &idx[size_t(t) * K]);
     }
   }
 

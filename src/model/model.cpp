@@ -1,6 +1,7 @@
 #include "model/model.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <vector>
 
@@ -56,6 +57,18 @@ size_t state_bytes_of(const ModelConfig& c, int max_tokens, size_t kv_elem, size
                                            size_t(c.lin_v_head_dim) * recurrent_elem
                                  : 2 * size_t(max_tokens) * size_t(c.kv_dim()) * kv_elem;
   return b;
+}
+
+void Model::override_weights(const float* logits, int E, std::span<const int32_t> forced, float* w,
+                             int w_stride) {
+  const float mx = *std::max_element(logits, logits + E);
+  float total = 0.f;
+  for (size_t j = 0; j < forced.size(); ++j) {
+    const int e = forced[j];
+    if (e < 0 || e >= E) fail("route override: expert {} outside 0..{}", e, E - 1);
+    total += w[j * w_stride] = std::exp(logits[e] - mx);
+  }
+  for (size_t j = 0; j < forced.size(); ++j) w[j * w_stride] /= total;
 }
 
 namespace {

@@ -173,6 +173,10 @@ class Model {
   // probabilities are within rounding of each other, so the layers can be compared tightly.
   using RouteOverrideFn = std::function<bool(int layer, int n, std::span<int32_t> idx)>;
   void set_route_override(RouteOverrideFn fn) { route_override_ = std::move(fn); }
+  // A route override's weights for one token: its router logits [E] softmax-renormalised over the
+  // experts `forced` names, into w[j * w_stride]; an expert outside 0..E-1 is an error.
+  static void override_weights(const float* logits, int E, std::span<const int32_t> forced, float* w,
+                               int w_stride = 1);
 
  protected:
   // feed_batch's batched form, for backends with max_batch() > 1: feeds each piece after its

@@ -370,7 +370,7 @@ TEST(Attention, PrefillWgmma) {
     const bool pingpong = variant % 2 == 0;
     WgmmaTileScope scope(keys, pingpong);
     std::printf("  -- %d keys per tile, ping-pong %s\n", keys, pingpong ? "on" : "off");
-    for (int n : {1, 7, 64, 65, 127, 128, 129, 1000, 4096})
+    for (int n : {1, 7, 63, 64, 65, 127, 128, 129, 1000, 4096})
       check_attention({16, 2, 0, n, n % 2 == 1, 24}, Prefill::kWgmma);
     const AttnCase cases[] = {
         {16, 2, 37, 200, true, 0},  {16, 2, 1000, 3, false, 0},       {16, 2, 62, 20, true, 0},

@@ -328,8 +328,8 @@ TEST(Gdn, ChunkedLong) {
 // o, z and y as the prefill lays them out, token counts that leave the last block partly empty.
 TEST(Gdn, GatedNorm) {
   constexpr int D = cuda::kGdnDim;
-  for (auto [n, heads] :
-       {std::pair{1, 32}, std::pair{3, 32}, std::pair{65, 32}, std::pair{4096, 32}, std::pair{7, 3}}) {
+  for (auto [n, heads] : {std::pair{1, 32}, std::pair{3, 32}, std::pair{63, 32}, std::pair{64, 32},
+                          std::pair{65, 32}, std::pair{4096, 32}, std::pair{7, 3}}) {
     const int64_t ldo = int64_t(heads) * D + 4, ldz = int64_t(heads) * D + 68, ldy = int64_t(heads) * D + 8;
     auto o = randn(size_t(n) * ldo, 0.7f), z = randn(size_t(n) * ldz, 1.5f), w = randn(D, 0.2f, 1.f);
     round_bf16_inplace(z);

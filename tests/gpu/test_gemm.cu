@@ -83,6 +83,9 @@ void plain_cases() {
       {WFormat::kBF16, 258, 2048, 4096, "bf16 router shape"},
       {WFormat::kBF16, 258, 2048, 256, "bf16 router shape, 64-token tiles"},
       {WFormat::kBF16, 258, 2048, 4033, "bf16 router shape, partial"},
+      {WFormat::kBF16, 258, 2048, 63, "bf16 router shape, one partial 64-token tile"},
+      {WFormat::kBF16, 258, 2048, 64, "bf16 router shape, one full 64-token tile"},
+      {WFormat::kBF16, 258, 2048, 65, "bf16 router shape, one row past a 64-token tile"},
       {WFormat::kBF16, 130, 64, 200, "bf16 one k-tile"},
       // wgmma tiles: 128 rows x 128 columns (partial last row and column tiles), one and two k-tiles
       {WFormat::kAffine4, 2048, 2048, 4000, "128-row tiles, partial"},
@@ -514,7 +517,7 @@ TEST(Gemm, GroupedWgmma) {
     }
   }
   // Uniform at 4,096 tokens (the automatic size: one tile per expert) and at a few small counts.
-  for (const int n : {4096, 1, 63, 200}) {
+  for (const int n : {4096, 1, 63, 64, 65, 200}) {
     const auto idx = power_law_routing(n, E, k, 0.0);
     std::vector<int> count(E, 0);
     for (int e : idx) ++count[size_t(e)];

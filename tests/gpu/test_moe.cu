@@ -49,7 +49,8 @@ TEST(Moe, RouteTopkTiesAtTheBoundary) {
 
 TEST(Moe, RouteTopk) {
   for (auto [E, k, n] :
-       {std::tuple{256, 8, 5}, std::tuple{8, 2, 3}, std::tuple{16, 16, 1}, std::tuple{256, 8, 4099}}) {
+       {std::tuple{256, 8, 5}, std::tuple{8, 2, 3}, std::tuple{16, 16, 1}, std::tuple{256, 8, 63},
+        std::tuple{256, 8, 64}, std::tuple{256, 8, 65}, std::tuple{256, 8, 4099}}) {
     const int ld = E + 2;
     auto logits = randn(size_t(n) * ld, 2.f);
     // a tie between two of the largest: the lower index must win
@@ -430,7 +431,8 @@ TEST(Moe, GroupedUnevenExpertsWgmmaGrouped) {
 
 // The fused combine + RMSNorm against the two launches it replaces (moe_combine into r, then
 // add_rmsnorm): the same bits in h and xn, at the model's shape and at small ones, with and
-// without the shared expert.
+// without the shared expert. Also against the host: h + Σ_j w_j·Yd[slot_row] + sigmoid(logit)·shared
+// in f32, then cpu::rmsnorm.
 TEST(Moe, CombineAddRmsnormIsTheTwoLaunches) {
   for (auto [n, d, k, with_shared] : {std::tuple{4096, 2048, 8, true}, std::tuple{1, 2048, 8, true},
                                       std::tuple{7, 64, 2, false}, std::tuple{3, 1024, 4, true}}) {
@@ -444,7 +446,9 @@ TEST(Moe, CombineAddRmsnormIsTheTwoLaunches) {
     std::shuffle(perm.begin(), perm.end(), rng());
     std::vector<float> wts(rows);
     for (float& x : wts) x = std::uniform_real_distribution<float>(0.f, 0.3f)(rng());
-    yd[0] = -0.f;  // a signed zero through the mixture
+    yd[0] = -0.f;            // a signed zero through the mixture
+    round_bf16_inplace(yd);  // the values the device holds (bf16), for the host reference
+    round_bf16_inplace(sh);
     auto dyd = to_device_bf16(yd), dsh = to_device_bf16(sh);
     auto dlog = to_device(logits), dw = to_device(w), dwts = to_device(wts);
     auto dperm = to_device(perm);
@@ -464,6 +468,26 @@ TEST(Moe, CombineAddRmsnormIsTheTwoLaunches) {
     EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float))) << label << ": h differs";
     EXPECT_EQ(0, std::memcmp(xa.data(), xb.data(), xa.size() * sizeof(float))) << label << ": xn differs";
     EXPECT_GT(max_abs_diff(a, h), 0.f) << label << ": h was not updated";
+    // Host reference, independent of the device: the combine in f32 (as check_moe's), then the norm.
+    std::vector<float> ref_r(size_t(n) * d), ref_h(size_t(n) * d), ref_xn(size_t(n) * d),
+        got_r(size_t(n) * d);
+    for (int t = 0; t < n; ++t) {
+      const float sg = with_shared ? sigmoid(logits[size_t(t) * 3 + 1]) : 0.f;
+      for (int c = 0; c < d; ++c) {
+        const size_t i = size_t(t) * d + c;
+        float acc = 0;
+        for (int j = 0; j < k; ++j)
+          acc += wts[size_t(t) * k + j] * yd[size_t(perm[size_t(t) * k + j]) * d + c];
+        if (with_shared) acc += sg * sh[i];
+        ref_r[i] = acc;
+        ref_h[i] = h[i] + acc;
+        got_r[i] = b[i] - h[i];
+      }
+      cpu::rmsnorm(&ref_h[size_t(t) * d], w.data(), d, 1e-6f, &ref_xn[size_t(t) * d]);
+    }
+    EXPECT_REL(b, ref_h, kTolBf16, "combine_add_rmsnorm h " + label);
+    EXPECT_REL(got_r, ref_r, kTolBf16, "  its increment h - h0 (the mixture)");
+    EXPECT_REL(xb, ref_xn, kTolBf16, "  its xn");
   }
   DeviceBuffer<bf16> y(8 * 4096);
   DeviceBuffer<float> hh(4096);

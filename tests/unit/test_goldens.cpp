@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <span>
 #include <string>
 #include <vector>
@@ -176,6 +177,69 @@ INSTANTIATE_TEST_SUITE_P(All, Golden, ::testing::ValuesIn(golden_models()), [](c
   std::replace(s.begin(), s.end(), '-', '_');
   return s;
 });
+
+// A route override's weights: the token's softmax renormalised over the forced experts.
+TEST(Model, OverrideWeightsAreTheSoftmaxOverTheForcedExperts) {
+  const float logits[] = {1.f, 2.f, 0.5f, 3.f};
+  const int32_t forced[] = {3, 1};
+  float w[4] = {-1.f, -1.f, -1.f, -1.f};
+  Model::override_weights(logits, 4, forced, w, 2);  // every other slot
+  const float e3 = 1.f, e1 = std::exp(-1.f);
+  EXPECT_FLOAT_EQ(w[0], e3 / (e3 + e1));
+  EXPECT_FLOAT_EQ(w[2], e1 / (e3 + e1));
+  EXPECT_EQ(w[1], -1.f);
+  EXPECT_EQ(w[3], -1.f);
+  const int32_t outside[] = {3, 4};
+  EXPECT_THROW(Model::override_weights(logits, 4, outside, w), Error);
+}
+
+// Following the routes a model recorded gives its own logits (to rounding: the weights are recomputed);
+// following other routes changes them (so a test that follows routes can tell the two apart).
+TEST(Model, RouteOverrideFollowsTheGivenExperts) {
+  auto model = open_model(test::goldens_dir() / "realdims-mlx", ModelOptions{});
+  const auto ids = read_vec<int32_t>(test::goldens_dir() / "realdims-mlx" / "seq7.ids");
+  const int V = model->config().vocab_size, K = model->config().experts_per_tok;
+  const int E = model->config().num_experts;
+  std::map<int, std::vector<int32_t>> routes;
+  model->set_route_trace(
+      [&](int layer, std::span<const int32_t> idx) { routes[layer].assign(idx.begin(), idx.end()); });
+  std::vector<float> own(V), followed(V), other(V);
+  auto a = model->new_state(int(ids.size()));
+  model->forward(*a, ids, own, false);
+  model->set_route_trace(nullptr);
+  ASSERT_EQ(int(routes.size()), model->config().num_layers);
+  for (bool shift : {false, true}) {
+    int calls = 0;
+    model->set_route_override([&](int layer, int n, std::span<int32_t> idx) {
+      ++calls;
+      EXPECT_EQ(size_t(n) * K, idx.size());
+      for (size_t i = 0; i < idx.size(); ++i) {
+        idx[i] = routes[layer][i];
+        if (shift && i % K == 0) {  // a token's first choice moved to an expert it did not choose
+          int e = (idx[i] + 1) % E;
+          while (std::find(&routes[layer][i], &routes[layer][i] + K, e) != &routes[layer][i] + K)
+            e = (e + 1) % E;
+          idx[i] = e;
+        }
+      }
+      return true;
+    });
+    auto b = model->new_state(int(ids.size()));
+    model->forward(*b, ids, shift ? other : followed, false);
+    model->set_route_override(nullptr);
+    EXPECT_EQ(calls, model->config().num_layers);
+  }
+  auto rel = [&](const std::vector<float>& x) {
+    float mx = 0, d = 0;
+    for (int i = 0; i < V; ++i)
+      mx = std::max(mx, std::fabs(own[i])), d = std::max(d, std::fabs(x[i] - own[i]));
+    return d / mx;
+  };
+  // The followed run recomputes the weights (override_weights) in its own order: rounding apart.
+  std::printf("[route override] followed %.3g, moved %.3g of max|logit|\n", rel(followed), rel(other));
+  EXPECT_LE(rel(followed), 1e-5);
+  EXPECT_GE(rel(other), 1e-3);
+}
 
 TEST(Model, BadInputsAreErrors) {
   auto model = open_model(test::goldens_dir() / "realdims-mlx", ModelOptions{});

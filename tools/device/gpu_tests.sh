@@ -30,10 +30,14 @@ group() {
 }
 
 nvidia-smi -L 2>&1 | tee "$OUT/log"
-group kernels 150 "$T" --gtest_filter='Matvec.*:Gemm.*:Attention.*:Gdn.*:Moe.*:Norm.*:Head.*'
+group kernels 300 "$T" --gtest_filter='Matvec.*:Gemm.*:Attention.*:Gdn.*:Moe.*:Norm.*:Head.*'
 group models 90 "$T" --gtest_filter='*Golden*:ModelErrors.*'
 group synthetic_timing 100 env TANSY_SYNTH_DIR=/dev/shm/synth "$T" --gtest_filter='Synthetic.Timing'
-group synthetic_cuda_vs_cpu 60 env TANSY_SYNTH_DIR=/dev/shm/synth "$T" --gtest_filter='Synthetic.CudaVsCpu*'
+group synthetic_cuda_vs_cpu 120 env TANSY_SYNTH_DIR=/dev/shm/synth "$T" --gtest_filter='Synthetic.CudaVsCpu*'
+# a 4,160-token prompt whole, in pieces and token by token (~4,200 decode steps)
+group synthetic_split 90 env TANSY_SYNTH_DIR=/dev/shm/synth "$T" --gtest_filter='Synthetic.WholePiecesTokenByToken'
+# the device sampler against the host's, the f32 plan
+group sampling_f32 120 env TANSY_SYNTH_DIR=/dev/shm/synth "$T" --gtest_filter='Sample.*:SampledDecode.*:F32*:-Sample.Timing'
 # batch invariance of the batched decode step (continuous batching) against each sequence alone
 group batch 60 env TANSY_SYNTH_DIR=/dev/shm/synth "$T" --gtest_filter='Batch.*:Step.*'
 # memcheck (tiny golden, GEMV path and decode graph): a memory error is exit 99, a test failure is

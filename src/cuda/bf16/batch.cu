@@ -212,8 +212,8 @@ static bool decode_row(const FeedEntry& e) {
 }
 
 void CudaModel::feed_batch(std::span<const FeedEntry> entries) {
-  if (entries.size() <= 1 || !batch_ok_ || trace_ || route_trace_) {
-    if (entries.size() == 1 && entries[0].cut && cut_in_one_pass_ && !trace_ && !route_trace_) {
+  if (entries.size() <= 1 || !batch_ok_ || hooked()) {
+    if (entries.size() == 1 && entries[0].cut && cut_in_one_pass_ && !hooked()) {
       check_batch(entries);
       const FeedEntry& e = entries[0];
       return feed_cut_in_one_pass(e, [&](std::span<const int32_t> ids) {

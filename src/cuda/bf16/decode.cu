@@ -31,7 +31,8 @@ void CudaModel::decode_step(CudaState& st, int limit) {
 }
 
 void CudaModel::run_decode_fused(CudaState& st, const int* ids, bool head) {
-  if (step_ok_ && (!marks_ || profile_step_))
+  // The persistent step routes inside its kernel: a route override needs the per-op kernels.
+  if (step_ok_ && (!marks_ || profile_step_) && !route_override_)
     run_decode_persistent(st, ids);
   else
     run_decode_per_op(st, ids);

@@ -42,8 +42,7 @@ void CudaModel::forward(SequenceState& state, std::span<const int32_t> ids, std:
   check_ids(st, ids);
   const size_t V = size_t(cfg_.vocab_size), need = all_positions ? V * n : V;
   if (logits.size() < need) fail("forward: logits buffer holds {} floats, needs {}", logits.size(), need);
-  if (n == 1 && !trace_ && !route_trace_ &&
-      st.decode_graph) {  // one token: the decode graph (its argmax is unused here)
+  if (n == 1 && !hooked() && st.decode_graph) {  // one token: the decode graph (its argmax is unused here)
     *h_tok_ = ids[0];
     CUDA_CHECK(cudaMemcpyAsync(d_tok_.get(), h_tok_, sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
     CUDA_CHECK(cudaGraphLaunch(st.decode_graph, stream_));
@@ -75,7 +74,7 @@ void CudaModel::forward(SequenceState& state, std::span<const int32_t> ids, std:
 }
 
 int32_t CudaModel::greedy_step(SequenceState& state, std::span<const int32_t> ids, int limit) {
-  if (trace_ || route_trace_) return Model::greedy_step(state, ids, limit);
+  if (hooked()) return Model::greedy_step(state, ids, limit);
   auto& st = dynamic_cast<CudaState&>(state);
   if (limit < 1 || limit > cfg_.vocab_size)
     fail("greedy_step: limit {} outside 1..{}", limit, cfg_.vocab_size);
@@ -96,8 +95,7 @@ int32_t CudaModel::greedy_step(SequenceState& state, std::span<const int32_t> id
 
 void CudaModel::generate_greedy(SequenceState& state, std::span<const int32_t> prompt, int n,
                                 const std::function<bool(int32_t)>& on_token) {
-  if (trace_ || route_trace_)
-    return Model::generate_greedy(state, prompt, n, on_token);  // traced runs go eagerly
+  if (hooked()) return Model::generate_greedy(state, prompt, n, on_token);  // traced runs go eagerly
   auto& st = dynamic_cast<CudaState&>(state);
   check_ids(st, prompt);
   if (n <= 0) return;
@@ -220,15 +218,19 @@ void CudaModel::capture_decode_graph(CudaState& st) {
   // Tracing synchronises the stream, which a capture forbids; graphs are never traced.
   TraceFn saved = std::exchange(trace_, nullptr);
   RouteTraceFn saved_routes = std::exchange(route_trace_, nullptr);
+  RouteOverrideFn saved_override = std::exchange(route_override_, nullptr);
+  auto restore = [&] {
+    trace_ = std::move(saved);
+    route_trace_ = std::move(saved_routes);
+    route_override_ = std::move(saved_override);
+  };
   try {
     capture(st.decode_graph, [&] { decode_step(st, greedy_limit_); });
   } catch (...) {
-    trace_ = std::move(saved);
-    route_trace_ = std::move(saved_routes);
+    restore();
     throw;
   }
-  trace_ = std::move(saved);
-  route_trace_ = std::move(saved_routes);
+  restore();
   st.graph_limit = greedy_limit_;
 }
 

@@ -116,12 +116,12 @@ class CudaGreedySampler final : public CudaRowSampler {
 
 std::unique_ptr<TokenSampler> CudaModel::make_sampler(const SamplerSpec& spec) {
   // Traced runs synchronise per layer and go through forward(): the host sampler, by design.
-  if (trace_ || route_trace_) return make_host_sampler(spec);
+  if (hooked()) return make_host_sampler(spec);
   return std::make_unique<CudaTokenSampler>(*this, spec);
 }
 
 std::unique_ptr<TokenSampler> CudaModel::make_greedy_sampler(int limit) {
-  if (trace_ || route_trace_) return Model::make_greedy_sampler(limit);
+  if (hooked()) return Model::make_greedy_sampler(limit);
   return std::make_unique<CudaGreedySampler>(*this, limit);
 }
 
