@@ -263,7 +263,7 @@ class CpuModel final : public Model {
     cpu::matmul(w.router, xn, n, logits.data(), pool_);
     for (int t = 0; t < n; ++t)
       cpu::route_topk(&logits[size_t(t) * E], E, K, &idx[size_t(t) * K], &wts[size_t(t) * K]);
-    if (route_override_) override_routes(layer, logits, n, idx, wts);
+    if (route_override_) override_routes(layer, logits, n, idx, wts);  // before the trace, as on CUDA
     if (route_trace_) route_trace_(layer, std::span<const int32_t>(idx.data(), idx.size()));
     std::fill(out, out + size_t(n) * H, 0.0f);
     std::vector<std::vector<std::pair<int, float>>> by_expert(E);
@@ -305,7 +305,7 @@ class CpuModel final : public Model {
   void override_routes(int layer, const std::vector<float>& logits, int n, std::vector<int>& idx,
                        std::vector<float>& wts) {
     const int E = cfg_.num_experts, K = cfg_.experts_per_tok;
-    std::vector<int32_t> forced(size_t(n) * K);
+    std::vector<int32_t> forced(idx.begin(), idx.end());  // the layer's own choices
     if (!route_override_(layer, n, forced)) return;
     for (int t = 0; t < n; ++t) {
       const std::span<const int32_t> f(&forced[size_t(t) * K], K);

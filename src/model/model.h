@@ -163,14 +163,17 @@ class Model {
   using TraceFn = std::function<void(const std::string& name, std::span<const float> values)>;
   virtual void set_trace(TraceFn fn) { trace_ = std::move(fn); }
 
-  // Tests: when set, every MoE layer reports the routed experts it used, idx [n, k] for the n
-  // tokens of the call (slow: the CUDA backend synchronises per layer; decode stays fused).
+  // Tests: when set, every MoE layer reports the routed experts it used (after a route override),
+  // idx [n, k] for the n tokens of the call (slow: the CUDA backend synchronises per layer; its
+  // decode stays in the persistent step unless a route override is set too).
   using RouteTraceFn = std::function<void(int layer, std::span<const int32_t> idx)>;
   void set_route_trace(RouteTraceFn fn) { route_trace_ = std::move(fn); }
-  // Tests, on the reference: when set and it returns true, MoE layer `layer` routes its n tokens
-  // to the experts it wrote into idx [n, k] instead of its own top-k, weighted by its own softmax
-  // renormalised over them. Lets a reference follow the backend under test where two experts'
-  // probabilities are within rounding of each other, so the layers can be compared tightly.
+  // Tests: when set, MoE layer `layer` hands the override its own top-k in idx [n, k]; if the
+  // override returns true, the layer routes its n tokens to the experts it wrote there instead,
+  // weighted by its own softmax renormalised over them. Lets one path follow another's experts
+  // where two experts' probabilities are within rounding of each other, so the two can be compared
+  // tightly. The CPU reference and the CUDA bf16 plan honour it (the bf16 plan's one-token steps
+  // then run its per-op kernels, eagerly); the CUDA f32 plan refuses it.
   using RouteOverrideFn = std::function<bool(int layer, int n, std::span<int32_t> idx)>;
   void set_route_override(RouteOverrideFn fn) { route_override_ = std::move(fn); }
   // A route override's weights for one token: its router logits [E] softmax-renormalised over the

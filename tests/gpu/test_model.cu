@@ -557,12 +557,18 @@ TEST(Synthetic, WholePiecesTokenByToken) {
   for (size_t i = 0; i + 1 < std::size(cuts); ++i)
     m->forward(*b, std::span<const int32_t>(ids).subspan(cuts[i], cuts[i + 1] - cuts[i]), pieces, false);
   EXPECT_EQ(b->n_tokens(), n);
+  auto every_token_followed = [&](const char* path) {
+    EXPECT_EQ(int(next.size()), m->config().num_layers) << path;
+    for (const auto& [layer, t] : next) EXPECT_EQ(t, size_t(n)) << path << ": layer " << layer;
+    next.clear();
+  };
+  every_token_followed("pieces");
   const int differed_pieces = std::exchange(differed, 0);
-  next.clear();
   auto c = m->new_state(n + 1);
   for (int i = 0; i < n; ++i) m->forward(*c, std::span<const int32_t>(&ids[i], 1), single, false);
   m->set_route_override(nullptr);
   EXPECT_EQ(c->n_tokens(), n);
+  every_token_followed("token by token");
   std::printf("  synthetic 4,160 tokens: routing choices followed: %d (pieces), %d (token by token) of %d\n",
               differed_pieces, differed, n * K * m->config().num_layers);
   EXPECT_REL(pieces, whole, 2e-2, "synthetic 4,160 tokens: pieces vs whole");

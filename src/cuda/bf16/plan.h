@@ -282,9 +282,9 @@ class CudaModel final : public Model, public StageProfiler {
   static double wbytes(const DevLinear& W);
   static double wflops(const DevLinear& W, int m) { return 2.0 * W.out * W.in * m; }
 
-  // set_route_trace: the routed experts of the m tokens just routed (stride ids per token);
-  // set_route_override: those tokens' experts replaced by the ones it gives, weighted by this
-  // layer's own router logits (softmax renormalised over them, as the CPU reference does).
+  // set_route_override: the m tokens just routed (stride ids per token) take the experts it gives,
+  // weighted by this layer's own router logits (softmax renormalised over them, as the CPU
+  // reference does); set_route_trace: the experts they use then.
   void report_routes(int layer, int m, int stride);
   // A test hook is set (trace, route trace or route override): such runs go eagerly, through the
   // per-op kernels for one token, where the host can see and change each layer's routing.

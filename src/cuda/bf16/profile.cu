@@ -199,25 +199,33 @@ void CudaModel::report_routes(int layer, int m, int stride) {
   if (!route_trace_ && !route_override_) return;
   const int E = cfg_.num_experts, K = cfg_.experts_per_tok;
   std::vector<int32_t> all(size_t(m) * stride), idx(size_t(m) * K);
+  CUDA_CHECK(cudaMemcpyAsync(all.data(), topk_idx_.get(), all.size() * sizeof(int32_t),
+                             cudaMemcpyDeviceToHost, stream_));
   CUDA_CHECK(cudaStreamSynchronize(stream_));
-  CUDA_CHECK(cudaMemcpy(all.data(), topk_idx_.get(), all.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
   for (int t = 0; t < m; ++t)
     for (int j = 0; j < K; ++j) idx[size_t(t) * K + j] = all[size_t(t) * stride + j];
-  if (route_trace_) route_trace_(layer, idx);
-  if (!route_override_ || !route_override_(layer, m, idx)) return;
-  // Row t's logits are at t * router_ld_ (prefill) or row 0 (one token, any ld); a shared-expert
-  // slot past K (decode's folded shared expert) keeps its id and weight.
-  std::vector<float> w(all.size()), logits(size_t(m) * router_ld_);
-  CUDA_CHECK(cudaMemcpy(w.data(), topk_w_.get(), w.size() * sizeof(float), cudaMemcpyDeviceToHost));
-  CUDA_CHECK(
-      cudaMemcpy(logits.data(), router_logits_.get(), logits.size() * sizeof(float), cudaMemcpyDeviceToHost));
-  for (int t = 0; t < m; ++t) {
-    const std::span<const int32_t> f(&idx[size_t(t) * K], K);
-    override_weights(&logits[size_t(t) * router_ld_], E, f, &w[size_t(t) * stride]);
-    std::copy(f.begin(), f.end(), &all[size_t(t) * stride]);
+  if (route_override_ && route_override_(layer, m, idx)) {
+    // Row t's logits are at t * router_ld_ (prefill) or row 0 (one token, any ld); a shared-expert
+    // slot past K (decode's folded shared expert) keeps its id and weight.
+    std::vector<float> w(all.size()), logits(size_t(m) * router_ld_);
+    CUDA_CHECK(
+        cudaMemcpyAsync(w.data(), topk_w_.get(), w.size() * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+    CUDA_CHECK(cudaMemcpyAsync(logits.data(), router_logits_.get(), logits.size() * sizeof(float),
+                               cudaMemcpyDeviceToHost, stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    for (int t = 0; t < m; ++t) {
+      const std::span<const int32_t> f(&idx[size_t(t) * K], K);
+      override_weights(&logits[size_t(t) * router_ld_], E, f, &w[size_t(t) * stride]);
+      std::copy(f.begin(), f.end(), &all[size_t(t) * stride]);
+    }
+    // Pageable sources: each copy has read its buffer when it returns; the stream orders the
+    // copies before the kernels that read the routing.
+    CUDA_CHECK(cudaMemcpyAsync(topk_idx_.get(), all.data(), all.size() * sizeof(int32_t),
+                               cudaMemcpyHostToDevice, stream_));
+    CUDA_CHECK(
+        cudaMemcpyAsync(topk_w_.get(), w.data(), w.size() * sizeof(float), cudaMemcpyHostToDevice, stream_));
   }
-  CUDA_CHECK(cudaMemcpy(topk_idx_.get(), all.data(), all.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
-  CUDA_CHECK(cudaMemcpy(topk_w_.get(), w.data(), w.size() * sizeof(float), cudaMemcpyHostToDevice));
+  if (route_trace_) route_trace_(layer, idx);
 }
 
 void CudaModel::trace_row(const std::string& name, const float* rows, int n, int dim) {

@@ -214,7 +214,7 @@ class F32Model final : public Model {
     for (int32_t id : ids)
       if (id < 0 || id >= cfg_.vocab_size)
         fail("token id {} is outside the vocabulary (0..{})", id, cfg_.vocab_size - 1);
-    if (route_override_) fail("f32 plan: route overrides are for the CPU reference only");
+    if (route_override_) fail("f32 plan: route overrides are for the CPU reference and the bf16 plan only");
     ensure_scratch(std::min(n, kChunk), all_positions);  // allocations before the state changes
     reserve(st, st.n + n);
     for (int c0 = 0; c0 < n; c0 += kChunk) {
