@@ -262,23 +262,21 @@ __device__ __forceinline__ void fence_regs(uint32_t (&r)[N][4]) {
     for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
 }
 
-// Shared-memory matrix descriptor, advanced by k16 step k (32·k bytes): K-major, 128-byte swizzle,
-// 8-row groups 1024 bytes apart (the leading offset is unused in this mode; 1 as CUTLASS sets it).
-// Built from two 32-bit halves: the address field (addr / 16, below 2^14 for any shared-memory
-// address) takes the step without a carry, so no 64-bit add is needed (one per wgmma otherwise, in
-// an instruction-bound loop).
-__device__ __forceinline__ uint64_t desc_sw128_at(uint32_t addr, int k) {
-  const uint32_t lo = (((addr & 0x3FFFF) >> 4) + 2 * uint32_t(k)) | (1u << 16);
+// Shared-memory matrix descriptor, 128-byte swizzle, 8-row groups 1024 bytes apart: start address
+// addr advanced by k16 step k (32·k bytes, K-major), leading byte offset lbo (K-major: unused, 16
+// (a field of 1) as CUTLASS sets it; N-major: the bytes between 64-column blocks). Built from two
+// 32-bit halves: the address field (addr / 16, below 2^14 for any shared-memory address) takes the
+// step without a carry, so no 64-bit add is needed (one per wgmma otherwise, in an
+// instruction-bound loop).
+__device__ __forceinline__ uint64_t desc_sw128_lbo(uint32_t addr, uint32_t lbo_bytes, int k = 0) {
+  const uint32_t lo = (((addr & 0x3FFFF) >> 4) + 2 * uint32_t(k)) | ((lbo_bytes >> 4) << 16);
   const uint32_t hi = (1024 >> 4) | (1u << 30);
   return (uint64_t(hi) << 32) | lo;
 }
-__device__ __forceinline__ uint64_t desc_sw128(uint32_t addr) { return desc_sw128_at(addr, 0); }
-// The same with a leading byte offset (K-major: unused, 16 gives desc_sw128's 1; N-major: the
-// bytes between 64-column blocks).
-__device__ __forceinline__ uint64_t desc_sw128_lbo(uint32_t addr, uint32_t lbo_bytes) {
-  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(lbo_bytes >> 4) << 16) | (uint64_t(1024 >> 4) << 32) |
-         (uint64_t(1) << 62);
+__device__ __forceinline__ uint64_t desc_sw128_at(uint32_t addr, int k) {
+  return desc_sw128_lbo(addr, 16, k);
 }
+__device__ __forceinline__ uint64_t desc_sw128(uint32_t addr) { return desc_sw128_at(addr, 0); }
 
 __device__ __forceinline__ uint4 lds128(const void* p) { return *reinterpret_cast<const uint4*>(p); }
 
