@@ -210,9 +210,15 @@ TEST(Model, RouteOverrideFollowsTheGivenExperts) {
   ASSERT_EQ(int(routes.size()), model->config().num_layers);
   for (bool shift : {false, true}) {
     int calls = 0;
+    std::map<int, std::vector<int32_t>> given, used;  // what the override wrote, what the layers traced
+    model->set_route_trace(
+        [&](int layer, std::span<const int32_t> idx) { used[layer].assign(idx.begin(), idx.end()); });
     model->set_route_override([&](int layer, int n, std::span<int32_t> idx) {
       ++calls;
       EXPECT_EQ(size_t(n) * K, idx.size());
+      if (layer == 0) {  // the inputs of the first layer are the first run's: so are its own choices
+        EXPECT_TRUE(std::equal(idx.begin(), idx.end(), routes[layer].begin())) << "the layer's own choices";
+      }
       for (size_t i = 0; i < idx.size(); ++i) {
         idx[i] = routes[layer][i];
         if (shift && i % K == 0) {  // a token's first choice moved to an expert it did not choose
@@ -222,12 +228,15 @@ TEST(Model, RouteOverrideFollowsTheGivenExperts) {
           idx[i] = e;
         }
       }
+      given[layer].assign(idx.begin(), idx.end());
       return true;
     });
     auto b = model->new_state(int(ids.size()));
     model->forward(*b, ids, shift ? other : followed, false);
     model->set_route_override(nullptr);
+    model->set_route_trace(nullptr);
     EXPECT_EQ(calls, model->config().num_layers);
+    EXPECT_EQ(used, given) << "the layers route to the experts the override gave";
   }
   auto rel = [&](const std::vector<float>& x) {
     float mx = 0, d = 0;
