@@ -516,11 +516,17 @@ TEST(Synthetic, CudaVsCpuLayerByLayer) {
 // A prompt longer than the bf16 plan's 4,096-token prefill chunk gives the same last logits fed
 // whole (the plan cuts it into chunks itself), in pieces cut at and around the GDN chunk edges
 // (64) and the prefill chunk edge (4,096), and token by token (the decode kernels): within the
-// bf16 plan's tolerance (as Golden.SplitInvariance). The pieces and the tokens follow the whole
+// bf16 plan's tolerance. The pieces and the tokens follow the whole
 // prompt's expert choices (set_route_override): the synthetic router's logits are near-uniform, so
 // over 4,160 tokens x 40 layers hundreds of top-8 choices sit within rounding of a tie, and a
 // flipped choice would hide what the comparison is for (the first run of this test, without it:
 // 0.127 of max|logit| apart, the pieces and the tokens on the same top token, the whole on another).
+// The tolerance is twice the plan's distance from the f32 CPU on this checkpoint (0.014-0.017 of
+// max|logit| at 6 and 70 tokens, Synthetic.CudaVsCpuLayerByLayer): each path is a bf16 rounding of
+// the same sums, so two of them may stand on either side of the exact value. Measured with route
+// following on H100s: 0.017-0.018 (cf6881b) and 0.018-0.020 (8dd56bc), over Golden.SplitInvariance's
+// 0.02, which was set for 200 tokens of the tiny goldens.
+constexpr double kSplitTolSynthetic = 3.5e-2;
 TEST(Synthetic, WholePiecesTokenByToken) {
   if (!synth_dir()) GTEST_SKIP() << "set TANSY_SYNTH_DIR to a `tansy synth` checkpoint";
   auto m = open_cuda(synth_dir(), cuda::PrefillKernels::kTensorCore);
@@ -571,9 +577,9 @@ TEST(Synthetic, WholePiecesTokenByToken) {
   every_token_followed("token by token");
   std::printf("  synthetic 4,160 tokens: routing choices followed: %d (pieces), %d (token by token) of %d\n",
               differed_pieces, differed, n * K * m->config().num_layers);
-  EXPECT_REL(pieces, whole, 2e-2, "synthetic 4,160 tokens: pieces vs whole");
-  EXPECT_REL(single, whole, 2e-2, "synthetic 4,160 tokens: token by token vs whole");
-  EXPECT_REL(single, pieces, 2e-2, "synthetic 4,160 tokens: token by token vs pieces");
+  EXPECT_REL(pieces, whole, kSplitTolSynthetic, "synthetic 4,160 tokens: pieces vs whole");
+  EXPECT_REL(single, whole, kSplitTolSynthetic, "synthetic 4,160 tokens: token by token vs whole");
+  EXPECT_REL(single, pieces, kSplitTolSynthetic, "synthetic 4,160 tokens: token by token vs pieces");
   float mx = 0;
   for (float x : whole) mx = std::max(mx, std::fabs(x));
   const int top = argmax(whole);
