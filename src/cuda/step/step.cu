@@ -407,26 +407,25 @@ struct Consumer {
             if (lr[k] < rows) a.proj[r0 + lr[k]] = __float2bfloat16(y[k]);
         continue;
       }
-      // lane 0: the conv (4 taps, from the tile) or gate epilogue of the warp's rows
-      float w[R][4], in[R][3];
-      if (lane == 0) {
+      // lane k < R: the conv (4 taps, from the tile) or gate epilogue of the warp's row k, so that
+      // the warp issues the epilogue once for both rows, not once a row on lane 0 (the tile loop's
+      // instructions 929 -> 765). Same function, same values: the same bits as the per-op kernels.
+      const int k = lane < R ? lane : 0;
+      const int lrk = lr[0] + k * kWarps;  // lr[k]
+      const float yk = k == 0 ? y[0] : y[1];
+      float w[4], in[3];
+      if (lane < R) {
 #pragma unroll
-        for (int k = 0; k < R; ++k)
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            w[k][q] = cw[lr[k] * 4 + q];
-            if (q < 3) in[k][q] = __bfloat162float(win[q * kRowsIn + lr[k]]);
-          }
+        for (int q = 0; q < 4; ++q) {
+          w[q] = cw[lrk * 4 + q];
+          if (q < 3) in[q] = __bfloat162float(win[q * kRowsIn + lrk]);
+        }
       }
       ring_release(ring, slot, lane);
-      if (lane == 0) {
-#pragma unroll
-        for (int k = 0; k < R; ++k) {
-          if (lr[k] >= rows) break;
-          const int row = r0 + lr[k];
-          a.proj[row] = __float2bfloat16(y[k]);
-          gdn_in_epilogue_k4(G, row, y[k], w[k], in[k]);
-        }
+      if (lane < R && lrk < rows) {
+        const int row = r0 + lrk;
+        a.proj[row] = __float2bfloat16(yk);
+        gdn_in_epilogue_k4(G, row, yk, w, in);
       }
     }
   }
