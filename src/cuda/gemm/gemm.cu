@@ -125,18 +125,25 @@ __global__ void __launch_bounds__(32 * kWarps, 16 / kWarps) gemm_kernel(const Pa
     row_end = p.n_rows;
   }
 
+  // n8 tiles of X rows holding rows of this tile: a grouped tile at the end of an expert's rows
+  // (or the last dense tile) skips the products of the empty ones, and their rows are not copied
+  // (with a few rows per expert, as in a short prompt's MoE, most of a 64-row tile).
+  const int nt_used = min(kNT, (row_end - row0 + 7) / 8);
+
   // This thread's 16-byte copies per stage, as 32-bit offsets fixed across k-tiles (the launchers
   // check X and one weight matrix fit): X chunk idx = tid + i*kThreads -> tile row idx/8, chunk
   // idx%8; weight chunk idx -> tile row idx / kWRowChunks, chunk idx % kWRowChunks. Rows past the
   // tile's end (X) or the matrix's (weights) copy a valid row instead of zeros: they only reach
   // output rows / columns that are never stored.
   uint32_t a_off[kAChunks], a_dst[kAChunks];
+  bool a_on[kAChunks];  // a row of a used n8 tile
 #pragma unroll
   for (int i = 0; i < kAChunks; ++i) {
     const int r = (tid + i * kThreads) / 8, grow = row0 + r < row_end ? row0 + r : row0;
     const int xrow = p.sorted_slot ? p.sorted_slot[grow] / p.gather_k : grow;
     a_off[i] = uint32_t(xrow) * uint32_t(p.ldx) + uint32_t(tid % 8) * 8;
     a_dst[i] = uint32_t(swz<BK / 8>(r, (tid % 8) * 8)) * 2;
+    a_on[i] = r < nt_used * 8;
   }
   const unsigned char* const w_base =
       kAffine ? reinterpret_cast<const unsigned char*>(q) : reinterpret_cast<const unsigned char*>(wdense);
@@ -154,15 +161,12 @@ __global__ void __launch_bounds__(32 * kWarps, 16 / kWarps) gemm_kernel(const Pa
 
   const int KT = p.in / BK;
   const int groups = p.in / kQuantGroup;
-  // n8 tiles of X rows holding rows of this tile: a grouped tile at the end of an expert's rows
-  // (or the last dense tile) skips the products of the empty ones.
-  const int nt_used = min(kNT, (row_end - row0 + 7) / 8);
 
   auto load_stage = [&](int kt, int stage) {
     unsigned char* as = smem + stage * L::kA;
 #pragma unroll
     for (int i = 0; i < kAChunks; ++i)
-      tc::cp_async16(as + a_dst[i], p.X + a_off[i] + uint32_t(kt) * BK, true);
+      if (a_on[i]) tc::cp_async16(as + a_dst[i], p.X + a_off[i] + uint32_t(kt) * BK, true);
     unsigned char* ws = Ws + stage * L::kW;
 #pragma unroll
     for (int i = 0; i < kWChunks; ++i)
