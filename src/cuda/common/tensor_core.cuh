@@ -57,6 +57,23 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// One 32-bit word of 4-bit codes (8 columns) for rows g (wa) and g+8 (wb) of an m16 tile: two
+// k-steps of 16. Nibbles k and k+4 of the word become the bf16 pair 128+q (exact), so the k order
+// inside a word is (0,4), (1,5), (2,6), (3,7), and b holds x packed in that order: (b.x, b.y) the
+// first k-step's two B registers, (b.z, b.w) the second's. Used by the fused head and the decode
+// products' tensor-core tiles (matvec/tc_tile.cuh).
+__device__ __forceinline__ void mma_word(float (&c)[4], uint32_t wa, uint32_t wb, uint4 b) {
+  uint32_t p[4], q[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    p[k] = ((wa >> (4 * k)) & 0x000F000Fu) | 0x43004300u;
+    q[k] = ((wb >> (4 * k)) & 0x000F000Fu) | 0x43004300u;
+  }
+  const uint32_t a0[4] = {p[0], q[0], p[1], q[1]}, a1[4] = {p[2], q[2], p[3], q[3]};
+  mma_bf16(c, a0, b.x, b.y);
+  mma_bf16(c, a1, b.z, b.w);
+}
+
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);

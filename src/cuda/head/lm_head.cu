@@ -92,17 +92,9 @@ __device__ void issue_tile(const CUtensorMap* map, const DevLinear& W, int tile,
   }
 }
 
-// One word of 8 columns for rows g (wa) and g+8 (wb): two k-steps of 16.
+// One word of 8 columns for rows g (wa) and g+8 (wb): two k-steps of 16 (tc::mma_word).
 __device__ __forceinline__ void mma_word(float (&c)[4], uint32_t wa, uint32_t wb, const uint32_t (&b)[2][2]) {
-  uint32_t p[4], q[4];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    p[k] = ((wa >> (4 * k)) & 0x000F000Fu) | 0x43004300u;
-    q[k] = ((wb >> (4 * k)) & 0x000F000Fu) | 0x43004300u;
-  }
-  const uint32_t a0[4] = {p[0], q[0], p[1], q[1]}, a1[4] = {p[2], q[2], p[3], q[3]};
-  tc::mma_bf16(c, a0, b[0][0], b[0][1]);
-  tc::mma_bf16(c, a1, b[1][0], b[1][1]);
+  tc::mma_word(c, wa, wb, make_uint4(b[0][0], b[0][1], b[1][0], b[1][1]));
 }
 
 __device__ __forceinline__ unsigned long long max_u64(unsigned long long a, unsigned long long b) {

@@ -13,6 +13,7 @@
 #include "cuda/matvec/chunk.cuh"
 #include "cuda/matvec/fused.cuh"
 #include "cuda/matvec/matvec.cuh"
+#include "cuda/matvec/tc_tile.cuh"
 #include "cuda/moe/moe.cuh"
 #include "cuda/moe/route_device.cuh"
 
@@ -457,6 +458,158 @@ __global__ void __launch_bounds__(kThreads, MODE == 2 ? 4 : 3)
   }
 }
 
+// ---- the 2048-column 4-bit products on tensor cores (tc_tile.cuh) ----
+//
+// The in_proj of both mixers (the input norm, then plain rows or the GDN epilogue) and the
+// experts' gate|up with SwiGLU: the persistent step computes these with tc16's tiles, so their
+// per-op kernels do too, with the same device functions: the same bits (tests/gpu/test_step.cu
+// checks the step against these kernels bit for bit). A block stages x once and walks its 16-row
+// tiles (grid stride), each copied into shared memory in tc16's layout with cp.async one tile
+// ahead (the first before waiting on the previous kernel: weights do not depend on it).
+// MODE 0, NT 1: rows [0, out_rows) of W for one token. MODE 0, NT 8: a batched launch's token rows
+// 8·blockIdx.y.. (Fusion::rows) as the mma's 8 columns, each token's rows the bits it gets alone.
+// MODE 2: the rows_per_expert rows of expert idx[blockIdx.y], x row blockIdx.y / k, SwiGLU pairs
+// into Y row blockIdx.y.
+constexpr size_t kTcXsBytes = size_t(tc16::kIn / Chunk<4>::kCols) * Chunk<4>::kStride * sizeof(float);
+constexpr size_t tc_smem(int nt) { return 2 * size_t(tc16::kTileBytes) + kTcXsBytes + nt * tc16::kPackBytes; }
+
+// Rows r0.. of W (valid_rows of them; the rest of the tile zero-filled) into a tile at dst.
+__device__ __forceinline__ void copy_tile_tc(const DevLinear& W, int64_t r0, int valid_rows, uint8_t* dst) {
+  constexpr int kChunks = tc16::kRowBytes / 16, kSbChunks = tc16::kRows * tc16::kGroups * 2 / 16;
+  const uint8_t* q = reinterpret_cast<const uint8_t*>(W.q);
+  for (int c = threadIdx.x; c < tc16::kRows * kChunks; c += kThreads) {
+    const int r = c / kChunks, j = c % kChunks;
+    const bool ok = r < valid_rows;
+    tc::cp_async16(dst + r * tc16::kPitch + j * 16, q + (r0 + (ok ? r : 0)) * tc16::kRowBytes + j * 16, ok);
+  }
+  for (int c = threadIdx.x; c < 2 * kSbChunks; c += kThreads) {
+    const int arr = c / kSbChunks, j = c % kSbChunks;
+    const bool ok = j / (kSbChunks / tc16::kRows) < valid_rows;
+    const bf16* src = (arr ? W.biases : W.scales) + r0 * tc16::kGroups + (ok ? j * 8 : 0);
+    tc::cp_async16(dst + (arr ? tc16::kBi : tc16::kSc) + j * 16, src, ok);
+  }
+  tc::cp_async_commit();
+}
+
+template <int MODE, int NT>
+__global__ void __launch_bounds__(kThreads, 2)
+    matvec_tc_kernel(DevLinear W, const bf16* __restrict__ X, int64_t ldx, void* Y, int64_t ldy, int y_f32,
+                     int out_rows, const int* __restrict__ idx, int k, int rows_per_expert,
+                     const __grid_constant__ Fusion fz) {
+  static_assert((NT == 1 || (NT == tc16::kCols && MODE == 0)));
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ float red[kWarps];
+  __shared__ float part[kWarps][NT][tc16::kRows];
+  uint8_t* const tiles[2] = {smem, smem + tc16::kTileBytes};
+  float* const xs = reinterpret_cast<float*>(smem + 2 * tc16::kTileBytes);
+  uint8_t* const packs = smem + 2 * tc16::kTileBytes + kTcXsBytes;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int nt = (out_rows + tc16::kRows - 1) / tc16::kRows;
+  int64_t w0 = 0;  // the matrix's first row (MODE 2: the expert's)
+  auto copy = [&](int i, int buf) {
+    copy_tile_tc(W, w0 + int64_t(i) * tc16::kRows, min(tc16::kRows, out_rows - i * tc16::kRows), tiles[buf]);
+  };
+  if constexpr (MODE != 2) copy(blockIdx.x, 0);
+  pdl_wait();
+  pdl_launch_dependents();
+  if constexpr (MODE == 2) {
+    w0 = int64_t(idx[blockIdx.y]) * rows_per_expert;  // the expert the previous kernel chose
+    copy(blockIdx.x, 0);
+  }
+  // x: MODE 2 slot blockIdx.y reads token blockIdx.y / k; MODE 0 token rows t0..t0+nv-1
+  const int t0 = MODE == 2 ? blockIdx.y / k : fz.batched ? blockIdx.y * NT : 0;
+  const int nv = NT == 1 ? 1 : min(NT, fz.rows.n - t0);
+  [[maybe_unused]] tc16::XFrag xf;
+  [[maybe_unused]] tc16::XFrag8 xf8;
+  for (int j = 0; j < nv; ++j) {
+    if (MODE == 0 && fz.norm.w)
+      stage_norm<4>(norm_row(fz, t0 + j), tc16::kIn, xs, red,
+                    blockIdx.x == 0 && (fz.batched || blockIdx.y == 0), BlockSync{});
+    else
+      stage_rows<4>(X + int64_t(t0 + j) * ldx, ldx, 1, 1, tc16::kIn, xs);
+    __syncthreads();
+    tc16::pack_x(xs, packs + j * tc16::kPackBytes);
+    __syncthreads();  // the pack is complete, and xs is free for the next token
+  }
+  if constexpr (NT == 1)
+    tc16::stage_x_frags(packs, xf);
+  else
+    tc16::load_x8(packs, nv, xf8);
+  // Row `row` of token row t (the launch's Y row) is y: stored, with the GDN epilogue.
+  auto finish = [&](int t, int row, float y) {
+    const int64_t at = (MODE == 2 || fz.batched ? int64_t(t) * ldy : 0) + row;
+    if (MODE == 0 && fz.epi == Epi::kGdnIn) {
+      static_cast<bf16*>(Y)[at] = __float2bfloat16(y);
+      const GdnInEpilogue gz = gdn_row(fz, t);
+      float w[4] = {0.f, 0.f, 0.f, 0.f}, in[3] = {0.f, 0.f, 0.f};
+      if (row < gz.conv_dim) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          w[q] = gz.conv_w[int64_t(row) * 4 + q];
+          if (q < 3) in[q] = __bfloat162float(gz.window[int64_t(q) * gz.conv_dim + row]);
+        }
+      }
+      gdn_in_epilogue_k4(gz, row, y, w, in);
+    } else if (y_f32) {
+      static_cast<float*>(Y)[at] = y;
+    } else {
+      static_cast<bf16*>(Y)[at] = __float2bfloat16(y);
+    }
+  };
+  int buf = 0;
+  for (int i = blockIdx.x; i < nt; i += gridDim.x, buf ^= 1) {
+    const bool more = i + int(gridDim.x) < nt;
+    if (more) copy(i + gridDim.x, buf ^ 1);
+    if (more)
+      tc::cp_async_wait<1>();
+    else
+      tc::cp_async_wait<0>();
+    __syncthreads();  // tile i landed for every thread; `part` read by the last tile's epilogue
+    if constexpr (NT == 1)
+      tc16::tile_partials(tiles[buf], xf, reinterpret_cast<float(*)[tc16::kRows]>(part));
+    else
+      tc16::tile_partials8(tiles[buf], xf8, part);
+    __syncthreads();  // every warp's partial sums are in `part`, and tile i's buffer is free
+    const int r0 = i * tc16::kRows;
+    if constexpr (MODE == 2) {
+      if (warp == 0 && lane < tc16::kRows / 2 && r0 + 2 * lane + 1 < out_rows) {
+        const float g = tc16::row_sum(reinterpret_cast<float(*)[tc16::kRows]>(part), 2 * lane);
+        const float u = tc16::row_sum(reinterpret_cast<float(*)[tc16::kRows]>(part), 2 * lane + 1);
+        static_cast<bf16*>(Y)[int64_t(blockIdx.y) * ldy + r0 / 2 + lane] =
+            __float2bfloat16(swiglu_bf16(g, u));
+      }
+    } else if constexpr (NT == 1) {
+      if (warp == 0 && lane < tc16::kRows && r0 + lane < out_rows)
+        finish(t0, r0 + lane, tc16::row_sum(reinterpret_cast<float(*)[tc16::kRows]>(part), lane));
+    } else {
+      const int j = threadIdx.x / tc16::kRows, r = threadIdx.x % tc16::kRows;  // 8 tokens x 16 rows
+      if (j < nv && r0 + r < out_rows) finish(t0 + j, r0 + r, tc16::row_sum8(part, j, r));
+    }
+  }
+}
+
+// Whether a product runs matvec_tc_kernel: the persistent step's tensor-core products (4-bit,
+// 2048 columns), which must keep its arithmetic wherever the step could have run them. MODE 0
+// needs the input norm and no epilogue but the GDN's (4 taps).
+bool tc_product(const DevLinear& W, const Fusion* fz) {
+  if (W.fmt != WFormat::kAffine4 || W.in != tc16::kIn) return false;
+  if (!fz) return true;
+  return fz->norm.w && (fz->epi == Epi::kNone || (fz->epi == Epi::kGdnIn && fz->gdn.kernel == 4));
+}
+
+template <int MODE, int NT>
+void launch_tc(const DevLinear& W, const bf16* X, int64_t ldx, void* Y, int64_t ldy, bool y_f32, int out_rows,
+               const int* idx, int k, int rows_per_expert, unsigned grid_y, cudaStream_t stream,
+               const Fusion& fz) {
+  // about two blocks a multiprocessor over all grid rows: each block stages x once for its tiles
+  const unsigned tiles = ceil_div(out_rows, tc16::kRows);
+  const unsigned gx = std::max(1u, std::min(tiles, ceil_div(2 * sm_count(), int(grid_y))));
+  constexpr auto kern = matvec_tc_kernel<MODE, NT>;
+  allow_smem<kern>(tc_smem(NT), "matvec (tensor cores)");
+  pdl_launch(kern, dim3(gx, grid_y), dim3(kThreads), tc_smem(NT), stream, W, X, ldx, Y, ldy, y_f32 ? 1 : 0,
+             out_rows, idx, k, rows_per_expert, fz);
+}
+
 // Rows per warp: as many as still give every multiprocessor a block.
 int rows_per_warp(int max_rpw, int out_rows, unsigned grid_y) {
   const int sms = sm_count();
@@ -520,6 +673,14 @@ void launch_fused(const DevLinear& W, const bf16* X, int64_t ldx, Fusion fz, voi
   }
   TANSY_CHECK(Y || fz.epi == Epi::kResidual, "matvec_norm: no output");
   static_assert(kFusedNormMaxDim % (4 * kThreads) == 0);
+  if (tc_product(W, &fz)) {
+    if (fz.batched)
+      launch_tc<0, tc16::kCols>(W, X, ldx, Y, ldy, y_f32, W.out, nullptr, 0, 0, ceil_div(grid_y, tc16::kCols),
+                                stream, fz);
+    else
+      launch_tc<0, 1>(W, X, ldx, Y, ldy, y_f32, W.out, nullptr, 0, 0, 1, stream, fz);
+    return;
+  }
   switch (W.fmt) {
     case WFormat::kAffine4:
       launch_matvec_t<4, 1, 0>(W, X, ldx, int(grid_y), Y, ldy, y_f32, W.out, nullptr, 0, 0, grid_y, stream,
@@ -650,6 +811,13 @@ void matvec_swiglu_experts(const DevLinear& W, int n_experts, const int* idx, in
   TANSY_CHECK(k >= 1 && k <= kRouteMaxTopK && idx && act, "matvec_swiglu_experts: k = {} outside 1..{}", k,
               kRouteMaxTopK);
   const int rows_per_expert = W.out / n_experts;
+  if (tc_product(W, nullptr) && rows_per_expert % tc16::kRows == 0) {
+    const unsigned slots = unsigned(n) * unsigned(k);
+    TANSY_CHECK(slots <= 65535u, "matvec_swiglu_experts: {} slots exceed the grid limit", slots);
+    launch_tc<2, 1>(W, X, ldx, act, rows_per_expert / 2, false, rows_per_expert, idx, k, rows_per_expert,
+                    slots, stream, Fusion{});
+    return;
+  }
   launch_matvec<2>(W, X, ldx, n, act, rows_per_expert / 2, false, rows_per_expert / 2, idx, k,
                    rows_per_expert, stream);
 }

@@ -9,6 +9,7 @@
 #include "cuda/gdn/decode_step.cuh"
 #include "cuda/matvec/chunk.cuh"
 #include "cuda/matvec/fused.cuh"
+#include "cuda/matvec/tc_tile.cuh"
 #include "cuda/moe/moe.cuh"
 #include "cuda/moe/route_device.cuh"
 #include "cuda/step/step.cuh"
@@ -28,8 +29,8 @@ constexpr int kProducerWarp = kWarps;
 // with the next two products', so the weights of out_proj and the router land while the
 // recurrence runs; the experts' 5 + 3 tiles fit beside each other once the routing is known.
 constexpr int kSlots = 10;
-constexpr uint32_t kSlotBytes = 18944;
-constexpr uint32_t kXsBytes = 20736;  // staged x: the experts' 9 down inputs of 512 are the largest
+constexpr uint32_t kSlotBytes = 19328;  // the in_proj's tensor-core tile with its conv taps (below)
+constexpr uint32_t kXsBytes = 20736;    // staged x: the experts' 9 down inputs of 512 are the largest
 constexpr size_t kStepSmem = size_t(kSlots) * kSlotBytes + kXsBytes;
 
 using ConsumerSync = NamedSync<1, kConsumers>;
@@ -149,10 +150,11 @@ __device__ __forceinline__ void grid_wait(const unsigned* bar, unsigned target) 
 }
 
 // The shapes the step's dot products are unrolled for (the real model's; step_supported checks
-// them): chunks per row of the 2048-column products (in_proj and experts gate|up 4-bit, the router
-// 8-bit), of out_proj's 4096 columns, of the experts' 512-column down rows; slots per token.
+// them): chunks per row of the router's 2048 8-bit columns, of out_proj's 4096 columns, of the
+// experts' 512-column down rows; slots per token. (The 2048-column 4-bit products run on tensor
+// cores: matvec/tc_tile.cuh.)
 constexpr int kHidden = 2048, kValueDim = 4096, kMoeInter = 512, kSlotsPerToken = 9;
-constexpr int kCprIn = kHidden / Chunk<4>::kCols;      // 64: 2 chunks per lane
+static_assert(kHidden == tc16::kIn && kRowsIn == tc16::kRows && 2 * kPairsGu == tc16::kRows);
 constexpr int kCprRouter = kHidden / Chunk<8>::kCols;  // 128
 constexpr int kCprOut = kValueDim / Chunk<4>::kCols;   // 128
 constexpr int kCprDown = kMoeInter / Chunk<4>::kCols;  // 16: one chunk per lane of 16
@@ -200,6 +202,13 @@ __device__ __forceinline__ TileLayout tile_layout(int cap, int row_bytes, int gr
   return t;
 }
 
+// The tensor-core tiles (in_proj of both mixers, experts gate|up) in a slot: tc16's tile, then for
+// the GDN's conv rows the taps [16][4] f32 and the window [3][16] bf16.
+constexpr uint32_t kTcCw = tc16::kTileBytes;
+constexpr uint32_t kTcWin = kTcCw + kRowsIn * 4 * 4;
+static_assert(kTcWin + 3 * kRowsIn * 2 <= kSlotBytes && kSlotBytes % 128 == 0);
+static_assert(size_t(kHidden / Chunk<4>::kCols) * Chunk<4>::kStride * 4 + tc16::kPackBytes <= kXsBytes);
+
 // ---- the producer ----
 
 template <int BITS>
@@ -236,6 +245,38 @@ __device__ void route(const StepArgs& a, const StepLayer& L, unsigned target, Ro
   }
 }
 
+// One 16-row tile of a 2048-column 4-bit matrix (rows r0..r0+15) into the next slot in the
+// tensor-core layout, with the GDN's conv taps and window when `conv`, by the whole producer
+// warp: lane 0 takes the slot and announces the bytes, then lanes 0-15 copy a row each and lanes
+// 16-21 the scales, biases, taps and window rows (one bulk copy per row: the tile's row pitch is
+// not the matrix's).
+__device__ void copy_tile_tc(Ring& ring, const DevLinear& W, int64_t r0, bool conv, const StepArgs& a,
+                             const StepLayer& L, int lane) {
+  constexpr unsigned kGroupBytes = kRowsIn * tc16::kGroups * 2;
+  const unsigned bytes =
+      kRowsIn * tc16::kRowBytes + 2 * kGroupBytes + (conv ? kRowsIn * 4 * 4 + 3 * kRowsIn * 2 : 0);
+  uint64_t* bar = nullptr;
+  uint32_t off = 0;
+  if (lane == 0) off = uint32_t(ring_acquire(ring, bytes, bar) - ring.slots);
+  off = __shfl_sync(0xffffffffu, off, 0);
+  bar = ring.full + off / kSlotBytes;
+  uint8_t* dst = ring.slots + off;
+  __syncwarp();  // the announcement precedes the copies
+  const int64_t groups = W.in / kQuantGroup;
+  if (lane < kRowsIn)
+    bulk::copy(dst + lane * tc16::kPitch,
+               reinterpret_cast<const uint8_t*>(W.q) + (r0 + lane) * tc16::kRowBytes, tc16::kRowBytes, bar);
+  else if (lane == 16)
+    bulk::copy(dst + tc16::kSc, W.scales + r0 * groups, kGroupBytes, bar);
+  else if (lane == 17)
+    bulk::copy(dst + tc16::kBi, W.biases + r0 * groups, kGroupBytes, bar);
+  else if (conv && lane == 18)
+    bulk::copy(dst + kTcCw, L.conv_w + r0 * 4, kRowsIn * 4 * 4, bar);
+  else if (conv && lane >= 19 && lane < 22)
+    bulk::copy(dst + kTcWin + (lane - 19) * kRowsIn * 2, L.window + int64_t(lane - 19) * a.conv_dim + r0,
+               kRowsIn * 2, bar);
+}
+
 __device__ void produce(const StepArgs& a, const StepLayer& L, int kind, unsigned phase_target, Ring& ring,
                         RouteSmem& rs, int lane) {
   const int G = gridDim.x, b = blockIdx.x;
@@ -246,21 +287,10 @@ __device__ void produce(const StepArgs& a, const StepLayer& L, int kind, unsigne
     case kAttnIn: {
       const bool gdn = kind == kGdnIn;
       const DevLinear& W = gdn ? L.gdn_in : L.attn_in;
-      const int K = a.conv_kernel;
-      const TileLayout t = tile_layout(kRowsIn, W.in / 2, W.in / kQuantGroup, K);
-      for (int i = b; i < nt && lane == 0; i += G) {
-        const int r0 = i * kRowsIn, rows = min(kRowsIn, W.out - r0);
-        const bool conv = gdn && r0 < a.conv_dim;  // conv_dim % 16 == 0: a tile is all conv rows or none
-        const unsigned bytes =
-            rows_bytes<4>(W, rows) + (conv ? unsigned(rows * K * 4 + (K - 1) * rows * 2) : 0u);
-        uint8_t* dst = ring_acquire(ring, bytes, bar);
-        copy_rows<4>(dst, t, W, r0, rows, bar);
-        if (conv) {
-          bulk::copy(dst + t.cw, L.conv_w + int64_t(r0) * K, unsigned(rows * K * 4), bar);
-          for (int j = 0; j < K - 1; ++j)
-            bulk::copy(dst + t.win + j * kRowsIn * 2, L.window + int64_t(j) * a.conv_dim + r0,
-                       unsigned(rows * 2), bar);
-        }
+      for (int i = b; i < nt; i += G) {
+        const int r0 = i * kRowsIn;  // out % 16 == 0 (step_supported)
+        // conv_dim % 16 == 0: a tile is all conv rows or none
+        copy_tile_tc(ring, W, r0, gdn && r0 < a.conv_dim, a, L, lane);
       }
       break;
     }
@@ -285,18 +315,15 @@ __device__ void produce(const StepArgs& a, const StepLayer& L, int kind, unsigne
     }
     case kExpertsGu: {
       const DevLinear& W = L.gu;
-      const TileLayout t = tile_layout(2 * kPairsGu, W.in / 2, W.in / kQuantGroup, 0);
       const int shared_tiles = a.I / kPairsGu;
       auto issue = [&](int i, int expert) {
         int j, p0;
         gu_tile(a, i, j, p0);
-        const int64_t r0 = int64_t(expert) * 2 * a.I + 2 * p0;
-        uint8_t* dst = ring_acquire(ring, rows_bytes<4>(W, 2 * kPairsGu), bar);
-        copy_rows<4>(dst, t, W, r0, 2 * kPairsGu, bar);
+        copy_tile_tc(ring, W, int64_t(expert) * 2 * a.I + 2 * p0, false, a, L, lane);
       };
-      for (int i = b; i < min(nt, shared_tiles) && lane == 0; i += G) issue(i, a.E);  // before the routing
+      for (int i = b; i < min(nt, shared_tiles); i += G) issue(i, a.E);  // before the routing
       route(a, L, phase_target, rs, lane);
-      for (int i = b; i < nt && lane == 0; i += G)
+      for (int i = b; i < nt; i += G)
         if (i >= shared_tiles) {
           int j, p0;
           gu_tile(a, i, j, p0);
@@ -342,7 +369,15 @@ struct Consumer {
   float* red;
   RouteSmem& rs;
   int warp, lane;
-  unsigned p = 0;  // the product's index in the launch (profiling stamps)
+  float (*part)[kWarps][tc16::kRows];  // [2][8 warps][16 rows]: the tensor-core tiles' partial sums
+  unsigned p = 0;                      // the product's index in the launch (profiling stamps)
+
+  // x of a tensor-core product (xs, f32 chunks as stage_norm / stage_rows leave them) packed after
+  // the chunks, and this warp's fragments.
+  __device__ void tc_stage(tc16::XFrag& X) const {
+    tc16::stage_x(xs, reinterpret_cast<uint8_t*>(xs + (kHidden / Chunk<4>::kCols) * Chunk<4>::kStride), X,
+                  ConsumerSync{});
+  }
 
   __device__ void staged() const { stamp(a, p, 2); }
   __device__ void landed(bool first, bool last) const {
@@ -357,10 +392,10 @@ struct Consumer {
   }
 
   // GDN in_proj with the input norm, then each row's conv / gate epilogue (GDN), or the attention's
-  // in_proj with its input norm, the rows stored for the attention core; 2 rows per warp.
+  // in_proj with its input norm, the rows stored for the attention core; on tensor cores (tc16),
+  // warp 0's lanes 0-15 finishing a row each.
   template <bool GDN>
   __device__ void in_proj(const StepLayer& L) {
-    const DevLinear& W = GDN ? L.gdn_in : L.attn_in;
     const int nt = n_tiles(a, L, GDN ? kGdnIn : kAttnIn);
     if (int(blockIdx.x) >= nt) return;
     NormIn nz;
@@ -370,7 +405,6 @@ struct Consumer {
     nz.eps = a.eps;
     stage_norm<4>(nz, kHidden, xs, red, false, ConsumerSync{});
     ConsumerSync{}();
-    staged();
     GdnInEpilogue G;
     G.conv_dim = a.conv_dim;
     G.value_dim = a.value_dim;
@@ -383,49 +417,34 @@ struct Consumer {
     G.conv_out = a.conv_out;
     G.beta = a.beta;
     G.g = a.g;
-    const int K = a.conv_kernel;
-    const TileLayout t = tile_layout(kRowsIn, kHidden / 2, kHidden / kQuantGroup, K);
-    constexpr int R = kRowsIn / kWarps;
-    static_assert(R == 2);
-    const int lr[R] = {warp, warp + kWarps};
-    for (int i = blockIdx.x; i < nt; i += gridDim.x) {
+    tc16::XFrag X;
+    tc_stage(X);
+    staged();
+    int buf = 0;
+    for (int i = blockIdx.x; i < nt; i += gridDim.x, buf ^= 1) {
       unsigned slot;
       const uint8_t* base = next_tile(slot, i == int(blockIdx.x), i + int(gridDim.x) >= nt);
-      const float* cw = reinterpret_cast<const float*>(base + t.cw);
-      const bf16* win = reinterpret_cast<const bf16*>(base + t.win);
-      const int r0 = i * kRowsIn, rows = min(kRowsIn, W.out - r0);
-      float y[R];
-      dot_rows<4, kCprIn, R>(base, reinterpret_cast<const bf16*>(base + t.sc),
-                             reinterpret_cast<const bf16*>(base + t.bi), lr, xs, lane, y);
-#pragma unroll
-      for (int k = 0; k < R; ++k) y[k] = group_sum<32>(y[k]);
-      if constexpr (!GDN) {
-        ring_release(ring, slot, lane);
-        if (lane == 0)
-#pragma unroll
-          for (int k = 0; k < R; ++k)
-            if (lr[k] < rows) a.proj[r0 + lr[k]] = __float2bfloat16(y[k]);
-        continue;
-      }
-      // lane k < R: the conv (4 taps, from the tile) or gate epilogue of the warp's row k, so that
-      // the warp issues the epilogue once for both rows, not once a row on lane 0 (the tile loop's
-      // instructions 929 -> 765). Same function, same values: the same bits as the per-op kernels.
-      const int k = lane < R ? lane : 0;
-      const int lrk = lr[0] + k * kWarps;  // lr[k]
-      const float yk = k == 0 ? y[0] : y[1];
-      float w[4], in[3];
-      if (lane < R) {
+      const int r0 = i * kRowsIn;
+      // the conv taps and window of row r0 + lane, read before the slot goes back
+      const bool conv = GDN && r0 < a.conv_dim;
+      float w[4] = {0.f, 0.f, 0.f, 0.f}, in[3] = {0.f, 0.f, 0.f};
+      if (conv && warp == 0 && lane < kRowsIn) {
+        const float* cw = reinterpret_cast<const float*>(base + kTcCw);
+        const bf16* win = reinterpret_cast<const bf16*>(base + kTcWin);
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
-          w[q] = cw[lrk * 4 + q];
-          if (q < 3) in[q] = __bfloat162float(win[q * kRowsIn + lrk]);
+          w[q] = cw[lane * 4 + q];
+          if (q < 3) in[q] = __bfloat162float(win[q * kRowsIn + lane]);
         }
       }
+      tc16::tile_partials(base, X, part[buf]);
       ring_release(ring, slot, lane);
-      if (lane < R && lrk < rows) {
-        const int row = r0 + lrk;
-        a.proj[row] = __float2bfloat16(yk);
-        gdn_in_epilogue_k4(G, row, yk, w, in);
+      ConsumerSync{}();  // every warp's partial sums of the tile are in part[buf]
+      if (warp == 0 && lane < kRowsIn) {
+        const int row = r0 + lane;
+        const float y = tc16::row_sum(part[buf], lane);
+        a.proj[row] = __float2bfloat16(y);
+        if constexpr (GDN) gdn_in_epilogue_k4(G, row, y, w, in);
       }
     }
   }
@@ -537,28 +556,28 @@ struct Consumer {
     }
   }
 
-  // Experts gate|up with SwiGLU: tile i = (slot j, pairs p0..p0+7) by gu_tile, output pair p0 + warp.
+  // Experts gate|up with SwiGLU: tile i = (slot j, pairs p0..p0+7) by gu_tile, pair p0 + p from
+  // the tile's rows 2p (gate) and 2p+1 (up), on tensor cores (tc16).
   __device__ void experts_gu(const StepLayer& L) {
     const int nt = n_tiles(a, L, kExpertsGu);
     if (int(blockIdx.x) >= nt) return;
     stage_rows<4>(a.xn, kHidden, 1, 1, kHidden, xs, kConsumers);
     ConsumerSync{}();
+    tc16::XFrag X;
+    tc_stage(X);
     staged();
-    const TileLayout t = tile_layout(2 * kPairsGu, kHidden / 2, kHidden / kQuantGroup, 0);
-    const int lr[2] = {2 * warp, 2 * warp + 1};
-    for (int i = blockIdx.x; i < nt; i += gridDim.x) {
+    int buf = 0;
+    for (int i = blockIdx.x; i < nt; i += gridDim.x, buf ^= 1) {
       unsigned slot;
       const uint8_t* base = next_tile(slot, i == int(blockIdx.x), i + int(gridDim.x) >= nt);
-      float y[2];
-      dot_rows<4, kCprIn, 2>(base, reinterpret_cast<const bf16*>(base + t.sc),
-                             reinterpret_cast<const bf16*>(base + t.bi), lr, xs, lane, y);
+      tc16::tile_partials(base, X, part[buf]);
       ring_release(ring, slot, lane);
-      y[0] = group_sum<32>(y[0]);
-      y[1] = group_sum<32>(y[1]);
-      if (lane == 0) {
+      ConsumerSync{}();  // every warp's partial sums of the tile are in part[buf]
+      if (warp == 0 && lane < kPairsGu) {
         int j, p0;
         gu_tile(a, i, j, p0);
-        a.act[int64_t(j) * kMoeInter + p0 + warp] = __float2bfloat16(swiglu_bf16(y[0], y[1]));
+        const float g = tc16::row_sum(part[buf], 2 * lane), u = tc16::row_sum(part[buf], 2 * lane + 1);
+        a.act[int64_t(j) * kMoeInter + p0 + lane] = __float2bfloat16(swiglu_bf16(g, u));
       }
     }
   }
@@ -662,6 +681,7 @@ __global__ void __launch_bounds__(kStepThreads, 1) step_kernel(const __grid_cons
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ alignas(8) uint64_t full[kSlots], empty[kSlots];
   __shared__ float red[kWarps];
+  __shared__ float part[2][kWarps][tc16::kRows];
   __shared__ RouteSmem rs;
   __shared__ gdn_unit::Smem gsm;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -686,7 +706,8 @@ __global__ void __launch_bounds__(kStepThreads, 1) step_kernel(const __grid_cons
   }
   prefetch_small(a, a.layer[0], step_product(a.layer[0], 0), threadIdx.x);
   pdl_wait();
-  Consumer c{a, ring, reinterpret_cast<float*>(smem + size_t(kSlots) * kSlotBytes), red, rs, warp, lane};
+  Consumer c{a,    ring, reinterpret_cast<float*>(smem + size_t(kSlots) * kSlotBytes), red, rs, warp,
+             lane, part};
   unsigned p = 0;
   unsigned total = 0;
   for (int li = 0; li < a.n_layers; ++li) total += step_n_products(a.layer[li]);
@@ -770,9 +791,7 @@ bool step_supported(const StepLayer& L, const StepArgs& a, std::string* why) {
     if (uint32_t(kRowsOut * (a.value_dim / 2 + a.value_dim / 16)) > kSlotBytes ||
         size_t(a.value_dim / 32) * 36 * 4 > kXsBytes)
       return fail_why(why, "GDN value dim too large for the step's tiles");
-    const uint32_t in_tile = uint32_t(kRowsIn * (a.H / 2 + a.H / 16) + kRowsIn * a.conv_kernel * 4 +
-                                      (a.conv_kernel - 1) * kRowsIn * 2);
-    if (in_tile > kSlotBytes) return fail_why(why, "GDN in_proj tile too large");
+    if (L.gdn_in.out % kRowsIn != 0) return fail_why(why, "GDN in_proj rows not a multiple of 16");
     if (a.n_v_heads % a.n_k_heads != 0) return fail_why(why, "GDN heads");
   }
   if (L.router.fmt != WFormat::kAffine8 || L.router.in != a.H || L.router.out < a.E + 1)
@@ -784,8 +803,6 @@ bool step_supported(const StepLayer& L, const StepArgs& a, std::string* why) {
   if (L.gu.out != (a.E + 1) * 2 * a.I || L.down.out != (a.E + 1) * a.H)
     return fail_why(why, "the shared expert is not folded into the expert matrices");
   if (a.H % kRowsDown != 0) return fail_why(why, "hidden size not a multiple of 16");
-  if (uint32_t(2 * kPairsGu * (a.H / 2 + a.H / 16)) > kSlotBytes)
-    return fail_why(why, "expert tile too large");
   if (size_t(a.K + 1) * (a.I / 32) * 36 * 4 > kXsBytes)
     return fail_why(why, "experts' inputs exceed the staging");
   return true;

@@ -13,7 +13,9 @@
 // arrive and one spin per block), not on a kernel boundary.
 //
 // Each value is computed with the same arithmetic in the same order as the per-op kernels
-// (matvec.cu, gdn/decode.cu, moe/experts_decode.cu share the device functions), so the step's
+// (matvec.cu, gdn/decode.cu, moe/experts_decode.cu share the device functions; the 2048-column
+// 4-bit products, in_proj of both mixers and experts gate|up, run on tensor cores through
+// matvec/tc_tile.cuh in both), so the step's
 // results equal theirs bit for bit on a 132-multiprocessor card, where the residual products'
 // partial sums fall into the same row blocks. GPU test: tests/gpu/test_step.cu (against the
 // per-op kernels, whose CPU references are cpu::matmul, cpu::gdn_*, cpu::route_topk).
