@@ -604,6 +604,9 @@ void launch_tc(const DevLinear& W, const bf16* X, int64_t ldx, void* Y, int64_t 
   // about two blocks a multiprocessor over all grid rows: each block stages x once for its tiles
   const unsigned tiles = ceil_div(out_rows, tc16::kRows);
   const unsigned gx = std::max(1u, std::min(tiles, ceil_div(2 * sm_count(), int(grid_y))));
+  // the tiles' scales and biases are copied in 16-byte pieces (DevLinear::check covers the codes)
+  TANSY_CHECK(aligned16(W.scales) && aligned16(W.biases),
+              "matvec (tensor cores): scales and biases must be 16-byte aligned");
   constexpr auto kern = matvec_tc_kernel<MODE, NT>;
   allow_smem<kern>(tc_smem(NT), "matvec (tensor cores)");
   pdl_launch(kern, dim3(gx, grid_y), dim3(kThreads), tc_smem(NT), stream, W, X, ldx, Y, ldy, y_f32 ? 1 : 0,

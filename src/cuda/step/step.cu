@@ -39,10 +39,10 @@ using UnitSync = NamedSync<2, gdn_unit::kUnitThreads>;
 // Tile geometry. The row-to-warp assignment is free for products without a residual (each row's
 // sum is the same wherever it is computed); out_proj and the experts' down keep the per-op
 // kernels' row blocks (8 and 16 rows) because each row block writes one partial sum of h².
-constexpr int kRowsIn = 16;      // in_proj (GDN, attention): 2 rows per consumer warp
+constexpr int kRowsIn = 16;      // in_proj (GDN, attention): a tensor-core tile (tc16), all 8 warps
 constexpr int kRowsOut = 8;      // out_proj, o_proj: 1 row per warp = one partial sum
 constexpr int kRowsRouter = 8;   // router: 1 row per warp
-constexpr int kPairsGu = 8;      // experts gate|up: one output pair (2 rows) per warp
+constexpr int kPairsGu = 8;      // experts gate|up: 8 output pairs = one tensor-core tile (16 rows)
 constexpr int kRowsDown = 16;    // experts down: 16 output rows x 16 lanes, all K+1 experts
 constexpr int kDownPerTile = 4;  // experts per down tile (4 x 16 rows of 512 columns)
 
@@ -188,8 +188,8 @@ __device__ __forceinline__ void dot_rows(const uint8_t* wtile, const bf16* sc, c
   }
 }
 
-// Row-tile layout in a slot: codes [cap rows], scales [cap rows], biases [cap rows] (then, for the
-// in_proj, conv taps [cap rows, kernel] f32 and the window [kernel-1][cap rows] bf16).
+// Row-tile layout in a slot for the CUDA-core products (out_proj, router): codes [cap rows],
+// scales [cap rows], biases [cap rows]. (The tensor-core tiles: tc16's layout, copy_tile_tc.)
 struct TileLayout {
   uint32_t sc, bi, cw, win;
 };
@@ -797,6 +797,8 @@ bool step_supported(const StepLayer& L, const StepArgs& a, std::string* why) {
   if (L.router.fmt != WFormat::kAffine8 || L.router.in != a.H || L.router.out < a.E + 1)
     return fail_why(why, "the router is not an 8-bit [E+1, H] matrix");
   if (!q4(L.gu) || !q4(L.down)) return fail_why(why, "expert matrices are not 4-bit");
+  if (L.gu.in != a.H || L.down.in != a.I)
+    return fail_why(why, "expert matrices' columns are not hidden / moe_intermediate");
   if (a.E > 8 * 32 || a.K + 1 > kRouteMaxTopK + 1 || a.K > kRouteMaxTopK)
     return fail_why(why, "routing outside top-k <= 8 of <= 256 experts");
   if (a.I != 512) return fail_why(why, "moe_intermediate is not 512");
