@@ -500,6 +500,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ float red[kWarps];
   __shared__ float part[kWarps][NT][tc16::kRows];
+  float(*const part1)[tc16::kRows] = reinterpret_cast<float(*)[tc16::kRows]>(part);  // NT == 1: [warp][row]
   uint8_t* const tiles[2] = {smem, smem + tc16::kTileBytes};
   float* const xs = reinterpret_cast<float*>(smem + 2 * tc16::kTileBytes);
   uint8_t* const packs = smem + 2 * tc16::kTileBytes + kTcXsBytes;
@@ -566,21 +567,21 @@ __global__ void __launch_bounds__(kThreads, 2)
       tc::cp_async_wait<0>();
     __syncthreads();  // tile i landed for every thread; `part` read by the last tile's epilogue
     if constexpr (NT == 1)
-      tc16::tile_partials(tiles[buf], xf, reinterpret_cast<float(*)[tc16::kRows]>(part));
+      tc16::tile_partials(tiles[buf], xf, part1);
     else
       tc16::tile_partials8(tiles[buf], xf8, part);
     __syncthreads();  // every warp's partial sums are in `part`, and tile i's buffer is free
     const int r0 = i * tc16::kRows;
     if constexpr (MODE == 2) {
       if (warp == 0 && lane < tc16::kRows / 2 && r0 + 2 * lane + 1 < out_rows) {
-        const float g = tc16::row_sum(reinterpret_cast<float(*)[tc16::kRows]>(part), 2 * lane);
-        const float u = tc16::row_sum(reinterpret_cast<float(*)[tc16::kRows]>(part), 2 * lane + 1);
+        const float g = tc16::row_sum(part1, 2 * lane);
+        const float u = tc16::row_sum(part1, 2 * lane + 1);
         static_cast<bf16*>(Y)[int64_t(blockIdx.y) * ldy + r0 / 2 + lane] =
             __float2bfloat16(swiglu_bf16(g, u));
       }
     } else if constexpr (NT == 1) {
       if (warp == 0 && lane < tc16::kRows && r0 + lane < out_rows)
-        finish(t0, r0 + lane, tc16::row_sum(reinterpret_cast<float(*)[tc16::kRows]>(part), lane));
+        finish(t0, r0 + lane, tc16::row_sum(part1, lane));
     } else {
       const int j = threadIdx.x / tc16::kRows, r = threadIdx.x % tc16::kRows;  // 8 tokens x 16 rows
       if (j < nv && r0 + r < out_rows) finish(t0 + j, r0 + r, tc16::row_sum8(part, j, r));

@@ -191,14 +191,12 @@ __device__ __forceinline__ void dot_rows(const uint8_t* wtile, const bf16* sc, c
 // Row-tile layout in a slot for the CUDA-core products (out_proj, router): codes [cap rows],
 // scales [cap rows], biases [cap rows]. (The tensor-core tiles: tc16's layout, copy_tile_tc.)
 struct TileLayout {
-  uint32_t sc, bi, cw, win;
+  uint32_t sc, bi;
 };
-__device__ __forceinline__ TileLayout tile_layout(int cap, int row_bytes, int groups, int kernel) {
+__device__ __forceinline__ TileLayout tile_layout(int cap, int row_bytes, int groups) {
   TileLayout t;
   t.sc = uint32_t(cap * row_bytes);
   t.bi = t.sc + uint32_t(cap * groups * 2);
-  t.cw = t.bi + uint32_t(cap * groups * 2);
-  t.win = t.cw + uint32_t(cap * kernel * 4);
   return t;
 }
 
@@ -302,11 +300,11 @@ __device__ void produce(const StepArgs& a, const StepLayer& L, int kind, unsigne
       for (int i = b; i < nt && lane == 0; i += G) {
         const int r0 = i * cap, rows = min(cap, W.out - r0);
         if (kind != kRouter) {
-          const TileLayout t = tile_layout(cap, W.in / 2, W.in / kQuantGroup, 0);
+          const TileLayout t = tile_layout(cap, W.in / 2, W.in / kQuantGroup);
           uint8_t* dst = ring_acquire(ring, rows_bytes<4>(W, rows), bar);
           copy_rows<4>(dst, t, W, r0, rows, bar);
         } else {
-          const TileLayout t = tile_layout(cap, W.in, W.in / kQuantGroup, 0);
+          const TileLayout t = tile_layout(cap, W.in, W.in / kQuantGroup);
           uint8_t* dst = ring_acquire(ring, rows_bytes<8>(W, rows), bar);
           copy_rows<8>(dst, t, W, r0, rows, bar);
         }
@@ -501,7 +499,7 @@ struct Consumer {
     stage_rows<4>(a.mix, kValueDim, 1, 1, kValueDim, xs, kConsumers);
     ConsumerSync{}();
     staged();
-    const TileLayout t = tile_layout(kRowsOut, kValueDim / 2, kValueDim / kQuantGroup, 0);
+    const TileLayout t = tile_layout(kRowsOut, kValueDim / 2, kValueDim / kQuantGroup);
     float* part = ss(2 * L.index + 1);
     const int lr[1] = {warp};
     int j = 0;
@@ -539,7 +537,7 @@ struct Consumer {
     stage_norm<8>(nz, kHidden, xs, red, blockIdx.x == 0, ConsumerSync{});
     ConsumerSync{}();
     staged();
-    const TileLayout t = tile_layout(kRowsRouter, kHidden, kHidden / kQuantGroup, 0);
+    const TileLayout t = tile_layout(kRowsRouter, kHidden, kHidden / kQuantGroup);
     const int lr[1] = {warp};
     for (int i = blockIdx.x; i < nt; i += gridDim.x) {
       unsigned slot;
