@@ -5,6 +5,7 @@
 // is threadIdx.x == t.
 #pragma once
 #include "cuda/common/device_math.cuh"
+#include "cuda/common/grid_sync.cuh"
 #include "cuda/gdn/gdn.cuh"
 
 namespace tansy::cuda::gdn_unit {
@@ -91,12 +92,10 @@ __device__ void decode_unit(const GdnDecodeArgs& A, int h, int cb, int units_per
   if (warp == 0)
     A.o[h * kGdnDim + c0 + lane] =
         sm.red_o[0][lane] + sm.red_o[1][lane] + sm.red_o[2][lane] + sm.red_o[3][lane];
-  __threadfence();
-  sync();
-  if (d == 0) sm.last = atomicAdd(A.counters + h, 1u) == unsigned(units_per_head - 1);
+  sync();  // the unit's outputs are written before thread 0 releases them (common/grid_sync.cuh)
+  if (d == 0) sm.last = atom_add_acq_rel_gpu(A.counters + h, 1u) == unsigned(units_per_head - 1);
   sync();
   if (!sm.last) return;
-  __threadfence();
   const float ov = __ldcg(A.o + h * kGdnDim + d);
   const float ss = sum128(ov * ov, sm.red, sync);
   const float zz = __bfloat162float(__ldcg(A.z + h * kGdnDim + d));

@@ -23,6 +23,7 @@
 #include <algorithm>
 
 #include "cuda/common/bulk_copy.cuh"
+#include "cuda/common/grid_sync.cuh"
 #include "cuda/common/launch.cuh"
 #include "cuda/common/tensor_core.cuh"
 #include "cuda/head/head.cuh"
@@ -265,12 +266,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (lane == 0) a.scratch[blockIdx.x] = best;
   }
   // The last block to finish picks the winner among the blocks' candidates.
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(a.counter, 1u) == gridDim.x - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
+  if (!last_block_arrive(a.counter, gridDim.x, last)) return;
   unsigned long long b = 0;
   for (int i = threadIdx.x; i < int(gridDim.x); i += kThreads) b = max_u64(b, __ldcg(a.scratch + i));
   b = warp_max(b);
@@ -471,12 +467,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (lane == 0) a.scratch[int64_t(tok) * gridDim.x + blockIdx.x] = b;
     }
   }
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(a.counter, 1u) == gridDim.x - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
+  if (!last_block_arrive(a.counter, gridDim.x, last)) return;
   for (int tok = 0; tok < nt; ++tok) {
     unsigned long long b = 0;
     for (int i = threadIdx.x; i < int(gridDim.x); i += kThreads)

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "cuda/common/bulk_copy.cuh"
+#include "cuda/common/grid_sync.cuh"
 #include "cuda/common/launch.cuh"
 #include "cuda/gdn/gdn.cuh"
 #include "cuda/matvec/chunk.cuh"
@@ -88,12 +89,7 @@ __device__ __forceinline__ GdnInEpilogue gdn_row(const Fusion& fz, int t) {
 __device__ void route_epilogue(const RouteEpilogue& R, const float* logits, int warp, unsigned blocks) {
   __shared__ float l[kRouteMaxExperts + 1];
   __shared__ int last;
-  __threadfence();  // this block's logits are visible before it is counted
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(R.counter, 1u) == blocks - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
+  if (!last_block_arrive(R.counter, blocks, last)) return;  // this block's logits are counted
   for (int e = threadIdx.x; e <= R.E; e += blockDim.x) l[e] = __ldcg(logits + e);  // L2: other blocks' stores
   __syncthreads();
   if (warp == 0) {

@@ -8,6 +8,7 @@
 // 18.5 µs a layer at 4,096 tokens, on the critical path between the router and the experts.
 // CPU reference: none needed; tests/gpu/test_moe.cu checks the permutation, the offsets and the
 // tiles against the ids, and the grouped GEMM's result is checked against cpu::matmul per expert.
+#include "cuda/common/grid_sync.cuh"
 #include "cuda/moe/moe.cuh"
 
 namespace tansy::cuda {
@@ -63,7 +64,7 @@ __global__ void __launch_bounds__(kSortThreads)
     route_count_kernel(const int* ids, int total, int E, MoeRouting r) {
   __shared__ int count[kRouteMaxExperts];
   __shared__ int warp_sum[2][kSortThreads / 32];
-  __shared__ bool last;
+  __shared__ int last;
   const int tid = threadIdx.x;
   for (int e = tid; e < E; e += kSortThreads) count[e] = 0;
   __syncthreads();
@@ -76,12 +77,8 @@ __global__ void __launch_bounds__(kSortThreads)
   __syncthreads();
   int* g_count = work_count(r);
   if (tid < E && count[tid]) atomicAdd(&g_count[tid], count[tid]);
-  __threadfence();  // this block's counts are visible before it says it is done
-  __syncthreads();
-  if (tid == 0) last = atomicAdd(work_done(r, E), 1) == int(gridDim.x) - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
+  // this block's counts are in before it says it is done
+  if (!last_block_arrive(reinterpret_cast<unsigned*>(work_done(r, E)), gridDim.x, last)) return;
   const int c = tid < E ? __ldcg(&g_count[tid]) : 0;  // L2: the other blocks' atomics
   const int2 before = scan_counts(c, warp_sum);
   if (tid < E) {

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "cuda/common/grid_sync.cuh"
 #include "cuda/common/launch.cuh"
 #include "cuda/sample/sample.cuh"
 #include "engine/sample_math.h"
@@ -66,30 +67,19 @@ struct Args {
   int32_t* token_out;  // null, or where the chosen token is also stored (device)
 };
 
-__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_release(unsigned* p, unsigned v) {
-  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
 // Every block of the (cooperative, co-resident) grid waits here; the last to arrive resets the
 // count and moves the generation on.
 __device__ void grid_sync(unsigned* bar) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    const unsigned gen = ld_acquire(bar + 1);
-    __threadfence();
-    if (atomicAdd(bar, 1u) == gridDim.x - 1) {
+    const unsigned gen = ld_acquire_gpu(bar + 1);
+    if (atom_add_acq_rel_gpu(bar, 1u) == gridDim.x - 1) {
       atomicExch(bar, 0u);
-      st_release(bar + 1, gen + 1);
+      st_release_gpu(bar + 1, gen + 1);
     } else {
-      while (ld_acquire(bar + 1) == gen) {
+      while (ld_acquire_gpu(bar + 1) == gen) {
       }
     }
-    __threadfence();
   }
   __syncthreads();
 }

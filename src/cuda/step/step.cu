@@ -5,6 +5,7 @@
 
 #include "cuda/common/bulk_copy.cuh"
 #include "cuda/common/device_math.cuh"
+#include "cuda/common/grid_sync.cuh"
 #include "cuda/common/launch.cuh"
 #include "cuda/gdn/decode_step.cuh"
 #include "cuda/matvec/chunk.cuh"
@@ -118,11 +119,6 @@ __device__ __forceinline__ void ring_release(Ring& r, unsigned slot, int lane) {
 
 // ---- the grid barrier (consumer threads) ----
 
-__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
 __device__ __forceinline__ unsigned long long global_ns() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -133,18 +129,16 @@ __device__ __forceinline__ void stamp(const StepArgs& a, unsigned p, int which) 
   if (a.prof && threadIdx.x == 0)
     a.prof[(size_t(p) * kStepStamps + which) * gridDim.x + blockIdx.x] = global_ns();
 }
+// Release / acquire at GPU scope (common/grid_sync.cuh): the consumer barrier before the release
+// and after the acquire carries the order to the block's other consumer threads.
 __device__ __forceinline__ void grid_arrive(unsigned* bar) {
   ConsumerSync{}();  // the block's writes of the product are done
-  if (threadIdx.x == 0) {
-    __threadfence();
-    atomicAdd(bar, 1u);
-  }
+  if (threadIdx.x == 0) red_add_release_gpu(bar, 1u);
 }
 __device__ __forceinline__ void grid_wait(const unsigned* bar, unsigned target) {
   if (threadIdx.x == 0) {
-    while (ld_acquire(bar) < target) {
+    while (ld_acquire_gpu(bar) < target) {
     }
-    __threadfence();
   }
   ConsumerSync{}();
 }
@@ -225,7 +219,7 @@ __device__ __forceinline__ unsigned rows_bytes(const DevLinear& W, int rows) {
 // The producer warp's routing of layer L once the router's logits are complete (counter >= target):
 // the per-op route epilogue's arithmetic, into shared memory (and, from block 0, the global copies).
 __device__ void route(const StepArgs& a, const StepLayer& L, unsigned target, RouteSmem& rs, int lane) {
-  while (ld_acquire(a.barrier) < target) {
+  while (ld_acquire_gpu(a.barrier) < target) {
   }
   for (int e = lane; e <= a.E; e += 32) rs.l[e] = __ldcg(a.logits + e);
   __syncwarp();
