@@ -1,6 +1,6 @@
 // Signals between the blocks of a grid at GPU scope, as release / acquire operations instead of
-// __threadfence(): that is a sequentially consistent fence (MEMBAR.SC.GPU, which also drops the
-// whole L1), where a block telling others "my writes are done" needs only release order
+// __threadfence(): that is a sequentially consistent fence (MEMBAR.SC.GPU, then CCTL.IVALL, which
+// drops the whole L1), where a block telling others "my writes are done" needs only release order
 // (MEMBAR.ALL.GPU before the atomic) and the one waiting only an acquiring load.
 //
 // The pattern (CUTLASS's GenericBarrier is the same): the block's threads meet at a CTA barrier,
