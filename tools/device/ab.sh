@@ -20,6 +20,8 @@
 # larger than a binary finds their common bytes (three binaries and the libraries: ~15 MB).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
+# shellcheck source=tools/device/common.sh
+. tools/device/common.sh
 
 pack() {
   set -e
@@ -33,17 +35,9 @@ pack() {
     [[ $spec == *=* && -x $bin ]] || { echo "ab.sh pack: '$spec' is not NAME=EXECUTABLE" >&2; exit 2; }
     cp "$bin" "$dir/tansy_$name"
     strip --strip-unneeded "$dir/tansy_$name"
-    # the libraries the Ubuntu-based CUDA image lacks (as bench.sh prepare)
-    ldd "$bin" | awk '/=> \//{print $3}' | while read -r lib; do
-      case "$(basename "$lib")" in
-        libc.so*|libm.so*|libpthread.so*|libdl.so*|librt.so*|ld-linux*|libstdc++.so*|libgcc_s.so*) ;;
-        libcuda.so*|libcudart*|libcublas*|libnvidia*) ;;
-        *) cp -L "$lib" "$dir/lib/" ;;
-      esac
-    done
+    carry_libs "$bin" "$dir/lib"
   done
-  git rev-parse HEAD >"$dir/COMMIT"
-  git diff --quiet HEAD -- src bench tests CMakeLists.txt || echo "dirty" >>"$dir/COMMIT"
+  build_commit >"$dir/COMMIT"
   tar -cf - -C "$dir" . | xz -9e -T1 --lzma2=preset=9e,dict=192MiB >"$out"
   rm -rf "$dir"
   echo "ab.sh pack: $out ($(du -h "$out" | cut -f1)): $*"
@@ -62,7 +56,7 @@ run() {
   libs=$dev/lib:/usr/local/cuda/lib64
   synth=${SYNTH_DIR:-/dev/shm/tansy-synth}
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  echo "commit: $(tr '\n' ' ' <"$dev/COMMIT")"
+  echo "commit: $(cat "$dev/COMMIT")"
   local labels=() names=() envs=()
   for arm in "$@"; do
     local label=${arm%%=*} rest=${arm#*=}

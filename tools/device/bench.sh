@@ -51,6 +51,8 @@
 # call), REUSE_SYNTH=1 (use the one there).
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
+# shellcheck source=tools/device/common.sh
+. tools/device/common.sh
 DEV=out/device
 
 prepare() {
@@ -60,27 +62,15 @@ prepare() {
   rm -rf "$DEV" && mkdir -p "$DEV/lib"
   cp "$b/tansy" "$DEV/"
   [ -x "$b/tansy_gpu_tests" ] && cp "$b/tansy_gpu_tests" "$DEV/"
-  # Debian's fmt/ICU/PCRE2 builds are not on the device image (Ubuntu-based CUDA image): carry
-  # every resolved library except glibc, the C++ runtime and CUDA's own (the image has those).
   for bin in "$DEV"/tansy "$DEV"/tansy_gpu_tests; do
-    [ -x "$bin" ] || continue
-    ldd "$bin" | awk '/=> \//{print $3}' | while read -r lib; do
-      case "$(basename "$lib")" in
-        libc.so*|libm.so*|libpthread.so*|libdl.so*|librt.so*|ld-linux*|libstdc++.so*|libgcc_s.so*) ;;
-        libcuda.so*|libcudart*|libcublas*|libnvidia*) ;;
-        *) cp -L "$lib" "$DEV/lib/" ;;
-      esac
-    done
+    if [ -x "$bin" ]; then carry_libs "$bin" "$DEV/lib"; fi
   done
   strip --strip-unneeded "$DEV"/tansy*
-  local commit
-  commit=$(git rev-parse HEAD)
-  git diff --quiet HEAD -- src bench tests CMakeLists.txt || commit="$commit-dirty"
-  echo "$commit" >"$DEV/COMMIT"
+  build_commit >"$DEV/COMMIT"
   tar -cJf out/device.tar.xz -C "$DEV" .
   du -sh "$DEV" out/device.tar.xz
   # shellcheck disable=SC2012  # a listing for the eye only
-  echo "prepared out/device.tar.xz (commit $commit): $(ls "$DEV" "$DEV/lib" | tr '\n' ' ')"
+  echo "prepared out/device.tar.xz (commit $(cat "$DEV/COMMIT")): $(ls "$DEV" "$DEV/lib" | tr '\n' ' ')"
 }
 
 # tansy serve on the synthetic checkpoint + tools/http_latency.py + tools/concurrency_bench.py,
