@@ -94,14 +94,6 @@ __device__ __forceinline__ void tensor_copy_3d(uint32_t dst, const CUtensorMap* 
 // Registers are split per warpgroup (setmaxnreg): the producer's are handed to the consumers,
 // 24·128 + 2·240·128 = 64,512 of the SM's 65,536.
 constexpr int kProducerRegs = 24, kConsumerRegs = 240;
-template <int N>
-__device__ __forceinline__ void setmaxnreg_dec() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-template <int N>
-__device__ __forceinline__ void setmaxnreg_inc() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
-}
 
 // S = Q·Kᵀ for one warpgroup: Q's 64 rows at q_addr in d-blocks kQSlab apart, K's BN rows at k_addr
 // in d-blocks Cfg<BN>::kKVSlab apart; d-step kk reads 32 bytes at 32·(kk % 4) into the rows of
@@ -187,7 +179,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   if (warp >= kConsumerWarps) {
-    setmaxnreg_dec<kProducerRegs>();
+    tc::setmaxnreg_dec<kProducerRegs>();
     // Producer. Tile j goes to stage j % 2 once the consumers handed back tile j - 2 (the empty
     // barrier's phase (j/2 - 1)); rows past the tensor maps' ends arrive as zeros, still counted.
     if (warp == kConsumerWarps && lane == 0) {
@@ -215,7 +207,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Consumers. Warpgroup wg owns tile rows 64·wg .. 64·wg+63; this thread rows g and g+8 of its
   // warp's 16 (wgmma accumulator layout: element i at row 16·w + g + 8·((i >> 1) & 1), column
   // 8·(i >> 2) + 2·c + (i & 1)).
-  setmaxnreg_inc<kConsumerRegs>();
+  tc::setmaxnreg_inc<kConsumerRegs>();
   const int wg = warp / 4, w = warp % 4, g = lane / 4, c = lane % 4;
   int qpos[2];
 #pragma unroll

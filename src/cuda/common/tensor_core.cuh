@@ -88,4 +88,17 @@ __device__ __forceinline__ int swz(int row, int col) {
   return row * kChunks * 8 + ((((col >> 3) ^ (row & 7))) << 3) + (col & 7);
 }
 
+// Warpgroup register split (Hopper): the four warps of a warpgroup all execute one of these, a
+// producer warpgroup handing registers back to the block's pool and consumer warpgroups taking
+// them. The counts are multiples of 8 in 24..256, and what the consumers take must fit in what
+// the launch allocated (threads x the kernel's register count) less what the producers kept.
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
 }  // namespace tansy::cuda::tc

@@ -20,9 +20,17 @@ namespace {
 
 using namespace gemv;
 
-constexpr int kConsumers = kThreads;           // 8 warps: the thread count the shared device functions use
-constexpr int kStepThreads = kConsumers + 32;  // + the producer warp (warp 8)
+constexpr int kConsumers = kThreads;            // 8 warps: the thread count the shared device functions use
+constexpr int kStepThreads = kConsumers + 128;  // + a producer warpgroup, whose first warp (8) produces
 constexpr int kProducerWarp = kWarps;
+// Registers per thread after the split (tc::setmaxnreg_*). The launch gives every thread 168
+// (12 warps: three per register file of 16K); the producer warpgroup keeps 88 and the consumers
+// take the rest, 2 x 128 x 208 + 128 x 88 = 64,512. The smallest split with no spills: the
+// producer's routing spills below 88, the consumers' norm staging and tiles below ~200. With one
+// producer warp (9 warps) every thread was held to 168 and the consumers spilled; the split
+// decodes 9% faster at 4,096 (docs/PERFORMANCE.md).
+constexpr int kProducerRegs = 88, kConsumerRegs = 208;
+static_assert(2 * 128 * kConsumerRegs + 128 * kProducerRegs <= kStepThreads * 168);
 
 // The ring: 10 slots of one tile each. A tile is at most 16 rows of a 2048-column 4-bit matrix
 // with its scales and biases (18 KiB) plus, for the GDN in_proj, the rows' conv taps and window
@@ -668,7 +676,8 @@ __device__ __forceinline__ void prefetch_small(const StepArgs& a, const StepLaye
   }
 }
 
-// 9 warps: three share one of the four register files (16K each), so 168 registers per thread at most.
+// 12 warps: three share one of the four register files (16K each), so 168 registers per thread at
+// launch, then split between the warpgroups (kConsumerRegs).
 __global__ void __launch_bounds__(kStepThreads, 1) step_kernel(const __grid_constant__ StepArgs a) {
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ alignas(8) uint64_t full[kSlots], empty[kSlots];
@@ -687,7 +696,9 @@ __global__ void __launch_bounds__(kStepThreads, 1) step_kernel(const __grid_cons
   __syncthreads();
   Ring ring{full, empty, smem, 0};
   const unsigned G = gridDim.x;
-  if (warp == kProducerWarp) {
+  if (warp >= kProducerWarp) {
+    tc::setmaxnreg_dec<kProducerRegs>();
+    if (warp != kProducerWarp) return;  // the warpgroup's other warps only give their registers
     // Weights only (and the sequence's conv window, which nothing in this step wrote yet): no
     // wait on the previous kernel.
     unsigned p = 0;
@@ -696,6 +707,7 @@ __global__ void __launch_bounds__(kStepThreads, 1) step_kernel(const __grid_cons
         produce(a, a.layer[li], step_product(a.layer[li], j), p * G, ring, rs, lane);
     return;
   }
+  tc::setmaxnreg_inc<kConsumerRegs>();
   prefetch_small(a, a.layer[0], step_product(a.layer[0], 0), threadIdx.x);
   pdl_wait();
   Consumer c{a,    ring, reinterpret_cast<float*>(smem + size_t(kSlots) * kSlotBytes), red, rs, warp,
