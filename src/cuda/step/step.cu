@@ -23,14 +23,15 @@ using namespace gemv;
 constexpr int kConsumers = kThreads;            // 8 warps: the thread count the shared device functions use
 constexpr int kStepThreads = kConsumers + 128;  // + a producer warpgroup, whose first warp (8) produces
 constexpr int kProducerWarp = kWarps;
-// Registers per thread after the split (tc::setmaxnreg_*). The launch gives every thread 168
-// (12 warps: three per register file of 16K); the producer warpgroup keeps 88 and the consumers
-// take the rest, 2 x 128 x 208 + 128 x 88 = 64,512. The smallest split with no spills: the
-// producer's routing spills below 88, the consumers' norm staging and tiles below ~200. With one
+// Registers per thread after the split (tc::setmaxnreg_*). The launch gives every thread
+// kLaunchRegs (12 warps: three per register file of 16K); the producer warpgroup keeps 88 and the
+// consumers take the rest, 2 x 128 x 208 + 128 x 88 = 64,512. 88 is the least the producer's
+// routing runs in without spilling (72 spills), so it leaves the consumers the most. With one
 // producer warp (9 warps) every thread was held to 168 and the consumers spilled; the split
 // decodes 9% faster at 4,096 (docs/PERFORMANCE.md).
+constexpr int kLaunchRegs = 16384 / (3 * 32) / 8 * 8;  // 168
 constexpr int kProducerRegs = 88, kConsumerRegs = 208;
-static_assert(2 * 128 * kConsumerRegs + 128 * kProducerRegs <= kStepThreads * 168);
+static_assert(2 * 128 * kConsumerRegs + 128 * kProducerRegs <= kStepThreads * kLaunchRegs);
 
 // The ring: 10 slots of one tile each. A tile is at most 16 rows of a 2048-column 4-bit matrix
 // with its scales and biases (18 KiB) plus, for the GDN in_proj, the rows' conv taps and window
