@@ -7,13 +7,11 @@
 
 namespace tansy::cuda {
 
-struct RouteArgMax {
-  float v;
-  int i;
-};
-
-__device__ __forceinline__ RouteArgMax route_better(RouteArgMax a, RouteArgMax b) {
-  return (b.v > a.v || (b.v == a.v && b.i < a.i)) ? b : a;
+// A probability's rank key for the warp's unsigned max (redux.sync): a non-negative float's bits
+// order as it does, and the top bit puts every probability (0 included) above a removed or
+// absent expert (-FLT_MAX), which gets 0.
+__device__ __forceinline__ unsigned route_key(float p) {
+  return p >= 0.f ? (__float_as_uint(p) | 0x80000000u) : 0u;
 }
 
 // Softmax (f32) over l[0, E), top-k (ties to the lower index), renormalised: idx[j], w[j] for
@@ -46,25 +44,27 @@ __device__ __forceinline__ void route_warp(const float* l, int E, int k, int* id
   // Top-k on the probabilities (same order as on the logits; exp is monotone, ties stay ties).
   float chosen_sum = 0.f, my_w = 0.f;
   int my_i = 0;
+  // Each round: the lane's best (the lower index on ties), the warp's largest key, then the lowest
+  // index holding it; two warp reductions, no shuffles. Rolled: each round needs the last one's removal.
+#pragma unroll 1
   for (int r = 0; r < k; ++r) {
-    RouteArgMax c{-FLT_MAX, 0x7fffffff};
+    float cv = -FLT_MAX;
+    int ci = 0x7fffffff;
 #pragma unroll
     for (int j = 0; j < PER; ++j)
-      if (p[j] > c.v) c = RouteArgMax{p[j], lane + 32 * j};
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-      c = route_better(
-          c, RouteArgMax{__shfl_xor_sync(0xffffffffu, c.v, o), __shfl_xor_sync(0xffffffffu, c.i, o)});
-    const float pw = c.v * inv;
+      if (p[j] > cv) cv = p[j], ci = lane + 32 * j;
+    const unsigned top = __reduce_max_sync(0xffffffffu, route_key(cv));
+    const int wi = int(__reduce_min_sync(0xffffffffu, route_key(cv) == top ? unsigned(ci) : 0xffffffffu));
+    const float pw = __uint_as_float(top & 0x7fffffffu) * inv;
     chosen_sum += pw;
     if (lane == r) {
       my_w = pw;
-      my_i = c.i;
+      my_i = wi;
     }
-    if (lane == c.i % 32) {
+    if (lane == wi % 32) {
 #pragma unroll
       for (int j = 0; j < PER; ++j)
-        if (j == c.i / 32) p[j] = -FLT_MAX;
+        if (j == wi / 32) p[j] = -FLT_MAX;
     }
   }
   if (lane < k) {

@@ -285,13 +285,29 @@ __device__ void produce(const StepArgs& a, const StepLayer& L, int kind, unsigne
   uint64_t* bar = nullptr;
   switch (kind) {
     case kGdnIn:
-    case kAttnIn: {
-      const bool gdn = kind == kGdnIn;
-      const DevLinear& W = gdn ? L.gdn_in : L.attn_in;
-      for (int i = b; i < nt; i += G) {
-        const int r0 = i * kRowsIn;  // out % 16 == 0 (step_supported)
+    case kAttnIn:
+    case kExpertsGu: {
+      // The tensor-core tiles, at one issue site (the step's code is kept small). The experts'
+      // gate|up: the shared expert's tiles before the routing, then the routed ones; every block
+      // routes (the experts' down needs it).
+      const bool gu = kind == kExpertsGu;
+      const DevLinear& W = gu ? L.gu : kind == kGdnIn ? L.gdn_in : L.attn_in;
+      const int shared_tiles = a.I / kPairsGu;
+      bool routed = !gu;
+      for (int i = b;; i += G) {
+        if (!routed && (i >= shared_tiles || i >= nt)) {
+          route(a, L, phase_target, rs, lane);
+          routed = true;
+        }
+        if (i >= nt) break;
+        int64_t r0 = int64_t(i) * kRowsIn;  // out % 16 == 0 (step_supported)
+        if (gu) {
+          int j, p0;
+          gu_tile(a, i, j, p0);
+          r0 = int64_t(i >= shared_tiles ? rs.idx[j] : a.E) * 2 * a.I + 2 * p0;
+        }
         // conv_dim % 16 == 0: a tile is all conv rows or none
-        copy_tile_tc(ring, W, r0, gdn && r0 < a.conv_dim, a, L, lane);
+        copy_tile_tc(ring, W, r0, kind == kGdnIn && r0 < a.conv_dim, a, L, lane);
       }
       break;
     }
@@ -312,24 +328,6 @@ __device__ void produce(const StepArgs& a, const StepLayer& L, int kind, unsigne
           copy_rows<8>(dst, t, W, r0, rows, bar);
         }
       }
-      break;
-    }
-    case kExpertsGu: {
-      const DevLinear& W = L.gu;
-      const int shared_tiles = a.I / kPairsGu;
-      auto issue = [&](int i, int expert) {
-        int j, p0;
-        gu_tile(a, i, j, p0);
-        copy_tile_tc(ring, W, int64_t(expert) * 2 * a.I + 2 * p0, false, a, L, lane);
-      };
-      for (int i = b; i < min(nt, shared_tiles); i += G) issue(i, a.E);  // before the routing
-      route(a, L, phase_target, rs, lane);
-      for (int i = b; i < nt; i += G)
-        if (i >= shared_tiles) {
-          int j, p0;
-          gu_tile(a, i, j, p0);
-          issue(i, rs.idx[j]);
-        }
       break;
     }
     case kExpertsDown: {
@@ -395,8 +393,7 @@ struct Consumer {
   // GDN in_proj with the input norm, then each row's conv / gate epilogue (GDN), or the attention's
   // in_proj with its input norm, the rows stored for the attention core; on tensor cores (tc16),
   // warp 0's lanes 0-15 finishing a row each.
-  template <bool GDN>
-  __device__ void in_proj(const StepLayer& L) {
+  __device__ void in_proj(const StepLayer& L, bool GDN) {
     const int nt = n_tiles(a, L, GDN ? kGdnIn : kAttnIn);
     if (int(blockIdx.x) >= nt) return;
     NormIn nz;
@@ -445,7 +442,7 @@ struct Consumer {
         const int row = r0 + lane;
         const float y = tc16::row_sum(part[buf], lane);
         a.proj[row] = __float2bfloat16(y);
-        if constexpr (GDN) gdn_in_epilogue_k4(G, row, y, w, in);
+        if (GDN) gdn_in_epilogue_k4(G, row, y, w, in);
       }
     }
   }
@@ -607,31 +604,26 @@ struct Consumer {
     float* part = ss(2 * L.index + 2);
     int jv = 0;
     for (int v = blockIdx.x; v < nt; v += gridDim.x, ++jv) {
+      // one expert a pass, in slot order, a tile of kDownPerTile experts at a time; the loop is
+      // rolled so that its code stays small (the step's code is fetched again every layer)
       float acc = 0.f;
-#pragma unroll
-      for (int tt = 0; tt < dt; ++tt) {
-        unsigned slot;
-        const uint8_t* base =
-            next_tile(slot, v == int(blockIdx.x) && tt == 0, v + int(gridDim.x) >= nt && tt == dt - 1);
-        constexpr int kMax = kDownPerTile;
-        const int j0 = tt * kDownPerTile;
-        float d[kMax];
-#pragma unroll
-        for (int jl = 0; jl < kMax; ++jl) {
-          if (j0 + jl >= kSlotsPerToken) break;
-          const int lr = jl * kRowsDown + rl;
-          const uint4 wv = *reinterpret_cast<const uint4*>(base + lr * rb + sub * 16);
-          const float s = __bfloat162float(reinterpret_cast<const bf16*>(base + sc_off)[lr * groups + g]);
-          const float bb = __bfloat162float(reinterpret_cast<const bf16*>(base + bi_off)[lr * groups + g]);
-          d[jl] = chunk_dot<4>(wv, xs + ((j0 + jl) * kCprDown + sub) * S, s, bb);
+      unsigned slot = 0;
+      const uint8_t* base = nullptr;
+#pragma unroll 1
+      for (int j = 0; j < kSlotsPerToken; ++j) {
+        const int jl = j % kDownPerTile;
+        if (jl == 0) {
+          if (j > 0) ring_release(ring, slot, lane);
+          const int tt = j / kDownPerTile;
+          base = next_tile(slot, v == int(blockIdx.x) && tt == 0, v + int(gridDim.x) >= nt && tt == dt - 1);
         }
-        ring_release(ring, slot, lane);
-#pragma unroll
-        for (int jl = 0; jl < kMax; ++jl) {
-          if (j0 + jl >= kSlotsPerToken) break;
-          acc = fmaf(rs.w[j0 + jl], d[jl], acc);
-        }
+        const int lr = jl * kRowsDown + rl;
+        const uint4 wv = *reinterpret_cast<const uint4*>(base + lr * rb + sub * 16);
+        const float s = __bfloat162float(reinterpret_cast<const bf16*>(base + sc_off)[lr * groups + g]);
+        const float bb = __bfloat162float(reinterpret_cast<const bf16*>(base + bi_off)[lr * groups + g]);
+        acc = fmaf(rs.w[j], chunk_dot<4>(wv, xs + (j * kCprDown + sub) * S, s, bb), acc);
       }
+      ring_release(ring, slot, lane);
       acc = group_sum<Gl>(acc);
       const int r = v * kRowsDown + rl;
       const float hr = jv < Gl ? __shfl_sync(0xffffffffu, hv, (lane & ~(Gl - 1)) + jv) : __ldcg(a.h + r);
@@ -734,10 +726,8 @@ __global__ void __launch_bounds__(kStepThreads, 1) step_kernel(const __grid_cons
       if (p + 1 == total) pdl_launch_dependents();
       switch (kind) {
         case kGdnIn:
-          c.in_proj<true>(L);
-          break;
         case kAttnIn:
-          c.in_proj<false>(L);
+          c.in_proj(L, kind == kGdnIn);
           break;
         case kGdnRec:
           c.gdn_rec(L, p, gsm);
