@@ -393,8 +393,8 @@ struct Consumer {
   // GDN in_proj with the input norm, then each row's conv / gate epilogue (GDN), or the attention's
   // in_proj with its input norm, the rows stored for the attention core; on tensor cores (tc16),
   // warp 0's lanes 0-15 finishing a row each.
-  __device__ void in_proj(const StepLayer& L, bool GDN) {
-    const int nt = n_tiles(a, L, GDN ? kGdnIn : kAttnIn);
+  __device__ void in_proj(const StepLayer& L, bool gdn) {
+    const int nt = n_tiles(a, L, gdn ? kGdnIn : kAttnIn);
     if (int(blockIdx.x) >= nt) return;
     NormIn nz;
     nz.h = a.h;
@@ -424,7 +424,7 @@ struct Consumer {
       const uint8_t* base = next_tile(slot, i == int(blockIdx.x), i + int(gridDim.x) >= nt);
       const int r0 = i * kRowsIn;
       // the conv taps and window of row r0 + lane, read before the slot goes back
-      const bool conv = GDN && r0 < a.conv_dim;
+      const bool conv = gdn && r0 < a.conv_dim;
       float w[4] = {0.f, 0.f, 0.f, 0.f}, in[3] = {0.f, 0.f, 0.f};
       if (conv && warp == 0 && lane < kRowsIn) {
         const float* cw = reinterpret_cast<const float*>(base + kTcCw);
@@ -442,7 +442,7 @@ struct Consumer {
         const int row = r0 + lane;
         const float y = tc16::row_sum(part[buf], lane);
         a.proj[row] = __float2bfloat16(y);
-        if (GDN) gdn_in_epilogue_k4(G, row, y, w, in);
+        if (gdn) gdn_in_epilogue_k4(G, row, y, w, in);
       }
     }
   }
