@@ -1,5 +1,5 @@
 // Router: one warp per token, the E logits in registers (PER per lane). k rounds of a warp-wide
-// argmax (shuffles only, no block barriers) pick the experts; the ids stay on the device. Eight
+// argmax (warp reductions only, no block barriers) pick the experts; the ids stay on the device. Eight
 // tokens a block. 11 µs a layer at 4,096 tokens with one-warp blocks and with eight-warp ones alike
 // (H200, docs/PERFORMANCE.md): the time is the k dependent argmax rounds of each warp.
 #include "cuda/common/launch.cuh"

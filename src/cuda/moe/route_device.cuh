@@ -53,8 +53,8 @@ __device__ __forceinline__ void route_warp(const float* l, int E, int k, int* id
 #pragma unroll
     for (int j = 0; j < PER; ++j)
       if (p[j] > cv) cv = p[j], ci = lane + 32 * j;
-    const unsigned top = __reduce_max_sync(0xffffffffu, route_key(cv));
-    const int wi = int(__reduce_min_sync(0xffffffffu, route_key(cv) == top ? unsigned(ci) : 0xffffffffu));
+    const unsigned key = route_key(cv), top = __reduce_max_sync(0xffffffffu, key);
+    const int wi = int(__reduce_min_sync(0xffffffffu, key == top ? unsigned(ci) : 0xffffffffu));
     const float pw = __uint_as_float(top & 0x7fffffffu) * inv;
     chosen_sum += pw;
     if (lane == r) {
