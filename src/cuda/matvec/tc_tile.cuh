@@ -95,22 +95,33 @@ struct TileGroups {
   float c[kWarpGroups][4];
   float sa[kWarpGroups], ba[kWarpGroups], sb[kWarpGroups], bb[kWarpGroups];
 };
+// Four bf16 at p (8-byte aligned) as f32, in order.
+__device__ __forceinline__ void bf16_quad(const uint8_t* p, float (&f)[kWarpGroups]) {
+  static_assert(kWarpGroups == 4);
+  const uint2 v = *reinterpret_cast<const uint2*>(p);
+  f[0] = __uint_as_float(v.x << 16);
+  f[1] = __uint_as_float(v.x & 0xffff0000u);
+  f[2] = __uint_as_float(v.y << 16);
+  f[3] = __uint_as_float(v.y & 0xffff0000u);
+}
+static_assert(kSc % 8 == 0 && kBi % 8 == 0 && (kGroups * 2) % 8 == 0);
+
 __device__ __forceinline__ void tile_groups(const uint8_t* tile, const uint4 (&b)[kWarpGroups][2],
                                             TileGroups& T) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
-  const bf16* sc = reinterpret_cast<const bf16*>(tile + kSc);
-  const bf16* bi = reinterpret_cast<const bf16*>(tile + kBi);
   uint2 wa[kWarpGroups], wb[kWarpGroups];
 #pragma unroll
   for (int q = 0; q < kWarpGroups; ++q) {
     const int gi = kWarpGroups * warp + q;
     wa[q] = *reinterpret_cast<const uint2*>(tile + g * kPitch + 32 * gi + 8 * t);
     wb[q] = *reinterpret_cast<const uint2*>(tile + (g + 8) * kPitch + 32 * gi + 8 * t);
-    T.sa[q] = __bfloat162float(sc[g * kGroups + gi]);
-    T.ba[q] = __bfloat162float(bi[g * kGroups + gi]);
-    T.sb[q] = __bfloat162float(sc[(g + 8) * kGroups + gi]);
-    T.bb[q] = __bfloat162float(bi[(g + 8) * kGroups + gi]);
   }
+  // the warp's 4 groups' scales and biases of rows g and g+8: 4 bf16 side by side, one 8-byte load each
+  const int gw = kWarpGroups * warp * 2;
+  bf16_quad(tile + kSc + g * kGroups * 2 + gw, T.sa);
+  bf16_quad(tile + kBi + g * kGroups * 2 + gw, T.ba);
+  bf16_quad(tile + kSc + (g + 8) * kGroups * 2 + gw, T.sb);
+  bf16_quad(tile + kBi + (g + 8) * kGroups * 2 + gw, T.bb);
 #pragma unroll
   for (int q = 0; q < kWarpGroups; ++q) T.c[q][0] = T.c[q][1] = T.c[q][2] = T.c[q][3] = 0.f;
 #pragma unroll

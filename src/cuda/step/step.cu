@@ -1,6 +1,7 @@
 // The persistent decode step (step.cuh): one block per multiprocessor, a producer warp streaming
 // weight tiles into a ring of shared-memory slots, eight consumer warps computing the products
 // from it with grid-wide counters between dependent products.
+#include <algorithm>
 #include <string>
 
 #include "cuda/common/bulk_copy.cuh"
@@ -55,6 +56,11 @@ constexpr int kRowsRouter = 8;   // router: 1 row per warp
 constexpr int kPairsGu = 8;      // experts gate|up: 8 output pairs = one tensor-core tile (16 rows)
 constexpr int kRowsDown = 16;    // experts down: 16 output rows x 16 lanes, all K+1 experts
 constexpr int kDownPerTile = 4;  // experts per down tile (4 x 16 rows of 512 columns)
+
+// A block's tiles of one tensor-core product at most (in_proj, gate|up), whose partial sums wait
+// in shared memory for the product's epilogue: 6 for the GDN in_proj on 132 multiprocessors, 7
+// on 114 (decode_step_layers checks).
+constexpr int kMaxTcTiles = 8;
 
 struct RouteSmem {
   float l[kRouteMaxExperts + 1];
@@ -368,7 +374,8 @@ struct Consumer {
   float* red;
   RouteSmem& rs;
   int warp, lane;
-  float (*part)[kWarps][tc16::kRows];  // [2][8 warps][16 rows]: the tensor-core tiles' partial sums
+  float (*part)[kWarps][tc16::kRows];  // [kMaxTcTiles][8 warps][16 rows]: the tensor-core tiles' partial sums
+  float (*taps)[kRowsIn][7];           // [kMaxTcTiles][16 rows]: a GDN conv tile's 4 taps and 3 window inputs
   unsigned p = 0;                      // the product's index in the launch (profiling stamps)
 
   // x of a tensor-core product (xs, f32 chunks as stage_norm / stage_rows leave them) packed after
@@ -418,31 +425,40 @@ struct Consumer {
     tc16::XFrag X;
     tc_stage(X);
     staged();
-    int buf = 0;
-    for (int i = blockIdx.x; i < nt; i += gridDim.x, buf ^= 1) {
+    // The warps take the block's tiles without waiting on each other: tile k's partial sums stay
+    // in part[k] (its conv taps and window in taps[k]), and every row is finished after the last
+    // tile, a thread each, instead of by 16 lanes behind a consumer barrier after every tile.
+    int k = 0;
+    for (int i = blockIdx.x; i < nt; i += gridDim.x, ++k) {
       unsigned slot;
       const uint8_t* base = next_tile(slot, i == int(blockIdx.x), i + int(gridDim.x) >= nt);
-      const int r0 = i * kRowsIn;
-      // the conv taps and window of row r0 + lane, read before the slot goes back
-      const bool conv = gdn && r0 < a.conv_dim;
-      float w[4] = {0.f, 0.f, 0.f, 0.f}, in[3] = {0.f, 0.f, 0.f};
-      if (conv && warp == 0 && lane < kRowsIn) {
+      if (gdn && i * kRowsIn < a.conv_dim && warp == 0 && lane < kRowsIn) {  // before the slot goes back
         const float* cw = reinterpret_cast<const float*>(base + kTcCw);
         const bf16* win = reinterpret_cast<const bf16*>(base + kTcWin);
+        float* t = taps[k][lane];
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          w[q] = cw[lane * 4 + q];
-          if (q < 3) in[q] = __bfloat162float(win[q * kRowsIn + lane]);
-        }
+        for (int q = 0; q < 4; ++q) t[q] = cw[lane * 4 + q];
+#pragma unroll
+        for (int q = 0; q < 3; ++q) t[4 + q] = __bfloat162float(win[q * kRowsIn + lane]);
       }
-      tc16::tile_partials(base, X, part[buf]);
+      tc16::tile_partials(base, X, part[k]);
       ring_release(ring, slot, lane);
-      ConsumerSync{}();  // every warp's partial sums of the tile are in part[buf]
-      if (warp == 0 && lane < kRowsIn) {
-        const int row = r0 + lane;
-        const float y = tc16::row_sum(part[buf], lane);
-        a.proj[row] = __float2bfloat16(y);
-        if (gdn) gdn_in_epilogue_k4(G, row, y, w, in);
+    }
+    ConsumerSync{}();  // every warp's partial sums of every tile are in part
+    if (int(threadIdx.x) < k * kRowsIn) {
+      const int kk = threadIdx.x / kRowsIn, rl = threadIdx.x % kRowsIn;
+      const int row = (blockIdx.x + kk * gridDim.x) * kRowsIn + rl;
+      const float y = tc16::row_sum(part[kk], rl);
+      a.proj[row] = __float2bfloat16(y);
+      if (gdn) {
+        float w[4] = {0.f, 0.f, 0.f, 0.f}, in[3] = {0.f, 0.f, 0.f};
+        if (row < a.conv_dim) {
+#pragma unroll
+          for (int q = 0; q < 4; ++q) w[q] = taps[kk][rl][q];
+#pragma unroll
+          for (int q = 0; q < 3; ++q) in[q] = taps[kk][rl][4 + q];
+        }
+        gdn_in_epilogue_k4(G, row, y, w, in);
       }
     }
   }
@@ -564,19 +580,20 @@ struct Consumer {
     tc16::XFrag X;
     tc_stage(X);
     staged();
-    int buf = 0;
-    for (int i = blockIdx.x; i < nt; i += gridDim.x, buf ^= 1) {
+    int k = 0;  // as in_proj: the pairs finished after the block's last tile
+    for (int i = blockIdx.x; i < nt; i += gridDim.x, ++k) {
       unsigned slot;
       const uint8_t* base = next_tile(slot, i == int(blockIdx.x), i + int(gridDim.x) >= nt);
-      tc16::tile_partials(base, X, part[buf]);
+      tc16::tile_partials(base, X, part[k]);
       ring_release(ring, slot, lane);
-      ConsumerSync{}();  // every warp's partial sums of the tile are in part[buf]
-      if (warp == 0 && lane < kPairsGu) {
-        int j, p0;
-        gu_tile(a, i, j, p0);
-        const float g = tc16::row_sum(part[buf], 2 * lane), u = tc16::row_sum(part[buf], 2 * lane + 1);
-        a.act[int64_t(j) * kMoeInter + p0 + lane] = __float2bfloat16(swiglu_bf16(g, u));
-      }
+    }
+    ConsumerSync{}();  // every warp's partial sums of every tile are in part
+    if (int(threadIdx.x) < k * kPairsGu) {
+      const int kk = threadIdx.x / kPairsGu, pl = threadIdx.x % kPairsGu;
+      int j, p0;
+      gu_tile(a, blockIdx.x + kk * gridDim.x, j, p0);
+      const float g = tc16::row_sum(part[kk], 2 * pl), u = tc16::row_sum(part[kk], 2 * pl + 1);
+      a.act[int64_t(j) * kMoeInter + p0 + pl] = __float2bfloat16(swiglu_bf16(g, u));
     }
   }
 
@@ -675,7 +692,8 @@ __global__ void __launch_bounds__(kStepThreads, 1) step_kernel(const __grid_cons
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ alignas(8) uint64_t full[kSlots], empty[kSlots];
   __shared__ float red[kWarps];
-  __shared__ float part[2][kWarps][tc16::kRows];
+  __shared__ float part[kMaxTcTiles][kWarps][tc16::kRows];
+  __shared__ float taps[kMaxTcTiles][kRowsIn][7];
   __shared__ RouteSmem rs;
   __shared__ gdn_unit::Smem gsm;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -704,7 +722,7 @@ __global__ void __launch_bounds__(kStepThreads, 1) step_kernel(const __grid_cons
   prefetch_small(a, a.layer[0], step_product(a.layer[0], 0), threadIdx.x);
   pdl_wait();
   Consumer c{a,    ring, reinterpret_cast<float*>(smem + size_t(kSlots) * kSlotBytes), red, rs, warp,
-             lane, part};
+             lane, part, taps};
   unsigned p = 0;
   unsigned total = 0;
   for (int li = 0; li < a.n_layers; ++li) total += step_n_products(a.layer[li]);
@@ -817,6 +835,14 @@ void decode_step_layers(const StepArgs& a, cudaStream_t stream) {
               "decode step: missing buffers");
   const int sms = sm_count();
   TANSY_CHECK(sms >= 1, "decode step: no multiprocessors");
+  for (int i = 0; i < a.n_layers; ++i) {
+    const StepLayer& L = a.layer[i];
+    const int tc_tiles = L.mixer == kStepAttnIn ? L.attn_in.out / kRowsIn
+                         : std::max(L.mixer == kStepGdn ? L.gdn_in.out / kRowsIn : 0, (a.K + 1) * (a.I / kPairsGu));
+    TANSY_CHECK((tc_tiles + sms - 1) / sms <= kMaxTcTiles,
+                "decode step: layer {}: {} tensor-core tiles on {} multiprocessors, more than {} a block",
+                L.index, tc_tiles, sms, kMaxTcTiles);
+  }
   allow_smem<step_kernel>(kStepSmem, "decode step");
   pdl_launch(step_kernel, dim3(sms), dim3(kStepThreads), kStepSmem, stream, a);
 }
