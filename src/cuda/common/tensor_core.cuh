@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "cuda/common/device_math.cuh"
+
 // Fragment layouts follow the PTX ISA
 // ("Matrix fragments for mma.m16n8k16"): lane = 4*g + c; A rows g/g+8, cols 2c/2c+1 (+8);
 // B (k x n) col n = g, rows 2c/2c+1 (+8); C rows g/g+8, cols 2c/2c+1.
@@ -66,8 +68,8 @@ __device__ __forceinline__ void mma_word(float (&c)[4], uint32_t wa, uint32_t wb
   uint32_t p[4], q[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    p[k] = ((wa >> (4 * k)) & 0x000F000Fu) | 0x43004300u;
-    q[k] = ((wb >> (4 * k)) & 0x000F000Fu) | 0x43004300u;
+    p[k] = nibbles_bf16x2(wa >> (4 * k));
+    q[k] = nibbles_bf16x2(wb >> (4 * k));
   }
   const uint32_t a0[4] = {p[0], q[0], p[1], q[1]}, a1[4] = {p[2], q[2], p[3], q[3]};
   mma_bf16(c, a0, b.x, b.y);

@@ -73,7 +73,7 @@ __device__ __forceinline__ float chunk_dot(uint4 wv, const float* xs, float s, f
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         // Nibbles k and k+4 of the word become bf16 128+q in the two halves.
-        const uint32_t v = ((wd[j] >> (4 * k)) & 0x000F000Fu) | 0x43004300u;
+        const uint32_t v = nibbles_bf16x2(wd[j] >> (4 * k));
         raw = fmaf(bf_lo(v), xl[k], raw);
         raw = fmaf(bf_hi(v), xh[k], raw);
       }

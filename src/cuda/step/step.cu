@@ -721,8 +721,8 @@ __global__ void __launch_bounds__(kStepThreads, 1) step_kernel(const __grid_cons
   tc::setmaxnreg_inc<kConsumerRegs>();
   prefetch_small(a, a.layer[0], step_product(a.layer[0], 0), threadIdx.x);
   pdl_wait();
-  Consumer c{a,    ring, reinterpret_cast<float*>(smem + size_t(kSlots) * kSlotBytes), red, rs, warp,
-             lane, part, taps};
+  Consumer c{a,    ring, reinterpret_cast<float*>(smem + size_t(kSlots) * kSlotBytes), red, rs, warp, lane,
+             part, taps};
   unsigned p = 0;
   unsigned total = 0;
   for (int li = 0; li < a.n_layers; ++li) total += step_n_products(a.layer[li]);
@@ -838,7 +838,8 @@ void decode_step_layers(const StepArgs& a, cudaStream_t stream) {
   for (int i = 0; i < a.n_layers; ++i) {
     const StepLayer& L = a.layer[i];
     const int tc_tiles = L.mixer == kStepAttnIn ? L.attn_in.out / kRowsIn
-                         : std::max(L.mixer == kStepGdn ? L.gdn_in.out / kRowsIn : 0, (a.K + 1) * (a.I / kPairsGu));
+                                                : std::max(L.mixer == kStepGdn ? L.gdn_in.out / kRowsIn : 0,
+                                                           (a.K + 1) * (a.I / kPairsGu));
     TANSY_CHECK((tc_tiles + sms - 1) / sms <= kMaxTcTiles,
                 "decode step: layer {}: {} tensor-core tiles on {} multiprocessors, more than {} a block",
                 L.index, tc_tiles, sms, kMaxTcTiles);
