@@ -153,6 +153,19 @@ void check_attention_fused(int NH, int NKV, int ctx, int splits) {
   poison(scratch);
   cuda::attention_decode_fused(L, dpos.get(), dqn.get(), dkn.get(), eps, rot, theta, dK.get(), dV.get(),
                                splits, scratch.get(), out.get(), NH * hd, 0);
+  // The same token again with the splits merged in the kernel (merge_counters): the combine
+  // kernel's bits. The cache row it writes holds the same values as the first call's.
+  const std::vector<float> combined = from_device_bf16(out.get(), out.size());
+  DeviceBuffer<unsigned> counters{size_t(NKV)};
+  CUDA_CHECK(cudaMemset(counters.get(), 0, counters.bytes()));
+  poison(out);
+  poison(scratch);
+  cuda::attention_decode_fused(L, dpos.get(), dqn.get(), dkn.get(), eps, rot, theta, dK.get(), dV.get(),
+                               splits, scratch.get(), out.get(), NH * hd, 0, nullptr, counters.get());
+  const std::vector<float> merged = from_device_bf16(out.get(), out.size());
+  for (size_t i = 0; i < merged.size(); ++i)
+    ASSERT_EQ(merged[i], combined[i]) << "attention_decode_fused heads " << NH << "/" << NKV << " ctx " << ctx
+                                      << " splits " << splits << ": merged in the kernel, element " << i;
   // reference: the new k/v at row ctx, then attention over ctx + 1 keys
   std::vector<float> q(size_t(NH) * hd);
   for (int h = 0; h < NH; ++h) {

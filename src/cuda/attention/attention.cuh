@@ -55,6 +55,11 @@ void attention_decode(const QkvLayout& qkv, int n, const int* pos, const bf16* k
 // With `rows`: one new token of each of rows->n sequences (a batched decode step): token t's qkv
 // row t of qkv, its position rows->pos[t] and its caches; scratch holds n tokens' partials. Each
 // token is computed as the one-token launch computes it (pos, k_cache and v_cache unused).
+//
+// With `merge_counters` (one token only: n_kv unsigned counters, zero before the call, left
+// nonzero): one kernel. Each split counts itself done, and the first splits wait for the others
+// and merge (head, 64 dims) each, with the merge kernel's sums in the same order: the same bits,
+// without the second launch and its wait for the whole first grid.
 struct AttnDecodeRows {
   int n = 1;
   const int* pos[kMaxBatch] = {};
@@ -64,7 +69,7 @@ struct AttnDecodeRows {
 void attention_decode_fused(const QkvLayout& qkv, const int* pos, const float* q_norm, const float* k_norm,
                             float eps, int rotary_dim, double theta, bf16* k_cache, bf16* v_cache, int splits,
                             float* scratch, bf16* out, int64_t ldo, cudaStream_t stream,
-                            const AttnDecodeRows* rows = nullptr);
+                            const AttnDecodeRows* rows = nullptr, unsigned* merge_counters = nullptr);
 
 // ---- prefill: causal flash attention on tensor cores (prefill.cu) ----
 

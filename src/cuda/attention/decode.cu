@@ -1,7 +1,9 @@
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 
 #include "cuda/attention/attention.cuh"
+#include "cuda/common/grid_sync.cuh"
 #include "cuda/common/launch.cuh"
 #include "cuda/common/tensor_core.cuh"
 
@@ -234,7 +236,63 @@ struct FusedArgs {
   bf16* v_cache;
   int splits;
   float* scratch;
+  // The splits merged in the kernel (one token, attention_decode_fused's merge_counters): per kv
+  // head a counter of its splits done (zero before the launch), the output and its row stride.
+  unsigned* counters;
+  bf16* out;
 };
+
+// A merge task of the fused kernel: head kvh·G + task / kMergeParts, dims (task % kMergeParts)·64
+// .. +63. 256 threads = 4 groups of 64 dims, the combine kernel's 4 groups of interleaved splits.
+constexpr int kMergeParts = 4;
+constexpr int kMergeDims = kHeadDim / kMergeParts;
+
+// The merge of one task, by the block's 256 threads, with the combine kernel's sums in the same
+// order (attn_combine_kernel below: its block reductions over 1,024 threads see zeros past the
+// splits in use, which add nothing; the maximum does not depend on the order), so both give the
+// same bits. The partials were written by other blocks: read through L2.
+__device__ void merge_task(const QkvLayout& L, const float* scratch, int splits, int used, int head, int part,
+                           bf16* out) {
+  __shared__ float f[kMaxAttnSplits];
+  __shared__ float red[2][kFusedWarps];
+  __shared__ float po[kMergeParts - 1][kMergeDims];
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const float* pt = scratch + int64_t(head) * splits * kAttnPartStride;
+  static_assert(kMaxAttnSplits == kFusedWarps * 32 && kMergeParts * kMergeDims == kFusedWarps * 32);
+  const float ms = tid < used ? __ldcg(pt + int64_t(tid) * kAttnPartStride + kHeadDim) : -FLT_MAX;
+  const float ls = tid < used ? __ldcg(pt + int64_t(tid) * kAttnPartStride + kHeadDim + 1) : 0.f;
+  float v = ms;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if (lane == 0) red[0][warp] = v;
+  __syncthreads();
+  float M = red[0][0];
+  for (int w = 1; w < kFusedWarps; ++w) M = fmaxf(M, red[0][w]);
+  const float fs = ls != 0.f ? __expf(ms - M) : 0.f;
+  f[tid] = fs;
+  v = fs * ls;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (lane == 0) red[1][warp] = v;
+  __syncthreads();  // also publishes f
+  float l = red[1][0];
+  for (int w = 1; w < kFusedWarps; ++w) l += red[1][w];
+  const int g = tid / kMergeDims, d = part * kMergeDims + tid % kMergeDims;
+  float o = 0.f;
+#pragma unroll 8
+  for (int sp = g; sp < used; sp += kMergeParts)
+    o = fmaf(__ldcg(pt + int64_t(sp) * kAttnPartStride + d), f[sp], o);
+  if (g > 0) po[g - 1][tid % kMergeDims] = o;
+  __syncthreads();
+  if (g == 0) {
+#pragma unroll
+    for (int i = 0; i < kMergeParts - 1; ++i) o += po[i][tid % kMergeDims];
+    o /= l;
+    const float gt = __bfloat162float(L.base[int64_t(head) * 2 * kHeadDim + kHeadDim + d]);
+    out[int64_t(head) * kHeadDim + d] = __float2bfloat16(o / (1.f + __expf(-gt)));
+  }
+  __syncthreads();  // f, red and po are reused by the block's next task
+}
 
 // Grid z: the token of a batched step (rows), whose sequence's position and cache it reads.
 template <int G>
@@ -452,6 +510,21 @@ __global__ void __launch_bounds__(kFusedWarps * 32, 1)
       part[kHeadDim + 1] = Ls;
     }
   }
+  if (!a.counters) return;
+  // The merge in this launch: every split says it is done; the first min(used, G·4) splits then
+  // wait for the others and take the kv head's merge tasks (all blocks of the launch are resident
+  // by then or will be: the waiting ones are fewer than the multiprocessors, which
+  // attention_decode_fused checks, and the next kernel cannot start before every block has).
+  __syncthreads();  // the block's partials are written
+  if (tid == 0) red_add_release_gpu(a.counters + kvh, 1u);
+  const int used = (len + chunk - 1) / chunk, tasks = G * kMergeParts, nm = min(used, tasks);
+  if (s >= nm) return;
+  if (tid == 0)
+    while (ld_acquire_gpu(a.counters + kvh) < unsigned(used)) {
+    }
+  __syncthreads();
+  for (int task = s; task < tasks; task += nm)
+    merge_task(L, a.scratch, a.splits, used, kvh * G + task / kMergeParts, task % kMergeParts, a.out);
 }
 
 template <bool MAX>
@@ -476,6 +549,7 @@ __device__ float block_reduce(float v, float* red) {
 constexpr int kCombineGroups = 4;
 constexpr int kCombineThreads = kHeadDim * kCombineGroups;
 static_assert(kMaxAttnSplits <= kCombineThreads);
+static_assert(kMergeParts == kCombineGroups, "merge_task sums the combine kernel's groups of splits");
 
 // batched: token t = blockIdx.y is the one new token of its own sequence (position R.pos[t]).
 __global__ void __launch_bounds__(kCombineThreads)
@@ -573,7 +647,7 @@ void launch_fused(const FusedArgs& a, const AttnDecodeRows& r, int batched, cuda
 void attention_decode_fused(const QkvLayout& qkv, const int* pos, const float* q_norm, const float* k_norm,
                             float eps, int rotary_dim, double theta, bf16* k_cache, bf16* v_cache, int splits,
                             float* scratch, bf16* out, int64_t ldo, cudaStream_t stream,
-                            const AttnDecodeRows* rows) {
+                            const AttnDecodeRows* rows, unsigned* merge_counters) {
   const AttnDecodeRows one;
   const AttnDecodeRows& r = rows ? *rows : one;
   TANSY_CHECK(r.n >= 1 && r.n <= kMaxBatch, "attention_decode_fused: {} batched rows outside 1..{}", r.n,
@@ -587,8 +661,30 @@ void attention_decode_fused(const QkvLayout& qkv, const int* pos, const float* q
   check_rotary(rotary_dim, "attention_decode_fused");
   check_splits(qkv, pos, k_cache, v_cache, splits, scratch, out, ldo, "attention_decode_fused");
   TANSY_CHECK(theta > 0 && q_norm && k_norm, "attention_decode_fused: bad arguments");
-  FusedArgs a{qkv, pos, q_norm, k_norm, eps, rotary_dim, theta, k_cache, v_cache, splits, scratch};
-  switch (qkv.n_heads / qkv.n_kv) {
+  const int G = qkv.n_heads / qkv.n_kv;
+  if (merge_counters) {
+    TANSY_CHECK(!rows, "attention_decode_fused: the merge in the kernel is for one token (no batched rows)");
+    // The blocks that wait for the others' partials must leave them multiprocessors to run on.
+    const int waiting = qkv.n_kv * std::min(splits, G * kMergeParts);
+    TANSY_CHECK(waiting < sm_count(),
+                "attention_decode_fused: {} merging blocks would wait on {} multiprocessors; merge with the "
+                "combine kernel instead (no counters)",
+                waiting, sm_count());
+  }
+  FusedArgs a{qkv,
+              pos,
+              q_norm,
+              k_norm,
+              eps,
+              rotary_dim,
+              theta,
+              k_cache,
+              v_cache,
+              splits,
+              scratch,
+              merge_counters,
+              merge_counters ? out : nullptr};
+  switch (G) {
     case 1:
       launch_fused<1>(a, r, rows ? 1 : 0, stream);
       break;
@@ -605,6 +701,7 @@ void attention_decode_fused(const QkvLayout& qkv, const int* pos, const float* q
       fail("attention_decode_fused: {} query heads per kv head unsupported (1, 2, 4 or 8)",
            qkv.n_heads / qkv.n_kv);
   }
+  if (merge_counters) return;
   pdl_launch(attn_combine_kernel, dim3(qkv.n_heads, r.n), dim3(kCombineThreads), 0, stream, qkv, pos, splits,
              scratch, out, ldo, r, rows ? 1 : 0);
 }

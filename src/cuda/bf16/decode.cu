@@ -59,7 +59,7 @@ void CudaModel::attention_mixer_decode(CudaState& st, int i) {
   matvec_residual(L.attn_o.view, mix_.get(), ResidualOut{h_.get(), ss(2 * i + 1)}, stream_);
 }
 
-void CudaModel::attention_core_decode(CudaState& st, int i) {
+void CudaModel::attention_core_decode(CudaState& st, int i, unsigned* merge_counters) {
   const ModelConfig& c = cfg_;
   DevLayer& L = layers_[i];
   CudaState::Layer& S = st.layers[i];
@@ -67,7 +67,7 @@ void CudaModel::attention_core_decode(CudaState& st, int i) {
   mark("attn.q/k norm+rope+cache+split, merge", 2.0 * (st.n + 1) * c.kv_dim() * 2, 0, 2);
   attention_decode_fused(lay, st.pos.get(), L.q_norm.get(), L.k_norm.get(), c.rms_eps, c.rotary_dim,
                          c.rope_theta, S.K.get(), S.V.get(), kFusedDecodeSplits, attn_scratch_.get(),
-                         mix_.get(), c.q_dim(), stream_);
+                         mix_.get(), c.q_dim(), stream_, nullptr, merge_counters);
 }
 
 StepArgs CudaModel::step_args() {
@@ -191,7 +191,10 @@ void CudaModel::plan_decode_step(const CudaPlanOptions& opt) {
   int launches = 0;
   for_each_step_launch(
       layers_, nullptr, a, [](int) {}, [&](const StepArgs&) { ++launches; });
-  step_barriers_.resize(size_t(std::max(1, launches)));
+  int attn_layers = 0;
+  for (const DevLayer& L : layers_) attn_layers += L.kind == LayerKind::kLinear ? 0 : 1;
+  step_launches_ = std::max(1, launches);
+  step_barriers_.resize(size_t(step_launches_) + size_t(attn_layers) * cfg_.num_kv_heads);
   route_log_.resize(size_t(cfg_.num_layers) * (cfg_.experts_per_tok + 1));
   step_ok_ = true;
   step_why_.clear();
@@ -203,8 +206,13 @@ void CudaModel::run_decode_persistent(CudaState& st, const int* ids) {
   mark("embed", double(c.hidden_size) * 4);
   embed(embed_.view, ids, 1, h_.get(), stream_, ss_parts_.get());
   unsigned* barrier = step_barriers_.get();
+  unsigned* merge = step_barriers_.get() + step_launches_;
   for_each_step_launch(
-      layers_, &st, step_args(), [&](int i) { attention_core_decode(st, i); },
+      layers_, &st, step_args(),
+      [&](int i) {
+        attention_core_decode(st, i, merge);
+        merge += cfg_.num_kv_heads;
+      },
       [&](StepArgs a) {
         a.barrier = barrier++;
         if (profile_step_) {

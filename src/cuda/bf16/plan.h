@@ -315,7 +315,8 @@ class CudaModel final : public Model, public StageProfiler {
   int64_t ss_row_ld() const { return int64_t(2 * cfg_.num_layers + 1) * kNormParts; }
   // Attention layer i's mixer for one token: in_proj (+ norm), the fused attention, o_proj (+ residual).
   void attention_mixer_decode(CudaState& st, int i);  // in_proj, core, o_proj
-  void attention_core_decode(CudaState& st, int i);   // q/k norm, RoPE, cache write, attention
+  // q/k norm, RoPE, cache write, attention; with merge_counters (n_kv, zero) in one launch
+  void attention_core_decode(CudaState& st, int i, unsigned* merge_counters = nullptr);
   // Decides step_ok_ from the uploaded shapes (after upload).
   void plan_decode_step(const CudaPlanOptions& opt);
   // The model's dimensions and the plan's scratch for the persistent step (no layers).
@@ -368,8 +369,11 @@ class CudaModel final : public Model, public StageProfiler {
   DeviceBuffer<float> conv_f32_;  // decode: [kMaxBatch, conv_dim] GDN conv output
   // last-block counters of fused decode kernels: [kMaxBatch, n_v_heads], [kMaxBatch]
   DeviceBuffer<unsigned> gdn_counters_, route_counter_;
-  DeviceBuffer<unsigned> step_barriers_;  // persistent step: one grid counter per launch of a step
-  DeviceBuffer<int> route_log_;           // persistent step: [layers, K + 1] routed experts
+  // persistent step: one grid counter per launch of a step, then n_kv counters per attention
+  // layer (the splits' merge in the attention kernel), zeroed together at the step's start
+  DeviceBuffer<unsigned> step_barriers_;
+  int step_launches_ = 0;
+  DeviceBuffer<int> route_log_;  // persistent step: [layers, K + 1] routed experts
   // `tansy bench --stages` of the persistent step: its in-kernel time stamps (StepArgs::prof) per
   // launch, and the launches they belong to.
   DeviceBuffer<unsigned long long> step_prof_;
