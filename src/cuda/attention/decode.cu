@@ -209,6 +209,8 @@ __global__ void __launch_bounds__(kWarps * 32)
 // (grp, ds) = (warp & 1, warp >> 1) takes keys grp*16 .. +15 of every 32-key tile and output dims
 // ds*64 .. +63; the two key groups keep their own online softmax and merge at the end into the
 // same partials attn_split_kernel writes. P is rounded to bf16 for the product, as in prefill.
+// With FusedArgs::counters (one token) the first splits then merge the kv head's query heads
+// (merge_task) instead of attn_combine_kernel.
 constexpr int kFusedWarps = 8;
 constexpr int kFusedTile = 32;   // keys per tile: two groups of 16 (one mma's n x 2)
 constexpr int kFusedStages = 3;  // tiles in flight (96 KiB of K and V per block)
