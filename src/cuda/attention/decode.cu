@@ -239,7 +239,7 @@ struct FusedArgs {
   int splits;
   float* scratch;
   // The splits merged in the kernel (one token, attention_decode_fused's merge_counters): per kv
-  // head a counter of its splits done (zero before the launch), the output and its row stride.
+  // head a counter of its splits done (zero before the launch), and the output [heads][256].
   unsigned* counters;
   bf16* out;
 };
