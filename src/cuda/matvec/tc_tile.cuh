@@ -99,10 +99,10 @@ struct TileGroups {
 __device__ __forceinline__ void bf16_quad(const uint8_t* p, float (&f)[kWarpGroups]) {
   static_assert(kWarpGroups == 4);
   const uint2 v = *reinterpret_cast<const uint2*>(p);
-  f[0] = __uint_as_float(v.x << 16);
-  f[1] = __uint_as_float(v.x & 0xffff0000u);
-  f[2] = __uint_as_float(v.y << 16);
-  f[3] = __uint_as_float(v.y & 0xffff0000u);
+  f[0] = bf_lo(v.x);
+  f[1] = bf_hi(v.x);
+  f[2] = bf_lo(v.y);
+  f[3] = bf_hi(v.y);
 }
 static_assert(kSc % 8 == 0 && kBi % 8 == 0 && (kGroups * 2) % 8 == 0);
 

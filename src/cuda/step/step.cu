@@ -68,7 +68,7 @@ struct RouteSmem {
   float w[kRouteMaxTopK + 1];
 };
 
-__device__ __forceinline__ int n_tiles(const StepArgs& a, const StepLayer& L, int kind) {
+__host__ __device__ inline int n_tiles(const StepArgs& a, const StepLayer& L, int kind) {
   switch (kind) {
     case kGdnIn:
       return (L.gdn_in.out + kRowsIn - 1) / kRowsIn;
@@ -399,7 +399,7 @@ struct Consumer {
 
   // GDN in_proj with the input norm, then each row's conv / gate epilogue (GDN), or the attention's
   // in_proj with its input norm, the rows stored for the attention core; on tensor cores (tc16),
-  // warp 0's lanes 0-15 finishing a row each.
+  // a thread finishing each row after the block's last tile.
   __device__ void in_proj(const StepLayer& L, bool gdn) {
     const int nt = n_tiles(a, L, gdn ? kGdnIn : kAttnIn);
     if (int(blockIdx.x) >= nt) return;
@@ -837,9 +837,9 @@ void decode_step_layers(const StepArgs& a, cudaStream_t stream) {
   TANSY_CHECK(sms >= 1, "decode step: no multiprocessors");
   for (int i = 0; i < a.n_layers; ++i) {
     const StepLayer& L = a.layer[i];
-    const int tc_tiles = L.mixer == kStepAttnIn ? L.attn_in.out / kRowsIn
-                                                : std::max(L.mixer == kStepGdn ? L.gdn_in.out / kRowsIn : 0,
-                                                           (a.K + 1) * (a.I / kPairsGu));
+    const int tc_tiles = L.mixer == kStepAttnIn ? n_tiles(a, L, kAttnIn)
+                                                : std::max(L.mixer == kStepGdn ? n_tiles(a, L, kGdnIn) : 0,
+                                                           n_tiles(a, L, kExpertsGu));
     TANSY_CHECK((tc_tiles + sms - 1) / sms <= kMaxTcTiles,
                 "decode step: layer {}: {} tensor-core tiles on {} multiprocessors, more than {} a block",
                 L.index, tc_tiles, sms, kMaxTcTiles);
