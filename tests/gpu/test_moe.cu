@@ -258,6 +258,75 @@ TEST(Moe, Experts) {
   check_experts(WFormat::kAffine8, 4, 256, 128, 3, 1);
 }
 
+// The batched decode step's gate|up by expert: expert_groups against a CPU grouping (each
+// expert's slots in slot order, items of at most 8), and matvec_swiglu_experts_grouped's act
+// against matvec_swiglu_experts's (per slot) bit for bit, whose values Moe.Experts checks against
+// cpu::matmul. Real columns and top-k + shared slot; uniform and skewed routing (a few experts take
+// most slots: items of 8, and a last one partly full).
+void check_experts_grouped(int E, int I) {
+  const int H = 2048, K = 8, k = K + 1;  // slot K: the shared expert, stacked as expert E
+  TestMatrix GU = make_matrix(WFormat::kAffine4, (E + 1) * 2 * I, H);
+  ASSERT_TRUE(cuda::experts_grouped_ok(GU.dev, E + 1));
+  const int max_slots = cuda::kMaxBatch * k, max_items = cuda::expert_group_items_max(max_slots, E + 1);
+  DeviceBuffer<int> sorted(max_slots), count(1);
+  DeviceBuffer<int4> items(max_items);
+  const cuda::ExpertGroups g{sorted.get(), items.get(), count.get()};
+  for (int n : {1, 2, 7, 8, 9, 16, 33, 64}) {
+    for (bool skewed : {false, true}) {
+      const std::string label =
+          "E=" + std::to_string(E) + " n=" + std::to_string(n) + (skewed ? " skewed" : " uniform");
+      std::vector<int> idx(size_t(n) * k);
+      for (int t = 0; t < n; ++t) {
+        std::vector<int> perm(E);
+        std::iota(perm.begin(), perm.end(), 0);
+        std::shuffle(perm.begin(), perm.end(), rng());
+        if (skewed && t % 4 != 0)  // experts 0..11 first, in a random order
+          std::stable_partition(perm.begin(), perm.end(), [](int e) { return e < 12; });
+        for (int j = 0; j < K; ++j) idx[size_t(t) * k + j] = perm[j];
+        idx[size_t(t) * k + K] = E;
+      }
+      // the grouping on the CPU
+      std::vector<int> want_sorted, want_items;
+      for (int e = 0; e <= E; ++e) {
+        std::vector<int> mine;
+        for (int s = 0; s < n * k; ++s)
+          if (idx[s] == e) mine.push_back(s);
+        for (size_t j = 0; j < mine.size(); j += cuda::kGroupCols)
+          want_items.insert(want_items.end(), {e, int(want_sorted.size() + j),
+                                               int(std::min<size_t>(cuda::kGroupCols, mine.size() - j)), 0});
+        want_sorted.insert(want_sorted.end(), mine.begin(), mine.end());
+      }
+      const int n_items = int(want_items.size() / 4);
+      ASSERT_LE(n_items, cuda::expert_group_items_max(n * k, E + 1)) << label;
+      auto didx = to_device(idx);
+      auto x = randn(size_t(n) * H);
+      round_bf16_inplace(x);
+      auto dx = to_device_bf16(x);
+      DeviceBuffer<bf16> per_slot(size_t(n) * k * I), grouped(size_t(n) * k * I);
+      poison(per_slot);
+      poison(grouped);
+      CUDA_CHECK(cudaMemset(sorted.get(), 0xff, sorted.bytes()));
+      CUDA_CHECK(cudaMemset(items.get(), 0xff, items.bytes()));
+      CUDA_CHECK(cudaMemset(count.get(), 0xff, count.bytes()));
+      cuda::matvec_swiglu_experts(GU.dev, E + 1, didx.get(), n, k, dx.get(), H, per_slot.get(), 0);
+      cuda::matvec_swiglu_experts_grouped(GU.dev, E + 1, didx.get(), n, k, dx.get(), H, grouped.get(), g, 0);
+      CUDA_CHECK(cudaDeviceSynchronize());
+      EXPECT_EQ(from_device(count.get(), 1)[0], n_items) << label;
+      EXPECT_EQ(from_device(sorted.get(), size_t(n) * k), want_sorted) << label;
+      const auto got_items = from_device(reinterpret_cast<const int*>(items.get()), size_t(n_items) * 4);
+      EXPECT_EQ(got_items, want_items) << label;
+      const auto a = from_device(per_slot.get(), per_slot.size()),
+                 b = from_device(grouped.get(), grouped.size());
+      EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(bf16))) << label << ": act differs";
+    }
+  }
+}
+
+TEST(Moe, ExpertsGroupedAreThePerSlotBits) {
+  check_experts_grouped(32, 128);  // 33 experts of 256 rows
+  check_experts_grouped(256, 8);   // the real model's 257 experts (the scan over 9 warps), 16 rows each
+}
+
 // ---- prefill ----
 
 // `routing` (n*k expert choices, distinct per token) replaces the random uniform routing.
@@ -511,6 +580,15 @@ TEST(Moe, RejectsBadShapes) {
   EXPECT_THROW(cuda::moe_combine(y.get(), R.slot_row.get(), nullptr, 4, 2, 60, nullptr, nullptr, nullptr, 0,
                                  y.get(), 0),
                Error);
+  // gate|up by expert: only experts with tensor-core tiles (2048 columns), and at most the batch's slots
+  DeviceBuffer<int> sorted(8), count(1);
+  DeviceBuffer<int4> items(8);
+  const cuda::ExpertGroups g{sorted.get(), items.get(), count.get()};
+  DeviceBuffer<bf16> act(8 * 64);
+  EXPECT_FALSE(cuda::experts_grouped_ok(W.dev, 3));
+  EXPECT_THROW(cuda::matvec_swiglu_experts_grouped(W.dev, 3, idx.get(), 4, 2, x.get(), 128, act.get(), g, 0),
+               Error);
+  EXPECT_THROW(cuda::expert_groups(idx.get(), cuda::kMaxBatch + 1, cuda::kRouteMaxTopK, 4, g, 0), Error);
 }
 
 }  // namespace

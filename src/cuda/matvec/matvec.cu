@@ -66,6 +66,7 @@ struct Fusion {
   ResidualOut resid;
   int batched = 0;  // grid row blockIdx.y is token row t of `rows` (the shared-memory kernel)
   DecodeRows rows;
+  ExpertGroups groups;  // matvec_tc_kernel MODE 3: grid row blockIdx.y is item blockIdx.y
 };
 
 // The one-row fusion's pointers moved to token row t of a batched launch.
@@ -465,7 +466,9 @@ __global__ void __launch_bounds__(kThreads, MODE == 2 ? 4 : 3)
 // MODE 0, NT 1: rows [0, out_rows) of W for one token. MODE 0, NT 8: a batched launch's token rows
 // 8·blockIdx.y.. (Fusion::rows) as the mma's 8 columns, each token's rows the bits it gets alone.
 // MODE 2: the rows_per_expert rows of expert idx[blockIdx.y], x row blockIdx.y / k, SwiGLU pairs
-// into Y row blockIdx.y.
+// into Y row blockIdx.y. MODE 3, NT 8: item blockIdx.y of fz.groups (grid rows past the items
+// return), its expert's rows for its up to 8 slots as the mma's columns, each slot's SwiGLU pairs
+// into its Y row: MODE 2's bits, the tiles read once for the item.
 constexpr size_t kTcXsBytes = size_t(tc16::kIn / Chunk<4>::kCols) * Chunk<4>::kStride * sizeof(float);
 constexpr size_t tc_smem(int nt) { return 2 * size_t(tc16::kTileBytes) + kTcXsBytes + nt * tc16::kPackBytes; }
 
@@ -492,7 +495,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     matvec_tc_kernel(DevLinear W, const bf16* __restrict__ X, int64_t ldx, void* Y, int64_t ldy, int y_f32,
                      int out_rows, const int* __restrict__ idx, int k, int rows_per_expert,
                      const __grid_constant__ Fusion fz) {
-  static_assert((NT == 1 || (NT == tc16::kCols && MODE == 0)));
+  static_assert(NT == 1 || (NT == tc16::kCols && (MODE == 0 || MODE == 3)));
+  static_assert(kGroupCols == tc16::kCols);
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ float red[kWarps];
   __shared__ float part[kWarps][NT][tc16::kRows];
@@ -506,16 +510,23 @@ __global__ void __launch_bounds__(kThreads, 2)
   auto copy = [&](int i, int buf) {
     copy_tile_tc(W, w0 + int64_t(i) * tc16::kRows, min(tc16::kRows, out_rows - i * tc16::kRows), tiles[buf]);
   };
-  if constexpr (MODE != 2) copy(blockIdx.x, 0);
+  if constexpr (MODE < 2) copy(blockIdx.x, 0);
   pdl_wait();
   pdl_launch_dependents();
+  [[maybe_unused]] int4 item{};  // MODE 3: {expert, first index into fz.groups.sorted, slots, 0}
   if constexpr (MODE == 2) {
     w0 = int64_t(idx[blockIdx.y]) * rows_per_expert;  // the expert the previous kernel chose
     copy(blockIdx.x, 0);
+  } else if constexpr (MODE == 3) {
+    if (int(blockIdx.y) >= *fz.groups.n_items) return;  // the grid is sized for the most items
+    item = fz.groups.items[blockIdx.y];
+    w0 = int64_t(item.x) * rows_per_expert;
+    copy(blockIdx.x, 0);
   }
-  // x: MODE 2 slot blockIdx.y reads token blockIdx.y / k; MODE 0 token rows t0..t0+nv-1
-  const int t0 = MODE == 2 ? blockIdx.y / k : fz.batched ? blockIdx.y * NT : 0;
-  const int nv = NT == 1 ? 1 : min(NT, fz.rows.n - t0);
+  // x: MODE 2 slot blockIdx.y reads token blockIdx.y / k; MODE 0 token rows t0..t0+nv-1; MODE 3
+  // slot sorted[item.y + j] reads token sorted[item.y + j] / k
+  const int t0 = MODE == 2 ? blockIdx.y / k : MODE == 0 && fz.batched ? blockIdx.y * NT : 0;
+  const int nv = NT == 1 ? 1 : MODE == 3 ? item.z : min(NT, fz.rows.n - t0);
   [[maybe_unused]] tc16::XFrag xf;
   [[maybe_unused]] tc16::XFrag8 xf8;
   for (int j = 0; j < nv; ++j) {
@@ -523,7 +534,8 @@ __global__ void __launch_bounds__(kThreads, 2)
       stage_norm<4>(norm_row(fz, t0 + j), tc16::kIn, xs, red,
                     blockIdx.x == 0 && (fz.batched || blockIdx.y == 0), BlockSync{});
     else
-      stage_rows<4>(X + int64_t(t0 + j) * ldx, ldx, 1, 1, tc16::kIn, xs);
+      stage_rows<4>(X + int64_t(MODE == 3 ? fz.groups.sorted[item.y + j] / k : t0 + j) * ldx, ldx, 1, 1,
+                    tc16::kIn, xs);
     __syncthreads();
     tc16::pack_x(xs, packs + j * tc16::kPackBytes);
     __syncthreads();  // the pack is complete, and xs is free for the next token
@@ -553,6 +565,9 @@ __global__ void __launch_bounds__(kThreads, 2)
       static_cast<bf16*>(Y)[at] = __float2bfloat16(y);
     }
   };
+  // MODE 3: thread (j, p) finishes pair p of slot j's rows (8 slots x 8 pairs of a tile)
+  [[maybe_unused]] const int gj = threadIdx.x / (tc16::kRows / 2), gp = threadIdx.x % (tc16::kRows / 2);
+  [[maybe_unused]] const int gslot = MODE == 3 && gj < nv ? fz.groups.sorted[item.y + gj] : 0;
   int buf = 0;
   for (int i = blockIdx.x; i < nt; i += gridDim.x, buf ^= 1) {
     const bool more = i + int(gridDim.x) < nt;
@@ -574,6 +589,12 @@ __global__ void __launch_bounds__(kThreads, 2)
         const float u = tc16::row_sum(part1, 2 * lane + 1);
         static_cast<bf16*>(Y)[int64_t(blockIdx.y) * ldy + r0 / 2 + lane] =
             __float2bfloat16(swiglu_bf16(g, u));
+      }
+    } else if constexpr (MODE == 3) {
+      if (gj < nv && r0 + 2 * gp + 1 < out_rows) {
+        const float g = tc16::row_sum8(part, gj, 2 * gp);
+        const float u = tc16::row_sum8(part, gj, 2 * gp + 1);
+        static_cast<bf16*>(Y)[int64_t(gslot) * ldy + r0 / 2 + gp] = __float2bfloat16(swiglu_bf16(g, u));
       }
     } else if constexpr (NT == 1) {
       if (warp == 0 && lane < tc16::kRows && r0 + lane < out_rows)
@@ -820,6 +841,33 @@ void matvec_swiglu_experts(const DevLinear& W, int n_experts, const int* idx, in
   }
   launch_matvec<2>(W, X, ldx, n, act, rows_per_expert / 2, false, rows_per_expert / 2, idx, k,
                    rows_per_expert, stream);
+}
+
+bool experts_grouped_ok(const DevLinear& W, int n_experts) {
+  return n_experts > 0 && W.out % (2 * n_experts) == 0 && tc_product(W, nullptr) &&
+         (W.out / n_experts) % tc16::kRows == 0;
+}
+
+void matvec_swiglu_experts_grouped(const DevLinear& W, int n_experts, const int* idx, int n, int k,
+                                   const bf16* X, int64_t ldx, bf16* act, const ExpertGroups& g,
+                                   cudaStream_t stream) {
+  W.check("matvec_swiglu_experts_grouped");
+  check_x(X, ldx, n, W.in, "matvec_swiglu_experts_grouped");
+  TANSY_CHECK(n_experts > 0 && W.out % (2 * n_experts) == 0,
+              "matvec_swiglu_experts_grouped: {} rows over {} experts", W.out, n_experts);
+  TANSY_CHECK(k >= 1 && k <= kRouteMaxTopK && idx && act,
+              "matvec_swiglu_experts_grouped: k = {} outside 1..{}", k, kRouteMaxTopK);
+  const int rows_per_expert = W.out / n_experts;
+  TANSY_CHECK(
+      experts_grouped_ok(W, n_experts),
+      "matvec_swiglu_experts_grouped: experts [{}, {}] {} have no tensor-core tiles (4-bit, {} columns, "
+      "rows a multiple of {})",
+      rows_per_expert, W.in, wformat_name(W.fmt), tc16::kIn, tc16::kRows);
+  expert_groups(idx, n, k, n_experts, g, stream);
+  Fusion fz;
+  fz.groups = g;
+  launch_tc<3, tc16::kCols>(W, X, ldx, act, rows_per_expert / 2, false, rows_per_expert, nullptr, k,
+                            rows_per_expert, unsigned(expert_group_items_max(n * k, n_experts)), stream, fz);
 }
 
 }  // namespace tansy::cuda

@@ -9,7 +9,8 @@
 //                            matvec_swiglu_experts (gate|up of the chosen experts): epilogues and a
 //                            mode of the GEMV mainloop, defined there
 //   moe/experts_decode.cu    moe_down_combine / moe_down_residual: down projections + combine
-//   moe/route_sort.cu        moe_route_sort: the grouped GEMM's tile schedule (prefill)
+//   moe/route_sort.cu        moe_route_sort: the grouped GEMM's tile schedule (prefill); expert_groups:
+//                            several decode tokens' slots by expert (matvec_swiglu_experts_grouped)
 //   gemm/gemm.cu             gemm_grouped: the expert GEMMs of prefill (gemm/gemm.cuh)
 //   moe/combine.cu           moe_combine: the weighted combine of prefill
 #pragma once
@@ -56,6 +57,39 @@ void matvec_norm_route(const DevLinear& W, const NormIn& x, float* logits, const
 // applied to X[t]. act bf16 [n*k, I].
 void matvec_swiglu_experts(const DevLinear& W, int n_experts, const int* idx, int n, int k, const bf16* X,
                            int64_t ldx, bf16* act, cudaStream_t stream);
+
+// ---- decode, several tokens: gate|up grouped by expert ----
+// For the batched decode step (bf16/batch.cu), which does not call it yet: it is written and
+// compiled, and joins the step once Moe.ExpertsGroupedAreThePerSlotBits and the Batch tests have
+// run on a GPU.
+
+// The slots s = t*k + j of n tokens grouped by expert: each expert's slots in slot order, cut into
+// items of at most tc16's 8 (the tensor-core tile's columns), so that an expert's tiles are read
+// and dequantized once for up to 8 of its tokens instead of once a slot.
+constexpr int kGroupCols = 8;
+struct ExpertGroups {
+  int* sorted = nullptr;   // [n*k] slots, expert by expert, in slot order within one
+  int4* items = nullptr;   // [expert_group_items_max] {expert, first index into sorted, slots (1..8), 0}
+  int* n_items = nullptr;  // [1] items written
+};
+// Items at most for `slots` slots over n_experts: each has a slot, and an expert's slots fill all
+// its items but the last.
+constexpr int expert_group_items_max(int slots, int n_experts) {
+  const int used = n_experts < slots ? n_experts : slots;
+  const int bound = (slots + kGroupCols - 1) / kGroupCols + used;
+  return bound < slots ? bound : slots;
+}
+// One block: counts, a scan, then a stable scatter of the ids idx [n, k] (each in [0, n_experts)).
+void expert_groups(const int* idx, int n, int k, int n_experts, const ExpertGroups& g, cudaStream_t stream);
+
+// Whether matvec_swiglu_experts_grouped runs W (its experts have tensor-core tiles).
+bool experts_grouped_ok(const DevLinear& W, int n_experts);
+// matvec_swiglu_experts's act, every slot the same bits (tc16's tiles: a slot's value is its own
+// mma column's), computed item by item: expert_groups, then one grid row an item. For W with
+// tensor-core tiles (4-bit, 2048 columns, 2I a multiple of 16); n*k <= kMaxBatch * kRouteMaxTopK.
+void matvec_swiglu_experts_grouped(const DevLinear& W, int n_experts, const int* idx, int n, int k,
+                                   const bf16* X, int64_t ldx, bf16* act, const ExpertGroups& g,
+                                   cudaStream_t stream);
 
 // Routed experts' down projections fused with the weighted combine:
 // out[t, r] = Σ_j wts[t, j]·(Wd_{idx[t,j]}[r]·act[t*k+j]) + sigmoid(sh_logit[t*sh_ld])·shared[t, r]

@@ -1,4 +1,4 @@
-// MoE prefill routing: the top-k choices of n tokens sorted into expert-grouped rows and the
+// MoE routing sorts. Prefill: the top-k choices of n tokens sorted into expert-grouped rows and the
 // grouped GEMM's tile schedule (MoeRouting, gemm/gemm.cuh), in two grid-wide launches:
 //   count    every block counts its ids in shared memory and adds the counts to the work
 //            counters; the last block to finish scans them into the offsets and cursors
@@ -9,6 +9,7 @@
 // CPU reference: none needed; tests/gpu/test_moe.cu checks the permutation, the offsets and the
 // tiles against the ids, and the grouped GEMM's result is checked against cpu::matmul per expert.
 #include "cuda/common/grid_sync.cuh"
+#include "cuda/common/launch.cuh"
 #include "cuda/moe/moe.cuh"
 
 namespace tansy::cuda {
@@ -24,11 +25,12 @@ __device__ __forceinline__ int* work_count(const MoeRouting& r) { return r.work;
 __device__ __forceinline__ int* work_cursor(const MoeRouting& r, int E) { return r.work + E; }
 __device__ __forceinline__ int* work_done(const MoeRouting& r, int E) { return r.work + 2 * E; }
 
-// Exclusive scans of the counts and of the per-expert tile counts over the block's threads (thread
-// e holds expert e's count c); returns {rows before e, tiles before e}.
+// Exclusive scans of the counts and of the per-expert tile counts (BM rows a tile) over the
+// block's threads (thread e holds expert e's count c); returns {rows before e, tiles before e}.
+template <int BM>
 __device__ int2 scan_counts(int c, int (*warp_sum)[kSortThreads / 32]) {
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  int rows = c, tiles = (c + kGroupedBM - 1) / kGroupedBM;
+  int rows = c, tiles = (c + BM - 1) / BM;
 #pragma unroll
   for (int o = 1; o < 32; o *= 2) {
     const int a = __shfl_up_sync(0xffffffffu, rows, o), b = __shfl_up_sync(0xffffffffu, tiles, o);
@@ -57,7 +59,7 @@ __device__ int2 scan_counts(int c, int (*warp_sum)[kSortThreads / 32]) {
   }
   __syncthreads();
   return {rows - c + (warp > 0 ? warp_sum[0][warp - 1] : 0),
-          tiles - (c + kGroupedBM - 1) / kGroupedBM + (warp > 0 ? warp_sum[1][warp - 1] : 0)};
+          tiles - (c + BM - 1) / BM + (warp > 0 ? warp_sum[1][warp - 1] : 0)};
 }
 
 __global__ void __launch_bounds__(kSortThreads)
@@ -80,7 +82,7 @@ __global__ void __launch_bounds__(kSortThreads)
   // this block's counts are in before it says it is done
   if (!last_block_arrive(reinterpret_cast<unsigned*>(work_done(r, E)), gridDim.x, last)) return;
   const int c = tid < E ? __ldcg(&g_count[tid]) : 0;  // L2: the other blocks' atomics
-  const int2 before = scan_counts(c, warp_sum);
+  const int2 before = scan_counts<kGroupedBM>(c, warp_sum);
   if (tid < E) {
     r.expert_offsets[tid] = before.x;
     r.tile_offsets[tid] = before.y;
@@ -121,7 +123,63 @@ __global__ void __launch_bounds__(kSortThreads)
   }
 }
 
+// Several decode tokens' slots by expert (ExpertGroups), in one block: the ids into shared
+// memory and counted, the counts scanned into each expert's first sorted index and first item,
+// then warp 0 scatters the slots in order, 32 at a time (lanes with the same expert rank among
+// themselves by lane), which keeps each expert's slots in slot order.
+constexpr int kGroupMaxSlots = kMaxBatch * kRouteMaxTopK;
+
+__global__ void __launch_bounds__(kSortThreads)
+    expert_groups_kernel(const int* __restrict__ idx, int total, int E, ExpertGroups g) {
+  __shared__ int ids[kGroupMaxSlots];
+  __shared__ int count[kRouteMaxExperts];
+  __shared__ int cursor[kRouteMaxExperts];
+  __shared__ int warp_sum[2][kSortThreads / 32];
+  const int tid = threadIdx.x;
+  pdl_wait();  // idx: the router's choices
+  pdl_launch_dependents();
+  for (int e = tid; e < E; e += kSortThreads) count[e] = 0;
+  __syncthreads();
+  for (int i = tid; i < total; i += kSortThreads) {
+    const int e = idx[i];
+    if (e < 0 || e >= E) __trap();  // the router produced an impossible id: stop loudly
+    ids[i] = e;
+    atomicAdd(&count[e], 1);
+  }
+  __syncthreads();
+  const int c = tid < E ? count[tid] : 0;
+  const int2 before = scan_counts<kGroupCols>(c, warp_sum);
+  if (tid < E) {
+    cursor[tid] = before.x;
+    for (int j = 0; j * kGroupCols < c; ++j)
+      g.items[before.y + j] =
+          make_int4(tid, before.x + j * kGroupCols, min(kGroupCols, c - j * kGroupCols), 0);
+    if (tid == E - 1) *g.n_items = before.y + (c + kGroupCols - 1) / kGroupCols;
+  }
+  __syncthreads();
+  if (tid < 32) {
+    for (int i0 = 0; i0 < total; i0 += 32) {
+      const int i = i0 + tid, e = i < total ? ids[i] : -1;
+      const unsigned same = __match_any_sync(0xffffffffu, e);
+      const int rank = __popc(same & ((1u << tid) - 1u));
+      if (e >= 0) g.sorted[cursor[e] + rank] = i;
+      __syncwarp();
+      if (e >= 0 && rank == 0) cursor[e] += __popc(same);
+      __syncwarp();
+    }
+  }
+}
+
 }  // namespace
+
+void expert_groups(const int* idx, int n, int k, int n_experts, const ExpertGroups& g, cudaStream_t stream) {
+  TANSY_CHECK(n >= 1 && k >= 1 && long(n) * k <= kGroupMaxSlots, "expert_groups: n*k = {}*{} outside 1..{}",
+              n, k, kGroupMaxSlots);
+  TANSY_CHECK(n_experts >= 1 && n_experts <= kRouteMaxExperts, "expert_groups: {} experts outside 1..{}",
+              n_experts, kRouteMaxExperts);
+  TANSY_CHECK(idx && g.sorted && g.items && g.n_items, "expert_groups: null pointer");
+  pdl_launch(expert_groups_kernel, dim3(1), dim3(kSortThreads), 0, stream, idx, n * k, n_experts, g);
+}
 
 void moe_route_sort(const int* topk_ids, int n, int k, int n_experts, const MoeRouting& r,
                     cudaStream_t stream) {
