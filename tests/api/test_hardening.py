@@ -260,33 +260,21 @@ def test_wrong_method_gets_405_with_allow(server):
 
 def test_503_carries_retry_after(start_server):
     s = start_server("retry-after", "--max-queue", "0", "--max-running", "1")
-    body = {"model": MODEL_ID, "prompt": "slow", "max_tokens": MAX_SEQ - 32, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
-    # A streamed request of ~1,000 tokens (seconds on the tiny model) holds the one place; a second
-    # request sent after its first event gets 503. Should the first have ended normally before
-    # the second arrived (a loaded machine), 200 is right and the pair is sent again; a first
-    # request that ended early, or still streamed when the second was answered, fails the test.
-    for attempt in range(3):
-        long = requests.post(s.url + COMPLETIONS, stream=True, timeout=60, headers=JSON, data=json.dumps(body))
-        try:
-            lines = long.iter_lines()
-            next(lines)
-            r = post(s, CHAT, chat())
-            if r.status_code == 503:
-                assert error_of(r)["code"] == "queue_full"
-                assert int(r.headers["Retry-After"]) >= 1, r.headers
-                assert health_time(s) < 2  # connection threads are not generation slots
-                return
-            assert r.status_code == 200, r.text
-            running = s.metric("tansy_requests_running")
-            events = [line for line in lines if line]
-            assert running == 0, f"a second request was admitted beside a running one: {r.text}"
-            assert events[-1] == b"data: [DONE]", events[-3:]
-            usage = json.loads(events[-2][6:])["usage"]
-            assert usage["completion_tokens"] == MAX_SEQ - 32, events[-3:]
-        finally:
-            long.close()
-    pytest.fail(f"the first request ended before the second arrived in {attempt + 1} tries: {r.text}")
+    long = requests.post(s.url + COMPLETIONS, stream=True, timeout=60, headers=JSON, data=json.dumps(
+        {"model": MODEL_ID, "prompt": "slow", "max_tokens": MAX_SEQ - 32, "ignore_eos": True, "stream": True}))
+    try:
+        # The line iterator is kept: a discarded one closes the connection (urllib3 drops a stream
+        # left unread), the server then rightly ends the request, and its place is free again.
+        lines = long.iter_lines()
+        next(lines)
+        r = post(s, CHAT, chat())
+        assert r.status_code == 503, r.text
+        assert error_of(r)["code"] == "queue_full"
+        assert int(r.headers["Retry-After"]) >= 1, r.headers
+        assert health_time(s) < 2  # connection threads are not generation slots
+        assert s.metric("tansy_requests_running") == 1  # the first request still holds the place
+    finally:
+        long.close()
 
 
 def test_developer_role_is_treated_as_system(server):
