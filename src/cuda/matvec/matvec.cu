@@ -853,16 +853,14 @@ void matvec_swiglu_experts_grouped(const DevLinear& W, int n_experts, const int*
                                    cudaStream_t stream) {
   W.check("matvec_swiglu_experts_grouped");
   check_x(X, ldx, n, W.in, "matvec_swiglu_experts_grouped");
-  TANSY_CHECK(n_experts > 0 && W.out % (2 * n_experts) == 0,
-              "matvec_swiglu_experts_grouped: {} rows over {} experts", W.out, n_experts);
   TANSY_CHECK(k >= 1 && k <= kRouteMaxTopK && idx && act,
               "matvec_swiglu_experts_grouped: k = {} outside 1..{}", k, kRouteMaxTopK);
-  const int rows_per_expert = W.out / n_experts;
   TANSY_CHECK(
       experts_grouped_ok(W, n_experts),
-      "matvec_swiglu_experts_grouped: experts [{}, {}] {} have no tensor-core tiles (4-bit, {} columns, "
-      "rows a multiple of {})",
-      rows_per_expert, W.in, wformat_name(W.fmt), tc16::kIn, tc16::kRows);
+      "matvec_swiglu_experts_grouped: [{}, {}] {} over {} experts has no tensor-core tiles (4-bit, {} "
+      "columns, each expert's rows a multiple of {})",
+      W.out, W.in, wformat_name(W.fmt), n_experts, tc16::kIn, tc16::kRows);
+  const int rows_per_expert = W.out / n_experts;
   expert_groups(idx, n, k, n_experts, g, stream);
   Fusion fz;
   fz.groups = g;
