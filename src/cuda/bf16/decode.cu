@@ -165,6 +165,7 @@ static void for_each_step_launch(std::vector<DevLayer>& layers, CudaState* st, S
 void CudaModel::plan_decode_step(const CudaPlanOptions& opt) {
   step_ok_ = false;
   batch_ok_ = false;
+  batch_gu_grouped_ = false;
   // The shapes of the persistent step are also those the batched decode step is built for (the
   // fused head, the shared expert as a slot, products that fit the shared-memory kernel).
   if (!head_fused_) {
@@ -184,6 +185,13 @@ void CudaModel::plan_decode_step(const CudaPlanOptions& opt) {
   // Alone, a one-token step runs the persistent step, which equals the per-op kernels (and so a
   // batched step's rows) bit for bit on a 132-multiprocessor card only (tests/gpu/test_step.cu).
   batch_ok_ = opt.decode == DecodeKernels::kPerOp || sm_count() == 132;
+  batch_gu_grouped_ = batch_ok_ && experts_grouped_ok(layers_[0].experts_gu.view, cfg_.num_experts + 1);
+  if (batch_gu_grouped_) {
+    const int slots = kMaxBatch * (cfg_.experts_per_tok + 1);
+    group_sorted_.resize(slots);
+    group_items_.resize(expert_group_items_max(slots, cfg_.num_experts + 1));
+    group_count_.resize(1);
+  }
   if (opt.decode == DecodeKernels::kPerOp) {
     step_why_ = "per-op decode kernels requested";
     return;
