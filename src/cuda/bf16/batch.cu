@@ -16,13 +16,6 @@
 
 namespace tansy::cuda {
 
-// A/B switch for this session's measurement only (TANSY_AB_GU_PER_SLOT=1: the per-slot launch);
-// removed once the A/B is logged in docs/PERFORMANCE.md.
-static bool ab_gu_per_slot() {
-  static const bool v = std::getenv("TANSY_AB_GU_PER_SLOT") != nullptr;
-  return v;
-}
-
 void CudaModel::run_decode_batch(std::span<CudaState* const> sts, std::span<const int> limits) {
   const ModelConfig& c = cfg_;
   const int n = int(sts.size());
@@ -144,10 +137,10 @@ void CudaModel::run_decode_batch(std::span<CudaState* const> sts, std::span<cons
     // Bytes: each row's slots read their expert's tiles (an upper bound when rows share experts,
     // which the grouped launch reads once for up to 8 slots).
     mark("moe.experts gate|up (k+shared)", double(n) * (K + 1) * gu1);
-    if (batch_gu_grouped_ && !ab_gu_per_slot())
-      matvec_swiglu_experts_grouped(L.experts_gu.view, E + 1, topk_idx_.get(), n, K + 1, xn_.get(), H, act_.get(),
-                                    ExpertGroups{group_sorted_.get(), group_items_.get(), group_count_.get()},
-                                    stream_);
+    if (batch_gu_grouped_)
+      matvec_swiglu_experts_grouped(
+          L.experts_gu.view, E + 1, topk_idx_.get(), n, K + 1, xn_.get(), H, act_.get(),
+          ExpertGroups{group_sorted_.get(), group_items_.get(), group_count_.get()}, stream_);
     else
       matvec_swiglu_experts(L.experts_gu.view, E + 1, topk_idx_.get(), n, K + 1, xn_.get(), H, act_.get(),
                             stream_);

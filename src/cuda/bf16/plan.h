@@ -403,15 +403,15 @@ class CudaModel final : public Model, public StageProfiler {
   // The batched step's experts gate|up, expert by expert (matvec_swiglu_experts_grouped): each
   // expert's tiles read once for its up to 8 slots of the step. Set when its tiles exist.
   bool batch_gu_grouped_ = false;
-  DeviceBuffer<int> group_sorted_;   // [kMaxBatch*(k+1)] slots by expert
-  DeviceBuffer<int4> group_items_;   // [expert_group_items_max(kMaxBatch*(k+1), E+1)]
-  DeviceBuffer<int> group_count_;    // [1] items written
-  DeviceBuffer<int> d_rows_tok_;                              // [kMaxBatch] a batched step's greedy tokens
-  int32_t* h_rows_tok_ = nullptr;                             // pinned [kMaxBatch]
-  int32_t* h_rows_ids_ = nullptr;                             // pinned [kMaxBatch] a batched step's input ids
-  int32_t* h_tok_ = nullptr;                                  // pinned
-  int greedy_limit_ = 0;                                      // argmax range captured into new decode graphs
-  std::vector<Mark>* marks_ = nullptr;                        // set while a StageProfiler call runs
+  DeviceBuffer<int> group_sorted_;      // [kMaxBatch*(k+1)] slots by expert
+  DeviceBuffer<int4> group_items_;      // [expert_group_items_max(kMaxBatch*(k+1), E+1)]
+  DeviceBuffer<int> group_count_;       // [1] items written
+  DeviceBuffer<int> d_rows_tok_;        // [kMaxBatch] a batched step's greedy tokens
+  int32_t* h_rows_tok_ = nullptr;       // pinned [kMaxBatch]
+  int32_t* h_rows_ids_ = nullptr;       // pinned [kMaxBatch] a batched step's input ids
+  int32_t* h_tok_ = nullptr;            // pinned
+  int greedy_limit_ = 0;                // argmax range captured into new decode graphs
+  std::vector<Mark>* marks_ = nullptr;  // set while a StageProfiler call runs
 };
 
 }  // namespace tansy::cuda
