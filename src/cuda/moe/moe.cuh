@@ -58,10 +58,7 @@ void matvec_norm_route(const DevLinear& W, const NormIn& x, float* logits, const
 void matvec_swiglu_experts(const DevLinear& W, int n_experts, const int* idx, int n, int k, const bf16* X,
                            int64_t ldx, bf16* act, cudaStream_t stream);
 
-// ---- decode, several tokens: gate|up grouped by expert ----
-// For the batched decode step (bf16/batch.cu), which does not call it yet: it is written and
-// compiled, and joins the step once Moe.ExpertsGroupedAreThePerSlotBits and the Batch tests have
-// run on a GPU.
+// ---- decode, several tokens: gate|up grouped by expert (the batched decode step, bf16/batch.cu) ----
 
 // The slots s = t*k + j of n tokens grouped by expert: each expert's slots in slot order, cut into
 // items of at most tc16's 8 (the tensor-core tile's columns), so that an expert's tiles are read
