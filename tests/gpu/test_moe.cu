@@ -668,6 +668,21 @@ TEST(Moe, RejectsBadShapes) {
   EXPECT_THROW(cuda::matvec_swiglu_experts_grouped(W.dev, 3, idx.get(), 4, 2, x.get(), 128, act.get(), g, 0),
                Error);
   EXPECT_THROW(cuda::expert_groups(idx.get(), cuda::kMaxBatch + 1, cuda::kRouteMaxTopK, 4, g, 0), Error);
+  // down by expert: at most the batch's rows, and a dots buffer
+  DeviceBuffer<float> h(8 * 128), ss(8 * cuda::kNormParts), dots(8 * 128);
+  cuda::DecodeRows rows;
+  rows.n = cuda::kMaxBatch + 1;
+  rows.h = 128;
+  rows.ss = cuda::kNormParts;
+  const cuda::ResidualOut out{h.get(), ss.get()};
+  TestMatrix D = make_matrix(WFormat::kAffine4, 3 * 128, 64);
+  EXPECT_THROW(cuda::moe_down_residual_grouped(D.dev, 3, idx.get(), dots.get(), act.get(), 2, out, rows, g,
+                                               dots.get(), 0),
+               Error);
+  rows.n = 2;
+  EXPECT_THROW(cuda::moe_down_residual_grouped(D.dev, 3, idx.get(), dots.get(), act.get(), 2, out, rows, g,
+                                               nullptr, 0),
+               Error);
 }
 
 }  // namespace
