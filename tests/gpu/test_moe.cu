@@ -327,85 +327,6 @@ TEST(Moe, ExpertsGroupedAreThePerSlotBits) {
   check_experts_grouped(256, 8);   // the real model's 257 experts (the scan over 9 warps), 16 rows each
 }
 
-// The batched decode step's down projection by expert: moe_down_residual_grouped's h and partial
-// sums against moe_down_residual's (one grid row a token) bit for bit, and h against cpu::matmul
-// per slot and the weighted sum. Top-k + the shared slot, uniform and skewed routing; the real
-// per-expert shape, and small ones where a row has fewer chunks than lanes (8-bit, bf16, 4-bit).
-void check_down_grouped(WFormat fmt, int E, int H, int I) {
-  const int K = 8, k = K + 1;
-  TestMatrix D = make_matrix(fmt, (E + 1) * H, I);
-  const int max_slots = cuda::kMaxBatch * k, max_items = cuda::expert_group_items_max(max_slots, E + 1);
-  DeviceBuffer<int> sorted(max_slots), count(1);
-  DeviceBuffer<int4> items(max_items);
-  DeviceBuffer<float> dots(size_t(max_slots) * H);
-  const cuda::ExpertGroups g{sorted.get(), items.get(), count.get()};
-  for (int n : {1, 3, 16, 64}) {
-    for (bool skewed : {false, true}) {
-      const std::string label = std::string(fmt_name(fmt)) + " E=" + std::to_string(E) +
-                                " H=" + std::to_string(H) + " I=" + std::to_string(I) +
-                                " n=" + std::to_string(n) + (skewed ? " skewed" : " uniform");
-      std::vector<int> idx(size_t(n) * k);
-      std::vector<float> wts(size_t(n) * k);
-      for (int t = 0; t < n; ++t) {
-        std::vector<int> perm(E);
-        std::iota(perm.begin(), perm.end(), 0);
-        std::shuffle(perm.begin(), perm.end(), rng());
-        if (skewed && t % 4 != 0)  // experts 0..11 first, in a random order
-          std::stable_partition(perm.begin(), perm.end(), [](int e) { return e < 12; });
-        for (int j = 0; j < K; ++j) {
-          idx[size_t(t) * k + j] = perm[j];
-          wts[size_t(t) * k + j] = std::uniform_real_distribution<float>(0.05f, 0.3f)(rng());
-        }
-        idx[size_t(t) * k + K] = E;
-        wts[size_t(t) * k + K] = std::uniform_real_distribution<float>(0.2f, 0.9f)(rng());
-      }
-      auto act = randn(size_t(n) * k * I);
-      round_bf16_inplace(act);
-      auto h = randn(size_t(n) * H, 2.f);
-      auto didx = to_device(idx);
-      auto dw = to_device(wts);
-      auto dact = to_device_bf16(act);
-      cuda::DecodeRows rows;
-      rows.n = n;
-      rows.h = H;
-      rows.ss = cuda::kNormParts;
-      DeviceBuffer<float> h_one = to_device(h), h_grouped = to_device(h),
-                          ss_one(size_t(n) * cuda::kNormParts), ss_grouped(size_t(n) * cuda::kNormParts);
-      CUDA_CHECK(cudaMemset(ss_one.get(), 0, ss_one.bytes()));
-      CUDA_CHECK(cudaMemset(ss_grouped.get(), 0, ss_grouped.bytes()));
-      poison(dots);
-      cuda::moe_down_residual(D.dev, E + 1, didx.get(), dw.get(), dact.get(), k, nullptr, nullptr,
-                              cuda::ResidualOut{h_one.get(), ss_one.get()}, 0, &rows);
-      cuda::expert_groups(didx.get(), n, k, E + 1, g, 0);
-      cuda::moe_down_residual_grouped(D.dev, E + 1, didx.get(), dw.get(), dact.get(), k,
-                                      cuda::ResidualOut{h_grouped.get(), ss_grouped.get()}, rows, g,
-                                      dots.get(), 0);
-      CUDA_CHECK(cudaDeviceSynchronize());
-      const auto a = from_device(h_one.get(), h_one.size()),
-                 b = from_device(h_grouped.get(), h_grouped.size());
-      EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float))) << label << ": h differs";
-      const auto sa = from_device(ss_one.get(), ss_one.size()),
-                 sb = from_device(ss_grouped.get(), ss_grouped.size());
-      EXPECT_EQ(0, std::memcmp(sa.data(), sb.data(), sa.size() * sizeof(float)))
-          << label << ": partial sums differ";
-      std::vector<float> want = h;
-      for (int s = 0; s < n * k; ++s) {
-        std::vector<float> y(H);
-        cpu::matmul(D.host.rows(idx[s] * H, H), &act[size_t(s) * I], 1, y.data());
-        for (int r = 0; r < H; ++r) want[size_t(s / k) * H + r] += wts[s] * y[r];
-      }
-      EXPECT_REL(b, want, kTolF32 * 10, label + " against the CPU");
-    }
-  }
-}
-
-TEST(Moe, ExpertsDownGroupedAreThePerSlotBits) {
-  check_down_grouped(WFormat::kAffine4, 256, 2048, 512);  // the real model's 257 experts and shapes
-  check_down_grouped(WFormat::kAffine4, 32, 64, 64);      // 2 chunks a row over 8 lanes
-  check_down_grouped(WFormat::kAffine8, 16, 96, 256);     // 16 chunks a row; rows past H in a block
-  check_down_grouped(WFormat::kBF16, 16, 64, 512);        // 64 chunks a row: 2 a lane of 32
-}
-
 // ---- prefill ----
 
 // `routing` (n*k expert choices, distinct per token) replaces the random uniform routing.
@@ -668,21 +589,6 @@ TEST(Moe, RejectsBadShapes) {
   EXPECT_THROW(cuda::matvec_swiglu_experts_grouped(W.dev, 3, idx.get(), 4, 2, x.get(), 128, act.get(), g, 0),
                Error);
   EXPECT_THROW(cuda::expert_groups(idx.get(), cuda::kMaxBatch + 1, cuda::kRouteMaxTopK, 4, g, 0), Error);
-  // down by expert: at most the batch's rows, and a dots buffer
-  DeviceBuffer<float> h(8 * 128), ss(8 * cuda::kNormParts), dots(8 * 128);
-  cuda::DecodeRows rows;
-  rows.n = cuda::kMaxBatch + 1;
-  rows.h = 128;
-  rows.ss = cuda::kNormParts;
-  const cuda::ResidualOut out{h.get(), ss.get()};
-  TestMatrix D = make_matrix(WFormat::kAffine4, 3 * 128, 64);
-  EXPECT_THROW(cuda::moe_down_residual_grouped(D.dev, 3, idx.get(), dots.get(), act.get(), 2, out, rows, g,
-                                               dots.get(), 0),
-               Error);
-  rows.n = 2;
-  EXPECT_THROW(cuda::moe_down_residual_grouped(D.dev, 3, idx.get(), dots.get(), act.get(), 2, out, rows, g,
-                                               nullptr, 0),
-               Error);
 }
 
 }  // namespace

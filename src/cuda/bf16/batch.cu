@@ -6,15 +6,12 @@
 // sequence in its own grid row, each row computed by the same blocks in the same order as the
 // one-row launch (matvec.cuh's DecodeRows), and ends with each row's fused head; alone, a
 // one-token step runs the persistent step, which equals the per-op kernels bit for bit on a
-// 132-multiprocessor card (plan_decode_step allows batching only there). The experts are the
-// exception to one row per grid row: the step's slots are grouped by expert (expert_groups). The
-// gate|up takes up to 8 of an expert's slots as the columns of one tensor-core tile
-// (matvec_swiglu_experts_grouped), each slot's column computing exactly what its one-slot launch
-// computes; the down projection computes each slot's dot product from its expert's rows, read once
-// for up to 8 slots, then each row's weighted sum in slot order, the per-op kernel's order
-// (moe_down_residual_grouped). What batching saves: a layer's weights are read from memory once
-// for all rows (the other rows' blocks find them in L2, the grouped experts' weights are read once
-// for their slots), and the launches are shared.
+// 132-multiprocessor card (plan_decode_step allows batching only there). The experts' gate|up is
+// the exception to one row per grid row: the step's slots are grouped by expert, up to 8 as the
+// columns of one tensor-core tile (matvec_swiglu_experts_grouped), each slot's column computing
+// exactly what its one-slot launch computes. What batching saves: a layer's weights are read from
+// memory once for all rows (the other rows' blocks find them in L2, the grouped experts' tiles
+// are read once for their slots), and the launches are shared.
 #include "cuda/bf16/plan.h"
 
 namespace tansy::cuda {
@@ -137,21 +134,19 @@ void CudaModel::run_decode_batch(std::span<CudaState* const> sts, std::span<cons
     rr.y = router_ld_;
     mark("moe.router+norm+topk", wbytes(L.router.view));
     matvec_norm_route(L.router.view, pin, router_logits_.get(), re, stream_, &rr);
-    // Bytes: each row's slots read their expert's weights (an upper bound when rows share experts,
-    // whose weights the grouped launches read once for up to 8 slots).
-    const ExpertGroups groups{group_sorted_.get(), group_items_.get(), group_count_.get()};
+    // Bytes: each row's slots read their expert's tiles (an upper bound when rows share experts,
+    // which the grouped launch reads once for up to 8 slots).
     mark("moe.experts gate|up (k+shared)", double(n) * (K + 1) * gu1);
-    if (batch_gu_grouped_) {
-      matvec_swiglu_experts_grouped(L.experts_gu.view, E + 1, topk_idx_.get(), n, K + 1, xn_.get(), H,
-                                    act_.get(), groups, stream_);
-    } else {
+    if (batch_gu_grouped_)
+      matvec_swiglu_experts_grouped(
+          L.experts_gu.view, E + 1, topk_idx_.get(), n, K + 1, xn_.get(), H, act_.get(),
+          ExpertGroups{group_sorted_.get(), group_items_.get(), group_count_.get()}, stream_);
+    else
       matvec_swiglu_experts(L.experts_gu.view, E + 1, topk_idx_.get(), n, K + 1, xn_.get(), H, act_.get(),
                             stream_);
-      expert_groups(topk_idx_.get(), n, K + 1, E + 1, groups, stream_);
-    }
     mark("moe.experts down+combine+residual", double(n) * (K + 1) * dn1);
-    moe_down_residual_grouped(L.experts_down.view, E + 1, topk_idx_.get(), topk_w_.get(), act_.get(), K + 1,
-                              moe_out, rows, groups, down_dots_.get(), stream_);
+    moe_down_residual(L.experts_down.view, E + 1, topk_idx_.get(), topk_w_.get(), act_.get(), K + 1, nullptr,
+                      nullptr, moe_out, stream_, &rows);
   }
   // The rows' fused head, kLmHeadRows rows per launch (the lm_head's weights read once for them),
   // each row's logits and token as the decode graph's lm_head_argmax computes them.

@@ -186,12 +186,11 @@ void CudaModel::plan_decode_step(const CudaPlanOptions& opt) {
   // batched step's rows) bit for bit on a 132-multiprocessor card only (tests/gpu/test_step.cu).
   batch_ok_ = opt.decode == DecodeKernels::kPerOp || sm_count() == 132;
   batch_gu_grouped_ = batch_ok_ && experts_grouped_ok(layers_[0].experts_gu.view, cfg_.num_experts + 1);
-  if (batch_ok_) {
+  if (batch_gu_grouped_) {
     const int slots = kMaxBatch * (cfg_.experts_per_tok + 1);
     group_sorted_.resize(slots);
     group_items_.resize(expert_group_items_max(slots, cfg_.num_experts + 1));
     group_count_.resize(1);
-    down_dots_.resize(size_t(slots) * cfg_.hidden_size);
   }
   if (opt.decode == DecodeKernels::kPerOp) {
     step_why_ = "per-op decode kernels requested";

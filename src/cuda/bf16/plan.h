@@ -400,14 +400,12 @@ class CudaModel final : public Model, public StageProfiler {
   DeviceBuffer<bf16> yd_;         // [m*k, H] routed experts' down outputs in sorted order
   std::vector<std::unique_ptr<DeviceSampler>> sampler_pool_;  // device samplers no request holds
   bool batch_ok_ = false;                                     // max_batch() > 1
-  // The batched step's experts, expert by expert: each expert's weights read once for its up to 8
-  // slots of the step. The gate|up (matvec_swiglu_experts_grouped) when its tensor-core tiles
-  // exist; the down projections always (moe_down_residual_grouped).
+  // The batched step's experts gate|up, expert by expert (matvec_swiglu_experts_grouped): each
+  // expert's tiles read once for its up to 8 slots of the step. Set when its tiles exist.
   bool batch_gu_grouped_ = false;
   DeviceBuffer<int> group_sorted_;      // [kMaxBatch*(k+1)] slots by expert
   DeviceBuffer<int4> group_items_;      // [expert_group_items_max(kMaxBatch*(k+1), E+1)]
   DeviceBuffer<int> group_count_;       // [1] items written
-  DeviceBuffer<float> down_dots_;       // [kMaxBatch*(k+1), H] the slots' down dot products
   DeviceBuffer<int> d_rows_tok_;        // [kMaxBatch] a batched step's greedy tokens
   int32_t* h_rows_tok_ = nullptr;       // pinned [kMaxBatch]
   int32_t* h_rows_ids_ = nullptr;       // pinned [kMaxBatch] a batched step's input ids

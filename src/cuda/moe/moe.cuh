@@ -8,8 +8,7 @@
 //   matvec/matvec.cu         matvec_norm_route (router product + norm + top-k in the last block) and
 //                            matvec_swiglu_experts (gate|up of the chosen experts): epilogues and a
 //                            mode of the GEMV mainloop, defined there
-//   moe/experts_decode.cu    moe_down_combine / moe_down_residual: down projections + combine;
-//                            moe_down_residual_grouped: the same by expert (the batched decode step)
+//   moe/experts_decode.cu    moe_down_combine / moe_down_residual: down projections + combine
 //   moe/route_sort.cu        moe_route_sort: the grouped GEMM's tile schedule (prefill); expert_groups:
 //                            several decode tokens' slots by expert (matvec_swiglu_experts_grouped)
 //   gemm/gemm.cu             gemm_grouped: the expert GEMMs of prefill (gemm/gemm.cuh)
@@ -92,9 +91,7 @@ void matvec_swiglu_experts_grouped(const DevLinear& W, int n_experts, const int*
 // Routed experts' down projections fused with the weighted combine:
 // out[t, r] = Σ_j wts[t, j]·(Wd_{idx[t,j]}[r]·act[t*k+j]) + sigmoid(sh_logit[t*sh_ld])·shared[t, r]
 // Wd stacks n_experts matrices [H, I]; shared bf16 [n, H] (the shared expert's output, may alias out);
-// out bf16 [n, H]. Every down kernel (these, the grouped one below, the persistent step's) sums in
-// one order: each slot's dot product whole (its lanes' chunk sums, then the lanes' group_sum), then
-// the slots weighted in slot order (experts_decode.cu says exactly how).
+// out bf16 [n, H].
 void moe_down_combine(const DevLinear& Wd, int n_experts, const int* idx, const float* wts, const bf16* act,
                       int n, int k, const bf16* shared, const float* sh_logit, int64_t sh_ld, bf16* out,
                       cudaStream_t stream);
@@ -104,13 +101,6 @@ void moe_down_combine(const DevLinear& Wd, int n_experts, const int* idx, const 
 void moe_down_residual(const DevLinear& Wd, int n_experts, const int* idx, const float* wts, const bf16* act,
                        int k, const bf16* shared, const float* sh_logit, const ResidualOut& out,
                        cudaStream_t stream, const DecodeRows* rows = nullptr);
-// moe_down_residual with rows (the shared expert a slot), bit for bit, in two launches: the slots'
-// dot products expert by expert (g: expert_groups's grouping of idx, as matvec_swiglu_experts_grouped
-// leaves it), each expert's rows read once for up to 8 of its slots, into dots f32 [rows.n*k, H];
-// then each token's weighted sum of its slots in slot order into h.
-void moe_down_residual_grouped(const DevLinear& Wd, int n_experts, const int* idx, const float* wts,
-                               const bf16* act, int k, const ResidualOut& out, const DecodeRows& rows,
-                               const ExpertGroups& g, float* dots, cudaStream_t stream);
 
 // ---- prefill ----
 

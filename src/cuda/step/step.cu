@@ -598,8 +598,7 @@ struct Consumer {
   }
 
   // Experts down + weighted combine + residual: row block v = rows 16v..16v+15, thread = (row, lane
-  // of 16), lane c takes chunk c of every expert; each slot's dot product is summed over the 16
-  // lanes, then the slots are weighted in slot order (the per-op kernels' order: experts_decode.cu).
+  // of 16), lane c takes chunk c of every expert in slot order (the per-op kernel's order).
   __device__ void experts_down(const StepLayer& L) {
     const int nt = n_tiles(a, L, kExpertsDown);
     if (int(blockIdx.x) >= nt) return;
@@ -622,33 +621,27 @@ struct Consumer {
     float* part = ss(2 * L.index + 2);
     int jv = 0;
     for (int v = blockIdx.x; v < nt; v += gridDim.x, ++jv) {
-      // a tile of kDownPerTile experts at a time, their slot sums side by side; the tile loop is
+      // one expert a pass, in slot order, a tile of kDownPerTile experts at a time; the loop is
       // rolled so that its code stays small (the step's code is fetched again every layer)
       float acc = 0.f;
+      unsigned slot = 0;
+      const uint8_t* base = nullptr;
 #pragma unroll 1
-      for (int tt = 0; tt < dt; ++tt) {
-        unsigned slot;
-        const uint8_t* base =
-            next_tile(slot, v == int(blockIdx.x) && tt == 0, v + int(gridDim.x) >= nt && tt == dt - 1);
-        float y[kDownPerTile];
-#pragma unroll
-        for (int jl = 0; jl < kDownPerTile; ++jl) {
-          const int j = tt * kDownPerTile + jl;
-          y[jl] = 0.f;
-          if (j >= kSlotsPerToken) continue;
-          const int lr = jl * kRowsDown + rl;
-          const uint4 wv = *reinterpret_cast<const uint4*>(base + lr * rb + sub * 16);
-          const float s = __bfloat162float(reinterpret_cast<const bf16*>(base + sc_off)[lr * groups + g]);
-          const float bb = __bfloat162float(reinterpret_cast<const bf16*>(base + bi_off)[lr * groups + g]);
-          y[jl] = group_sum<Gl>(0.f + chunk_dot<4>(wv, xs + (j * kCprDown + sub) * S, s, bb));
+      for (int j = 0; j < kSlotsPerToken; ++j) {
+        const int jl = j % kDownPerTile;
+        if (jl == 0) {
+          if (j > 0) ring_release(ring, slot, lane);
+          const int tt = j / kDownPerTile;
+          base = next_tile(slot, v == int(blockIdx.x) && tt == 0, v + int(gridDim.x) >= nt && tt == dt - 1);
         }
-        ring_release(ring, slot, lane);
-#pragma unroll
-        for (int jl = 0; jl < kDownPerTile; ++jl) {
-          const int j = tt * kDownPerTile + jl;
-          if (j < kSlotsPerToken) acc = fmaf(rs.w[j], y[jl], acc);
-        }
+        const int lr = jl * kRowsDown + rl;
+        const uint4 wv = *reinterpret_cast<const uint4*>(base + lr * rb + sub * 16);
+        const float s = __bfloat162float(reinterpret_cast<const bf16*>(base + sc_off)[lr * groups + g]);
+        const float bb = __bfloat162float(reinterpret_cast<const bf16*>(base + bi_off)[lr * groups + g]);
+        acc = fmaf(rs.w[j], chunk_dot<4>(wv, xs + (j * kCprDown + sub) * S, s, bb), acc);
       }
+      ring_release(ring, slot, lane);
+      acc = group_sum<Gl>(acc);
       const int r = v * kRowsDown + rl;
       const float hr = jv < Gl ? __shfl_sync(0xffffffffu, hv, (lane & ~(Gl - 1)) + jv) : __ldcg(a.h + r);
       float sq = 0.f;
