@@ -9,6 +9,7 @@
 
 #include "cpu/ops.h"
 #include "cuda/matvec/matvec.cuh"
+#include "cuda/matvec/tc_tile.cuh"
 #include "cuda/moe/moe.cuh"
 #include "gpu_test_util.h"
 #include "model/model.h"
@@ -19,6 +20,10 @@ namespace {
 using namespace gpu_test;
 using cuda::bf16;
 using cuda::DeviceBuffer;
+
+constexpr int tc16_xs_floats() {
+  return cuda::gemv::tc16::kIn / cuda::gemv::Chunk<4>::kCols * cuda::gemv::Chunk<4>::kStride;
+}
 
 // sqrt(Σ_t Σ_r Σ_i (W[r, i]·X[t, i])²): the size of the products' terms.
 double terms_rss(const Linear& W, const std::vector<float>& X, int n) {
@@ -191,7 +196,7 @@ TEST(Matvec, BatchedRowsMatchOneRow) {
   }
   // the residual: o_proj [2048 x 4096]
   TestMatrix W = make_matrix(WFormat::kAffine4, 2048, 4096);
-  for (int n : {1, 3, 8, 16}) {
+  for (int n : {1, 3, 8, 9, 16, 64}) {
     auto x = randn(size_t(n) * 4096);
     round_bf16_inplace(x);
     auto h = randn(size_t(n) * 2048, 2.f);
@@ -222,6 +227,32 @@ TEST(Matvec, BatchedRowsMatchOneRow) {
                 0)
           << "matvec_residual batch of " << n << ", row " << t << ": partial sums";
     }
+  }
+}
+
+// tc16::pack_group (x packed straight from global memory, the out_proj products') against the
+// staged path the in_proj products take (stage_rows, then pack_x): the same bytes, Σx included.
+__global__ void pack_both(const bf16* x, uint8_t* staged, uint8_t* direct) {
+  __shared__ float xs[tc16_xs_floats()];
+  cuda::gemv::stage_rows<4>(x, cuda::gemv::tc16::kIn, 1, 1, cuda::gemv::tc16::kIn, xs);
+  __syncthreads();
+  cuda::gemv::tc16::pack_x(xs, staged);
+  if (threadIdx.x < cuda::gemv::tc16::kGroups) cuda::gemv::tc16::pack_group(x, direct, threadIdx.x);
+}
+
+TEST(Matvec, PackGroupIsThePackOfStagedX) {
+  namespace tc16 = cuda::gemv::tc16;
+  for (float scale : {1.f, 1e-3f, 300.f}) {
+    auto x = randn(tc16::kIn, scale);
+    round_bf16_inplace(x);
+    auto dx = to_device_bf16(x);
+    DeviceBuffer<uint8_t> a(tc16::kPackBytes), b(tc16::kPackBytes);
+    CUDA_CHECK(cudaMemset(a.get(), 0x5a, tc16::kPackBytes));
+    CUDA_CHECK(cudaMemset(b.get(), 0xa5, tc16::kPackBytes));
+    pack_both<<<1, cuda::gemv::kThreads>>>(dx.get(), a.get(), b.get());
+    CUDA_CHECK(cudaGetLastError());
+    const auto ga = from_device(a.get(), tc16::kPackBytes), gb = from_device(b.get(), tc16::kPackBytes);
+    EXPECT_EQ(std::memcmp(ga.data(), gb.data(), tc16::kPackBytes), 0) << "x scale " << scale;
   }
 }
 
