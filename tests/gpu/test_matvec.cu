@@ -6,6 +6,7 @@
 #include <cstring>
 #include <string>
 #include <tuple>
+#include <type_traits>
 
 #include "cpu/ops.h"
 #include "cuda/matvec/matvec.cuh"
@@ -226,6 +227,67 @@ TEST(Matvec, BatchedRowsMatchOneRow) {
                             sizeof(float) * cuda::kNormParts),
                 0)
           << "matvec_residual batch of " << n << ", row " << t << ": partial sums";
+    }
+  }
+}
+
+// The experts' down + combine + residual of a batched decode step (DecodeRows): each token row's
+// residual row and partial sums bit for bit as the one-row launch on that row alone, at the real
+// model's expert shape (2048 x 512, 9 slots with the shared expert last), uniform and skewed
+// routing (a few experts in every row), at batch sizes where the pipelined kernel's blocks take
+// one item, several items of one token and items of several tokens.
+TEST(Matvec, BatchedDownRowsMatchOneRow) {
+  const int E = 32, H = 2048, I = 512, k = 9;
+  TestMatrix D = make_matrix(WFormat::kAffine4, (E + 1) * H, I);
+  for (bool skewed : {false, true}) {
+    for (int n : {1, 2, 9, 16, 64}) {
+      std::vector<int> idx(size_t(n) * k);
+      std::vector<float> wts(idx.size());
+      for (int t = 0; t < n; ++t) {
+        for (int j = 0; j + 1 < k; ++j)
+          idx[size_t(t) * k + j] = skewed ? (t % 3 + j) % (k + 2) : (t * 11 + j * 5) % E;
+        idx[size_t(t) * k + k - 1] = E;
+        for (int j = 0; j < k; ++j)
+          wts[size_t(t) * k + j] = std::uniform_real_distribution<float>(0.05f, 1.f)(rng());
+      }
+      auto act = randn(size_t(n) * k * I);
+      round_bf16_inplace(act);
+      auto h = randn(size_t(n) * H, 2.f);
+      DeviceBuffer<int> didx = to_device(idx);
+      DeviceBuffer<float> dw = to_device(wts), dh = to_device(h), ss(size_t(n) * cuda::kNormParts);
+      auto dact = to_device_bf16(act);
+      CUDA_CHECK(cudaMemset(ss.get(), 0, ss.bytes()));
+      cuda::DecodeRows rows;
+      rows.n = n;
+      rows.h = H;
+      rows.ss = cuda::kNormParts;
+      cuda::moe_down_residual(D.dev, E + 1, didx.get(), dw.get(), dact.get(), k, nullptr, nullptr,
+                              cuda::ResidualOut{dh.get(), ss.get()}, 0, &rows);
+      const auto got_h = from_device(dh.get(), size_t(n) * H);
+      const auto got_ss = from_device(ss.get(), size_t(n) * cuda::kNormParts);
+      for (int t = 0; t < n; ++t) {
+        const auto slice = [&](const auto& v, size_t len) {
+          using T = typename std::decay_t<decltype(v)>::value_type;
+          return std::vector<T>(v.begin() + size_t(t) * len, v.begin() + size_t(t + 1) * len);
+        };
+        DeviceBuffer<int> didx1 = to_device(slice(idx, k));
+        DeviceBuffer<float> dw1 = to_device(slice(wts, k)), dh1 = to_device(slice(h, H)),
+                            ss1(cuda::kNormParts);
+        auto dact1 = to_device_bf16(slice(act, size_t(k) * I));
+        CUDA_CHECK(cudaMemset(ss1.get(), 0, ss1.bytes()));
+        cuda::moe_down_residual(D.dev, E + 1, didx1.get(), dw1.get(), dact1.get(), k, nullptr, nullptr,
+                                cuda::ResidualOut{dh1.get(), ss1.get()}, 0);
+        const auto want_h = from_device(dh1.get(), H);
+        const auto want_ss = from_device(ss1.get(), cuda::kNormParts);
+        const std::string label = std::string(skewed ? "skewed" : "uniform") + " batch of " +
+                                  std::to_string(n) + ", row " + std::to_string(t);
+        EXPECT_EQ(std::memcmp(got_h.data() + size_t(t) * H, want_h.data(), sizeof(float) * H), 0)
+            << label << ": h";
+        EXPECT_EQ(std::memcmp(got_ss.data() + size_t(t) * cuda::kNormParts, want_ss.data(),
+                              sizeof(float) * cuda::kNormParts),
+                  0)
+            << label << ": partial sums";
+      }
     }
   }
 }
