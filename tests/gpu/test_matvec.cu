@@ -6,11 +6,9 @@
 #include <cstring>
 #include <string>
 #include <tuple>
-#include <type_traits>
 
 #include "cpu/ops.h"
 #include "cuda/matvec/matvec.cuh"
-#include "cuda/matvec/tc_tile.cuh"
 #include "cuda/moe/moe.cuh"
 #include "gpu_test_util.h"
 #include "model/model.h"
@@ -21,10 +19,6 @@ namespace {
 using namespace gpu_test;
 using cuda::bf16;
 using cuda::DeviceBuffer;
-
-constexpr int tc16_xs_floats() {
-  return cuda::gemv::tc16::kIn / cuda::gemv::Chunk<4>::kCols * cuda::gemv::Chunk<4>::kStride;
-}
 
 // sqrt(Σ_t Σ_r Σ_i (W[r, i]·X[t, i])²): the size of the products' terms.
 double terms_rss(const Linear& W, const std::vector<float>& X, int n) {
@@ -197,7 +191,7 @@ TEST(Matvec, BatchedRowsMatchOneRow) {
   }
   // the residual: o_proj [2048 x 4096]
   TestMatrix W = make_matrix(WFormat::kAffine4, 2048, 4096);
-  for (int n : {1, 3, 8, 9, 16, 64}) {
+  for (int n : {1, 3, 8, 16}) {
     auto x = randn(size_t(n) * 4096);
     round_bf16_inplace(x);
     auto h = randn(size_t(n) * 2048, 2.f);
@@ -228,93 +222,6 @@ TEST(Matvec, BatchedRowsMatchOneRow) {
                 0)
           << "matvec_residual batch of " << n << ", row " << t << ": partial sums";
     }
-  }
-}
-
-// The experts' down + combine + residual of a batched decode step (DecodeRows): each token row's
-// residual row and partial sums bit for bit as the one-row launch on that row alone, at the real
-// model's expert shape (2048 x 512, 9 slots with the shared expert last), uniform and skewed
-// routing (a few experts in every row), at batch sizes where the pipelined kernel's blocks take
-// one item, several items of one token and items of several tokens.
-TEST(Matvec, BatchedDownRowsMatchOneRow) {
-  const int E = 32, H = 2048, I = 512, k = 9;
-  TestMatrix D = make_matrix(WFormat::kAffine4, (E + 1) * H, I);
-  for (bool skewed : {false, true}) {
-    for (int n : {1, 2, 9, 16, 64}) {
-      std::vector<int> idx(size_t(n) * k);
-      std::vector<float> wts(idx.size());
-      for (int t = 0; t < n; ++t) {
-        for (int j = 0; j + 1 < k; ++j)
-          idx[size_t(t) * k + j] = skewed ? (t % 3 + j) % (k + 2) : (t * 11 + j * 5) % E;
-        idx[size_t(t) * k + k - 1] = E;
-        for (int j = 0; j < k; ++j)
-          wts[size_t(t) * k + j] = std::uniform_real_distribution<float>(0.05f, 1.f)(rng());
-      }
-      auto act = randn(size_t(n) * k * I);
-      round_bf16_inplace(act);
-      auto h = randn(size_t(n) * H, 2.f);
-      DeviceBuffer<int> didx = to_device(idx);
-      DeviceBuffer<float> dw = to_device(wts), dh = to_device(h), ss(size_t(n) * cuda::kNormParts);
-      auto dact = to_device_bf16(act);
-      CUDA_CHECK(cudaMemset(ss.get(), 0, ss.bytes()));
-      cuda::DecodeRows rows;
-      rows.n = n;
-      rows.h = H;
-      rows.ss = cuda::kNormParts;
-      cuda::moe_down_residual(D.dev, E + 1, didx.get(), dw.get(), dact.get(), k, nullptr, nullptr,
-                              cuda::ResidualOut{dh.get(), ss.get()}, 0, &rows);
-      const auto got_h = from_device(dh.get(), size_t(n) * H);
-      const auto got_ss = from_device(ss.get(), size_t(n) * cuda::kNormParts);
-      for (int t = 0; t < n; ++t) {
-        const auto slice = [&](const auto& v, size_t len) {
-          using T = typename std::decay_t<decltype(v)>::value_type;
-          return std::vector<T>(v.begin() + size_t(t) * len, v.begin() + size_t(t + 1) * len);
-        };
-        DeviceBuffer<int> didx1 = to_device(slice(idx, k));
-        DeviceBuffer<float> dw1 = to_device(slice(wts, k)), dh1 = to_device(slice(h, H)),
-                            ss1(cuda::kNormParts);
-        auto dact1 = to_device_bf16(slice(act, size_t(k) * I));
-        CUDA_CHECK(cudaMemset(ss1.get(), 0, ss1.bytes()));
-        cuda::moe_down_residual(D.dev, E + 1, didx1.get(), dw1.get(), dact1.get(), k, nullptr, nullptr,
-                                cuda::ResidualOut{dh1.get(), ss1.get()}, 0);
-        const auto want_h = from_device(dh1.get(), H);
-        const auto want_ss = from_device(ss1.get(), cuda::kNormParts);
-        const std::string label = std::string(skewed ? "skewed" : "uniform") + " batch of " +
-                                  std::to_string(n) + ", row " + std::to_string(t);
-        EXPECT_EQ(std::memcmp(got_h.data() + size_t(t) * H, want_h.data(), sizeof(float) * H), 0)
-            << label << ": h";
-        EXPECT_EQ(std::memcmp(got_ss.data() + size_t(t) * cuda::kNormParts, want_ss.data(),
-                              sizeof(float) * cuda::kNormParts),
-                  0)
-            << label << ": partial sums";
-      }
-    }
-  }
-}
-
-// tc16::pack_group (x packed straight from global memory, the out_proj products') against the
-// staged path the in_proj products take (stage_rows, then pack_x): the same bytes, Σx included.
-__global__ void pack_both(const bf16* x, uint8_t* staged, uint8_t* direct) {
-  __shared__ float xs[tc16_xs_floats()];
-  cuda::gemv::stage_rows<4>(x, cuda::gemv::tc16::kIn, 1, 1, cuda::gemv::tc16::kIn, xs);
-  __syncthreads();
-  cuda::gemv::tc16::pack_x(xs, staged);
-  if (threadIdx.x < cuda::gemv::tc16::kGroups) cuda::gemv::tc16::pack_group(x, direct, threadIdx.x);
-}
-
-TEST(Matvec, PackGroupIsThePackOfStagedX) {
-  namespace tc16 = cuda::gemv::tc16;
-  for (float scale : {1.f, 1e-3f, 300.f}) {
-    auto x = randn(tc16::kIn, scale);
-    round_bf16_inplace(x);
-    auto dx = to_device_bf16(x);
-    DeviceBuffer<uint8_t> a(tc16::kPackBytes), b(tc16::kPackBytes);
-    CUDA_CHECK(cudaMemset(a.get(), 0x5a, tc16::kPackBytes));
-    CUDA_CHECK(cudaMemset(b.get(), 0xa5, tc16::kPackBytes));
-    pack_both<<<1, cuda::gemv::kThreads>>>(dx.get(), a.get(), b.get());
-    CUDA_CHECK(cudaGetLastError());
-    const auto ga = from_device(a.get(), tc16::kPackBytes), gb = from_device(b.get(), tc16::kPackBytes);
-    EXPECT_EQ(std::memcmp(ga.data(), gb.data(), tc16::kPackBytes), 0) << "x scale " << scale;
   }
 }
 

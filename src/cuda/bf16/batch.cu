@@ -6,14 +6,12 @@
 // sequence in its own grid row, each row computed by the same blocks in the same order as the
 // one-row launch (matvec.cuh's DecodeRows), and ends with each row's fused head; alone, a
 // one-token step runs the persistent step, which equals the per-op kernels bit for bit on a
-// 132-multiprocessor card (plan_decode_step allows batching only there). The tensor-core products
-// are the exception to one row per grid row: up to 8 rows are the columns of one tile (the
-// in_proj of both mixers, out_proj and o_proj: all rows in one block per 16-row tile), and the
-// experts' gate|up groups the step's slots by expert, up to 8 a tile
-// (matvec_swiglu_experts_grouped); each column computes exactly what its one-row launch
-// computes. What batching saves: a layer's weights are read from memory once for all rows (the
-// other rows' blocks find them in L2, a tensor-core tile serves its columns), and the launches
-// are shared.
+// 132-multiprocessor card (plan_decode_step allows batching only there). The experts' gate|up is
+// the exception to one row per grid row: the step's slots are grouped by expert, up to 8 as the
+// columns of one tensor-core tile (matvec_swiglu_experts_grouped), each slot's column computing
+// exactly what its one-slot launch computes. What batching saves: a layer's weights are read from
+// memory once for all rows (the other rows' blocks find them in L2, the grouped experts' tiles
+// are read once for their slots), and the launches are shared.
 #include "cuda/bf16/plan.h"
 
 namespace tansy::cuda {

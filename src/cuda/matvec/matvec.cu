@@ -472,24 +472,19 @@ __global__ void __launch_bounds__(kThreads, MODE == 2 ? 4 : 3)
 constexpr size_t kTcXsBytes = size_t(tc16::kIn / Chunk<4>::kCols) * Chunk<4>::kStride * sizeof(float);
 constexpr size_t tc_smem(int nt) { return 2 * size_t(tc16::kTileBytes) + kTcXsBytes + nt * tc16::kPackBytes; }
 
-// Rows r0.. of W (valid_rows of them; the rest of the tile zero-filled), columns 2048·half..
-// (a 4096-column matrix is two tiles), into a tile at dst.
-__device__ __forceinline__ void copy_tile_tc(const DevLinear& W, int64_t r0, int valid_rows, uint8_t* dst,
-                                             int half = 0) {
+// Rows r0.. of W (valid_rows of them; the rest of the tile zero-filled) into a tile at dst.
+__device__ __forceinline__ void copy_tile_tc(const DevLinear& W, int64_t r0, int valid_rows, uint8_t* dst) {
   constexpr int kChunks = tc16::kRowBytes / 16, kSbChunks = tc16::kRows * tc16::kGroups * 2 / 16;
-  constexpr int kSbRow = kSbChunks / tc16::kRows;  // 16-byte pieces of a row's scales in a tile
-  const int64_t row_bytes = W.in / 2, groups = W.in / kQuantGroup;
-  const uint8_t* q = reinterpret_cast<const uint8_t*>(W.q) + half * tc16::kRowBytes;
+  const uint8_t* q = reinterpret_cast<const uint8_t*>(W.q);
   for (int c = threadIdx.x; c < tc16::kRows * kChunks; c += kThreads) {
     const int r = c / kChunks, j = c % kChunks;
     const bool ok = r < valid_rows;
-    tc::cp_async16(dst + r * tc16::kPitch + j * 16, q + (r0 + (ok ? r : 0)) * row_bytes + j * 16, ok);
+    tc::cp_async16(dst + r * tc16::kPitch + j * 16, q + (r0 + (ok ? r : 0)) * tc16::kRowBytes + j * 16, ok);
   }
   for (int c = threadIdx.x; c < 2 * kSbChunks; c += kThreads) {
-    const int arr = c / kSbChunks, j = c % kSbChunks, r = j / kSbRow;
-    const bool ok = r < valid_rows;
-    const bf16* src =
-        (arr ? W.biases : W.scales) + (ok ? (r0 + r) * groups + half * tc16::kGroups + (j % kSbRow) * 8 : 0);
+    const int arr = c / kSbChunks, j = c % kSbChunks;
+    const bool ok = j / (kSbChunks / tc16::kRows) < valid_rows;
+    const bf16* src = (arr ? W.biases : W.scales) + r0 * tc16::kGroups + (ok ? j * 8 : 0);
     tc::cp_async16(dst + (arr ? tc16::kBi : tc16::kSc) + j * 16, src, ok);
   }
   tc::cp_async_commit();
@@ -609,63 +604,6 @@ __global__ void __launch_bounds__(kThreads, 2)
       if (j < nv && r0 + r < out_rows) finish(t0 + j, r0 + r, tc16::row_sum8(part, j, r));
     }
   }
-}
-
-// ---- the 4096-column 4-bit products with the residual (GDN out_proj, attention o_proj) ----
-//
-// tc16's out tiles (tc_tile.cuh): block i takes row tile i (16 rows, two tensor-core tiles) for
-// every token row, so its weights are copied once, before the wait on the previous kernel. Then
-// each group of 8 token rows is packed from global memory (a thread a column group: token
-// threadIdx/32, group threadIdx%32, both halves), run as the mma's 8 columns, and finished by
-// thread 16j + r (token j, row r) with out_finish: the persistent step's out_proj computes the
-// same values, so a row alone, in a batch or in the step has the same bits. Tile i writes partial
-// sum i of each token row's next norm point.
-constexpr size_t kTcOutSmem =
-    tc16::kOutHalves * size_t(tc16::kTileBytes) + tc16::kOutHalves * tc16::kCols * size_t(tc16::kPackBytes);
-
-__global__ void __launch_bounds__(kThreads, 1)
-    matvec_tc_out_kernel(DevLinear W, const bf16* __restrict__ X, int64_t ldx, int n, ResidualOut out,
-                         int64_t h_ld, int64_t ss_ld) {
-  static_assert(kThreads == 2 * tc16::kCols * tc16::kRows && kThreads == tc16::kCols * tc16::kGroups);
-  extern __shared__ __align__(128) uint8_t smem[];
-  __shared__ float part[tc16::kOutHalves][kWarps][tc16::kCols][tc16::kRows];
-  uint8_t* const packs = smem + tc16::kOutHalves * tc16::kTileBytes;  // [half][token]
-  const int i = blockIdx.x, r0 = i * tc16::kRows;
-  for (int half = 0; half < tc16::kOutHalves; ++half)
-    copy_tile_tc(W, r0, tc16::kRows, smem + half * tc16::kTileBytes, half);
-  pdl_wait();
-  pdl_launch_dependents();
-  const int j = (threadIdx.x / tc16::kRows) % tc16::kCols, r = threadIdx.x % tc16::kRows;
-  const bool finisher = int(threadIdx.x) < tc16::kCols * tc16::kRows;
-  const int pj = threadIdx.x / tc16::kGroups, pq = threadIdx.x % tc16::kGroups;
-  for (int t0 = 0; t0 < n; t0 += tc16::kCols) {
-    const int nv = min(tc16::kCols, n - t0);
-    const bool mine = finisher && j < nv;
-    const float hv = mine ? out.h[(t0 + j) * h_ld + r0 + r] : 0.f;
-    if (pj < nv)
-      for (int half = 0; half < tc16::kOutHalves; ++half)
-        tc16::pack_group(X + (t0 + pj) * ldx + half * tc16::kIn,
-                         packs + (half * tc16::kCols + pj) * tc16::kPackBytes, pq);
-    if (t0 == 0) tc::cp_async_wait<0>();
-    __syncthreads();  // the packs are complete; the tiles landed (first group)
-    for (int half = 0; half < tc16::kOutHalves; ++half) {
-      tc16::XFrag8 xf;
-      tc16::load_x8(packs + half * tc16::kCols * tc16::kPackBytes, nv, xf);
-      tc16::tile_partials8(smem + half * tc16::kTileBytes, xf, part[half]);
-    }
-    __syncthreads();  // every warp's partial sums are in `part`; the packs are free again
-    float v;
-    const float s = tc16::out_finish(hv, tc16::row_sum8(part[0], j, r), tc16::row_sum8(part[1], j, r), v);
-    if (mine) {
-      out.h[(t0 + j) * h_ld + r0 + r] = v;
-      if (r == 0) out.ss[(t0 + j) * ss_ld + i] = s;
-    }
-  }
-}
-
-// Whether a residual product runs matvec_tc_out_kernel: the persistent step's out_proj shapes.
-bool tc_out_product(const DevLinear& W) {
-  return W.fmt == WFormat::kAffine4 && W.in == tc16::kOutIn && W.out % tc16::kRows == 0;
 }
 
 // Whether a product runs matvec_tc_kernel: the persistent step's tensor-core products (4-bit,
@@ -821,20 +759,6 @@ void matvec_residual(const DevLinear& W, const bf16* X, const ResidualOut& out, 
   const int64_t ldx = rows ? rows->y : W.in;  // the batched rows of X
   check_x(X, ldx, rows ? rows->n : 1, W.in, "matvec_residual");
   TANSY_CHECK(out.h && out.ss, "matvec_residual: missing h or ss");
-  if (tc_out_product(W)) {
-    TANSY_CHECK(W.out / tc16::kRows <= kNormParts,
-                "matvec_residual: {} row tiles need more than {} partial sums", W.out / tc16::kRows,
-                kNormParts);
-    TANSY_CHECK(aligned16(W.scales) && aligned16(W.biases),
-                "matvec_residual (tensor cores): scales and biases must be 16-byte aligned");
-    TANSY_CHECK(!rows || (rows->n >= 1 && rows->n <= kMaxBatch),
-                "matvec_residual: {} batched rows outside 1..{}", rows ? rows->n : 0, kMaxBatch);
-    constexpr auto kern = matvec_tc_out_kernel;
-    allow_smem<kern>(kTcOutSmem, "matvec_residual (tensor cores)");
-    pdl_launch(kern, dim3(W.out / tc16::kRows), dim3(kThreads), kTcOutSmem, stream, W, X, ldx,
-               rows ? rows->n : 1, out, rows ? rows->h : int64_t(0), rows ? rows->ss : int64_t(0));
-    return;
-  }
   TANSY_CHECK(ceil_div(W.out, kWarps) <= kNormParts,
               "matvec_residual: {} rows need more than {} partial sums", W.out, kNormParts);
   Fusion fz;

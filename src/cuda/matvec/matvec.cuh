@@ -82,9 +82,7 @@ struct ResidualOut {
 };
 
 // h[r] += W[r]·X for one token row (ResidualOut); with `rows`, for each of rows->n rows (X rows
-// rows->y apart). A 4-bit [16n, 4096] matrix (GDN out_proj, attention o_proj) runs on tensor cores
-// with the persistent step's arithmetic (tc_tile.cuh's out tiles: one partial sum per 16 rows), a
-// batch's rows as the mma's columns.
+// rows->y apart).
 void matvec_residual(const DevLinear& W, const bf16* X, const ResidualOut& out, cudaStream_t stream,
                      const DecodeRows* rows = nullptr);
 

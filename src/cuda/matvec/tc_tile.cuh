@@ -62,31 +62,6 @@ __device__ __forceinline__ void pack_x(const float* xs, uint8_t* pack) {
     if (j < kGroups) gsum[j] = xs[(2 * j) * S + Chunk<4>::kCols] + xs[(2 * j + 1) * S + Chunk<4>::kCols];
   }
 }
-// Group q (columns 64q..64q+63) of a 2048-column bf16 row x in global memory packed straight into
-// `pack`, by one thread, with pack_x's bits: the same words, and Σx as stage_rows leaves it (each
-// 32-column chunk summed in column order from 0, then the two chunks added). A thread a group
-// puts all of a row's loads in flight at once, with no f32 staging pass. x comes through L2
-// (ld.cg): in the persistent step other blocks wrote it.
-__device__ __forceinline__ void pack_group(const bf16* x, uint8_t* pack, int q) {
-  uint4 raw[8];
-#pragma unroll
-  for (int v = 0; v < 8; ++v) raw[v] = __ldcg(reinterpret_cast<const uint4*>(x + 64 * q + 8 * v));
-  float s[2] = {0.f, 0.f};
-  uint4* pairs = reinterpret_cast<uint4*>(pack);
-#pragma unroll
-  for (int v = 0; v < 8; ++v) {
-    const uint4 w = raw[v];  // columns (0,1) (2,3) (4,5) (6,7) of the word, low half first
-    const float f[8] = {bf_lo(w.x), bf_hi(w.x), bf_lo(w.y), bf_hi(w.y),
-                        bf_lo(w.z), bf_hi(w.z), bf_lo(w.w), bf_hi(w.w)};
-#pragma unroll
-    for (int e = 0; e < 8; ++e) s[v / 4] += f[e];
-    // the pairs (x0,x4) (x1,x5) (x2,x6) (x3,x7), as pack_bf16 makes them from exact bf16 values
-    pairs[8 * q + v] = make_uint4((w.x & 0xffffu) | (w.z << 16), (w.x >> 16) | (w.z & 0xffff0000u),
-                                  (w.y & 0xffffu) | (w.w << 16), (w.y >> 16) | (w.w & 0xffff0000u));
-  }
-  reinterpret_cast<float*>(pack + kIn / 8 * 16)[q] = s[0] + s[1];
-}
-
 // Warp w's B fragments of group 4w + q from a packed x (lane 4g + t: the word pair of its t).
 __device__ __forceinline__ void load_b(const uint8_t* pack, int q, uint4 (&b)[2]) {
   const uint4* pairs = reinterpret_cast<const uint4*>(pack);
@@ -186,23 +161,6 @@ __device__ __forceinline__ float row_sum(const float (*part)[kRows], int r) {
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) y += part[w][r];
   return y;
-}
-
-// ---- 4096-column products with the residual (GDN out_proj, attention o_proj) ----
-//
-// A 16-row tile of a 4096-column matrix is two of the tiles above, columns 0..2047 and
-// 2048..4095, with x in two packs. A row's product is the halves' row sums added, half 0 first;
-// the new h is h + that, and the tile writes one partial sum of h² for the next norm: the 16 rows'
-// squares summed over the 16 lanes that hold them (lane r of an aligned half warp: row r). The
-// persistent step and the per-op kernel both finish their rows here, so both give the same bits.
-constexpr int kOutHalves = 2;
-constexpr int kOutIn = kOutHalves * kIn;
-
-// Called by all 32 lanes of a warp (the shuffles); y0, y1: the row's two half sums. Returns the
-// tile's partial sum of h² (in every lane of the half warp) and the row's new h in `v`.
-__device__ __forceinline__ float out_finish(float h, float y0, float y1, float& v) {
-  v = h + (y0 + y1);
-  return group_sum<kRows>(__fmul_rn(v, v));  // no contraction into the shuffles' adds
 }
 
 // ---- up to 8 tokens at once, as the mma's 8 columns (the batched decode step) ----

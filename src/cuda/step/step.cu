@@ -34,8 +34,8 @@ constexpr int kLaunchRegs = 16384 / (3 * 32) / 8 * 8;  // 168
 constexpr int kProducerRegs = 88, kConsumerRegs = 208;
 static_assert(2 * 128 * kConsumerRegs + 128 * kProducerRegs <= kStepThreads * kLaunchRegs);
 
-// The ring: 10 slots of one tile each. A tile is at most 16 rows of 2048 columns of a 4-bit matrix
-// with their scales and biases (18 KiB) plus, for the GDN in_proj, the rows' conv taps and window
+// The ring: 10 slots of one tile each. A tile is at most 16 rows of a 2048-column 4-bit matrix
+// with its scales and biases (18 KiB) plus, for the GDN in_proj, the rows' conv taps and window
 // (352 B). 10 slots hold the in_proj's tiles of a block (<= 6 on 132 multiprocessors) together
 // with the next two products', so the weights of out_proj and the router land while the
 // recurrence runs; the experts' 5 + 3 tiles fit beside each other once the routing is known.
@@ -49,17 +49,17 @@ using UnitSync = NamedSync<2, gdn_unit::kUnitThreads>;
 
 // Tile geometry. The row-to-warp assignment is free for products without a residual (each row's
 // sum is the same wherever it is computed); out_proj and the experts' down keep the per-op
-// kernels' row blocks (16 rows each) because each row block writes one partial sum of h².
+// kernels' row blocks (8 and 16 rows) because each row block writes one partial sum of h².
 constexpr int kRowsIn = 16;      // in_proj (GDN, attention): a tensor-core tile (tc16), all 8 warps
-constexpr int kRowsOut = 16;     // out_proj, o_proj: two tensor-core tiles (tc16's column halves)
+constexpr int kRowsOut = 8;      // out_proj, o_proj: 1 row per warp = one partial sum
 constexpr int kRowsRouter = 8;   // router: 1 row per warp
 constexpr int kPairsGu = 8;      // experts gate|up: 8 output pairs = one tensor-core tile (16 rows)
 constexpr int kRowsDown = 16;    // experts down: 16 output rows x 16 lanes, all K+1 experts
 constexpr int kDownPerTile = 4;  // experts per down tile (4 x 16 rows of 512 columns)
 
-// A block's tiles of one tensor-core product at most (in_proj, gate|up, out_proj's halves), whose
-// partial sums wait in shared memory for the product's epilogue: 6 for the GDN in_proj on 132
-// multiprocessors, 7 on 114 (decode_step_layers checks).
+// A block's tiles of one tensor-core product at most (in_proj, gate|up), whose partial sums wait
+// in shared memory for the product's epilogue: 6 for the GDN in_proj on 132 multiprocessors, 7
+// on 114 (decode_step_layers checks).
 constexpr int kMaxTcTiles = 8;
 
 struct RouteSmem {
@@ -159,13 +159,13 @@ __device__ __forceinline__ void grid_wait(const unsigned* bar, unsigned target) 
 }
 
 // The shapes the step's dot products are unrolled for (the real model's; step_supported checks
-// them): chunks per row of the router's 2048 8-bit columns and of the experts' 512-column down
-// rows; slots per token. (The 2048- and 4096-column 4-bit products run on tensor cores:
-// matvec/tc_tile.cuh.)
+// them): chunks per row of the router's 2048 8-bit columns, of out_proj's 4096 columns, of the
+// experts' 512-column down rows; slots per token. (The 2048-column 4-bit products run on tensor
+// cores: matvec/tc_tile.cuh.)
 constexpr int kHidden = 2048, kValueDim = 4096, kMoeInter = 512, kSlotsPerToken = 9;
 static_assert(kHidden == tc16::kIn && kRowsIn == tc16::kRows && 2 * kPairsGu == tc16::kRows);
-static_assert(kValueDim == tc16::kOutIn && kRowsOut == tc16::kRows);
 constexpr int kCprRouter = kHidden / Chunk<8>::kCols;  // 128
+constexpr int kCprOut = kValueDim / Chunk<4>::kCols;   // 128
 constexpr int kCprDown = kMoeInter / Chunk<4>::kCols;  // 16: one chunk per lane of 16
 
 // R rows' dot products from their tile (rows lr[r] of it): lane l takes chunks l, l+32, ... and adds
@@ -197,7 +197,7 @@ __device__ __forceinline__ void dot_rows(const uint8_t* wtile, const bf16* sc, c
   }
 }
 
-// Row-tile layout in a slot for the CUDA-core product (the router): codes [cap rows],
+// Row-tile layout in a slot for the CUDA-core products (out_proj, router): codes [cap rows],
 // scales [cap rows], biases [cap rows]. (The tensor-core tiles: tc16's layout, copy_tile_tc.)
 struct TileLayout {
   uint32_t sc, bi;
@@ -215,7 +215,6 @@ constexpr uint32_t kTcCw = tc16::kTileBytes;
 constexpr uint32_t kTcWin = kTcCw + kRowsIn * 4 * 4;
 static_assert(kTcWin + 3 * kRowsIn * 2 <= kSlotBytes && kSlotBytes % 128 == 0);
 static_assert(size_t(kHidden / Chunk<4>::kCols) * Chunk<4>::kStride * 4 + tc16::kPackBytes <= kXsBytes);
-static_assert(tc16::kOutHalves * tc16::kPackBytes <= kXsBytes);
 
 // ---- the producer ----
 
@@ -253,14 +252,13 @@ __device__ void route(const StepArgs& a, const StepLayer& L, unsigned target, Ro
   }
 }
 
-// One 16-row tile of a 4-bit matrix (rows r0..r0+15, columns 2048·half..2048·half+2047) into
-// the next slot in the tensor-core layout, with the GDN's conv taps and window when `conv`, by the
-// whole producer warp: lane 0 takes the slot and announces the bytes, then lanes 0-15 copy a row
-// each (one bulk copy per row: the tile's row pitch is not the matrix's) and lanes 16-21 the
-// scales, biases, taps and window rows. A column half of a wider matrix (out_proj's 4096) has
-// its rows' scales and biases apart too: lane 16 + r copies those of row r.
-__device__ void copy_tile_tc(Ring& ring, const DevLinear& W, int64_t r0, int half, bool conv,
-                             const StepArgs& a, const StepLayer& L, int lane) {
+// One 16-row tile of a 2048-column 4-bit matrix (rows r0..r0+15) into the next slot in the
+// tensor-core layout, with the GDN's conv taps and window when `conv`, by the whole producer
+// warp: lane 0 takes the slot and announces the bytes, then lanes 0-15 copy a row each and lanes
+// 16-21 the scales, biases, taps and window rows (one bulk copy per row: the tile's row pitch is
+// not the matrix's).
+__device__ void copy_tile_tc(Ring& ring, const DevLinear& W, int64_t r0, bool conv, const StepArgs& a,
+                             const StepLayer& L, int lane) {
   constexpr unsigned kGroupBytes = kRowsIn * tc16::kGroups * 2;
   const unsigned bytes =
       kRowsIn * tc16::kRowBytes + 2 * kGroupBytes + (conv ? kRowsIn * 4 * 4 + 3 * kRowsIn * 2 : 0);
@@ -271,18 +269,11 @@ __device__ void copy_tile_tc(Ring& ring, const DevLinear& W, int64_t r0, int hal
   bar = ring.full + off / kSlotBytes;
   uint8_t* dst = ring.slots + off;
   __syncwarp();  // the announcement precedes the copies
-  const int64_t groups = W.in / kQuantGroup, row_bytes = W.in / 2;
-  const bool split = W.in != tc16::kIn;  // a column half
-  if (lane < kRowsIn) {
+  const int64_t groups = W.in / kQuantGroup;
+  if (lane < kRowsIn)
     bulk::copy(dst + lane * tc16::kPitch,
-               reinterpret_cast<const uint8_t*>(W.q) + (r0 + lane) * row_bytes + half * tc16::kRowBytes,
-               tc16::kRowBytes, bar);
-  } else if (split) {  // lane 16 + r: row r's scales and biases of the half
-    const int r = lane - kRowsIn;
-    const int64_t g0 = (r0 + r) * groups + half * tc16::kGroups;
-    bulk::copy(dst + tc16::kSc + r * tc16::kGroups * 2, W.scales + g0, tc16::kGroups * 2, bar);
-    bulk::copy(dst + tc16::kBi + r * tc16::kGroups * 2, W.biases + g0, tc16::kGroups * 2, bar);
-  } else if (lane == 16)
+               reinterpret_cast<const uint8_t*>(W.q) + (r0 + lane) * tc16::kRowBytes, tc16::kRowBytes, bar);
+  else if (lane == 16)
     bulk::copy(dst + tc16::kSc, W.scales + r0 * groups, kGroupBytes, bar);
   else if (lane == 17)
     bulk::copy(dst + tc16::kBi, W.biases + r0 * groups, kGroupBytes, bar);
@@ -322,25 +313,26 @@ __device__ void produce(const StepArgs& a, const StepLayer& L, int kind, unsigne
           r0 = int64_t(i >= shared_tiles ? rs.idx[j] : a.E) * 2 * a.I + 2 * p0;
         }
         // conv_dim % 16 == 0: a tile is all conv rows or none
-        copy_tile_tc(ring, W, r0, 0, kind == kGdnIn && r0 < a.conv_dim, a, L, lane);
+        copy_tile_tc(ring, W, r0, kind == kGdnIn && r0 < a.conv_dim, a, L, lane);
       }
       break;
     }
     case kGdnOut:
-    case kAttnOut: {
-      const DevLinear& W = kind == kGdnOut ? L.gdn_out : L.attn_o;
-      for (int i = b; i < nt; i += G)
-        for (int half = 0; half < tc16::kOutHalves; ++half)
-          copy_tile_tc(ring, W, int64_t(i) * kRowsOut, half, false, a, L, lane);
-      break;
-    }
+    case kAttnOut:
     case kRouter: {
-      const DevLinear& W = L.router;
+      const DevLinear& W = kind == kGdnOut ? L.gdn_out : kind == kAttnOut ? L.attn_o : L.router;
+      const int cap = kind == kRouter ? kRowsRouter : kRowsOut;
       for (int i = b; i < nt && lane == 0; i += G) {
-        const int r0 = i * kRowsRouter, rows = min(kRowsRouter, W.out - r0);
-        const TileLayout t = tile_layout(kRowsRouter, W.in, W.in / kQuantGroup);
-        uint8_t* dst = ring_acquire(ring, rows_bytes<8>(W, rows), bar);
-        copy_rows<8>(dst, t, W, r0, rows, bar);
+        const int r0 = i * cap, rows = min(cap, W.out - r0);
+        if (kind != kRouter) {
+          const TileLayout t = tile_layout(cap, W.in / 2, W.in / kQuantGroup);
+          uint8_t* dst = ring_acquire(ring, rows_bytes<4>(W, rows), bar);
+          copy_rows<4>(dst, t, W, r0, rows, bar);
+        } else {
+          const TileLayout t = tile_layout(cap, W.in, W.in / kQuantGroup);
+          uint8_t* dst = ring_acquire(ring, rows_bytes<8>(W, rows), bar);
+          copy_rows<8>(dst, t, W, r0, rows, bar);
+        }
       }
       break;
     }
@@ -509,47 +501,41 @@ struct Consumer {
     }
   }
 
-  // GDN out_proj or attention o_proj + residual on tensor cores: row tile i = rows 16i..16i+15 as
-  // tc16's two column halves (two ring slots) = partial sum i of the next norm point. The warps
-  // take the block's tiles without waiting on each other (half h of its k-th row tile into
-  // part[2k + h]); then thread 16k + r finishes row r of its k-th row tile (tc16::out_finish, as
-  // the per-op kernel matvec_tc_out_kernel does).
+  // GDN out_proj or attention o_proj + residual: tile i = rows 8i..8i+7 = partial sum i of the next
+  // norm point.
   __device__ void out_proj(const StepLayer& L, int kind) {
     const int nt = n_tiles(a, L, kind);
     if (int(blockIdx.x) >= nt) return;
-    const int kr = threadIdx.x / kRowsOut, r = threadIdx.x % kRowsOut;
-    const int ir = blockIdx.x + kr * gridDim.x;  // the row tile thread 16kr + r finishes
-    const bool mine = kr < kMaxTcTiles / tc16::kOutHalves && ir < nt;
-    const float hv = mine ? __ldcg(a.h + ir * kRowsOut + r) : 0.f;  // loaded before x
-    uint8_t* packs = reinterpret_cast<uint8_t*>(xs);
-    if (int(threadIdx.x) < tc16::kOutHalves * tc16::kGroups) {
-      const int half = threadIdx.x / tc16::kGroups;
-      tc16::pack_group(a.mix + half * tc16::kIn, packs + half * tc16::kPackBytes,
-                       threadIdx.x % tc16::kGroups);
+    // h of this warp's row in the block's tile j, held by lane j (loaded before staging x)
+    float hv = 0.f;
+    {
+      const int i = blockIdx.x + lane * gridDim.x;
+      if (i < nt) hv = __ldcg(a.h + i * kRowsOut + warp);
     }
+    stage_rows<4>(a.mix, kValueDim, 1, 1, kValueDim, xs, kConsumers);
     ConsumerSync{}();
-    tc16::XFrag X0, X1;
-    tc16::stage_x_frags(packs, X0);
-    tc16::stage_x_frags(packs + tc16::kPackBytes, X1);
     staged();
-    int k = 0;
-    for (int i = blockIdx.x; i < nt; i += gridDim.x, ++k) {
-#pragma unroll
-      for (int half = 0; half < tc16::kOutHalves; ++half) {  // unrolled: X0 / X1 stay in registers
-        unsigned slot;
-        const uint8_t* base =
-            next_tile(slot, i == int(blockIdx.x) && half == 0, i + int(gridDim.x) >= nt && half == 1);
-        tc16::tile_partials(base, half ? X1 : X0, part[2 * k + half]);
-        ring_release(ring, slot, lane);
+    const TileLayout t = tile_layout(kRowsOut, kValueDim / 2, kValueDim / kQuantGroup);
+    float* part = ss(2 * L.index + 1);
+    const int lr[1] = {warp};
+    int j = 0;
+    for (int i = blockIdx.x; i < nt; i += gridDim.x, ++j) {
+      unsigned slot;
+      const uint8_t* base = next_tile(slot, i == int(blockIdx.x), i + int(gridDim.x) >= nt);
+      float y[1];
+      dot_rows<4, kCprOut, 1>(base, reinterpret_cast<const bf16*>(base + t.sc),
+                              reinterpret_cast<const bf16*>(base + t.bi), lr, xs, lane, y);
+      ring_release(ring, slot, lane);
+      y[0] = group_sum<32>(y[0]);
+      const int row = i * kRowsOut + warp;
+      const float hr = j < 32 ? __shfl_sync(0xffffffffu, hv, j) : __ldcg(a.h + row);
+      float sq = 0.f;
+      if (lane == 0) {
+        const float v = hr + y[0];
+        a.h[row] = v;
+        sq = fmaf(v, v, sq);
       }
-    }
-    ConsumerSync{}();  // every warp's partial sums of every tile are in part
-    float v;
-    const float s = tc16::out_finish(hv, mine ? tc16::row_sum(part[2 * kr], r) : 0.f,
-                                     mine ? tc16::row_sum(part[2 * kr + 1], r) : 0.f, v);
-    if (mine) {
-      a.h[ir * kRowsOut + r] = v;
-      if (r == 0) ss(2 * L.index + 1)[ir] = s;
+      residual_part(sq, part + i, red, ConsumerSync{});
     }
   }
 
@@ -815,6 +801,9 @@ bool step_supported(const StepLayer& L, const StepArgs& a, std::string* why) {
     if (L.gdn_in.out < a.conv_dim + a.value_dim + 2 * a.n_v_heads)
       return fail_why(why, "GDN in_proj too small");
     if (L.gdn_out.in != a.value_dim || L.gdn_out.out != a.H) return fail_why(why, "GDN out_proj shape");
+    if (uint32_t(kRowsOut * (a.value_dim / 2 + a.value_dim / 16)) > kSlotBytes ||
+        size_t(a.value_dim / 32) * 36 * 4 > kXsBytes)
+      return fail_why(why, "GDN value dim too large for the step's tiles");
     if (L.gdn_in.out % kRowsIn != 0) return fail_why(why, "GDN in_proj rows not a multiple of 16");
     if (a.n_v_heads % a.n_k_heads != 0) return fail_why(why, "GDN heads");
   }
@@ -854,9 +843,6 @@ void decode_step_layers(const StepArgs& a, cudaStream_t stream) {
     TANSY_CHECK((tc_tiles + sms - 1) / sms <= kMaxTcTiles,
                 "decode step: layer {}: {} tensor-core tiles on {} multiprocessors, more than {} a block",
                 L.index, tc_tiles, sms, kMaxTcTiles);
-    TANSY_CHECK((a.H / kRowsOut + sms - 1) / sms * tc16::kOutHalves <= kMaxTcTiles,
-                "decode step: {} out_proj row tiles on {} multiprocessors, more than {} a block",
-                a.H / kRowsOut, sms, kMaxTcTiles / tc16::kOutHalves);
   }
   allow_smem<step_kernel>(kStepSmem, "decode step");
   pdl_launch(step_kernel, dim3(sms), dim3(kStepThreads), kStepSmem, stream, a);
