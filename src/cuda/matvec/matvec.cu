@@ -762,8 +762,8 @@ void matvec_residual(const DevLinear& W, const bf16* X, const ResidualOut& out, 
   TANSY_CHECK(ceil_div(W.out, kWarps) <= kNormParts,
               "matvec_residual: {} rows need more than {} partial sums", W.out, kNormParts);
   TANSY_CHECK(!rows || rows->n == 1 || (rows->h >= W.out && rows->ss >= kNormParts),
-              "matvec_residual: batched rows' h ({} apart) or partial sums ({} apart) overlap", rows ? rows->h : 0,
-              rows ? rows->ss : 0);
+              "matvec_residual: batched rows' h ({} apart) or partial sums ({} apart) overlap",
+              rows ? rows->h : 0, rows ? rows->ss : 0);
   Fusion fz;
   fz.epi = Epi::kResidual;
   fz.resid = out;
