@@ -222,6 +222,16 @@ TEST(Matvec, BatchedRowsMatchOneRow) {
                 0)
           << "matvec_residual batch of " << n << ", row " << t << ": partial sums";
     }
+    if (n > 1) {  // rows whose h or partial sums overlap are refused before any launch
+      cuda::DecodeRows bad = rows;
+      bad.h = 2047;
+      EXPECT_THROW(cuda::matvec_residual(W.dev, dx.get(), cuda::ResidualOut{dh.get(), ss.get()}, 0, &bad),
+                   Error);
+      bad = rows;
+      bad.ss = cuda::kNormParts - 1;
+      EXPECT_THROW(cuda::matvec_residual(W.dev, dx.get(), cuda::ResidualOut{dh.get(), ss.get()}, 0, &bad),
+                   Error);
+    }
   }
 }
 
