@@ -216,6 +216,79 @@ TEST(Attention, DecodeFused) {
   check_attention_fused(4, 4, 300, 64);                                               // 1
 }
 
+// A batched step's attention (AttnDecodeRows: each row its own position and cache) gives every
+// row the output and cache row it gets alone, bit for bit: the batched launch runs its blocks with
+// fewer tiles in flight (two blocks a multiprocessor), which must not change the arithmetic.
+// Contexts across the tile, stage and split boundaries, and a long one (many tiles a split).
+TEST(Attention, DecodeFusedBatchedRowsMatchOneRow) {
+  const int NH = 16, NKV = 2, hd = 256, rot = 64, splits = 64;
+  const float eps = 1e-6f;
+  const double theta = 1e7;
+  const std::vector<int> ctxs = {0, 1, 31, 32, 95, 97, 1000, 4095, 20000};
+  const int n = int(ctxs.size());
+  cuda::QkvLayout L;
+  L.n_heads = NH;
+  L.n_kv = NKV;
+  L.ld = L.v_off() + NKV * hd;
+  auto rows = randn(size_t(n) * L.ld, 2.f);
+  round_bf16_inplace(rows);
+  auto qn = randn(hd, 0.1f, 1.f), kn = randn(hd, 0.1f, 1.f);
+  DeviceBuffer<float> dqn = to_device(qn), dkn = to_device(kn);
+  std::vector<std::vector<float>> K(n), V(n);
+  for (int t = 0; t < n; ++t) {
+    K[t] = randn(size_t(ctxs[t] + 1) * NKV * hd);
+    V[t] = randn(size_t(ctxs[t] + 1) * NKV * hd);
+    round_bf16_inplace(K[t]);
+    round_bf16_inplace(V[t]);
+  }
+  // batched: every row in one launch
+  auto drows = to_device_bf16(rows);
+  L.base = drows.get();
+  std::vector<DeviceBuffer<bf16>> dK, dV;
+  std::vector<DeviceBuffer<int>> dpos;
+  cuda::AttnDecodeRows R;
+  R.n = n;
+  for (int t = 0; t < n; ++t) {
+    dK.push_back(to_device_bf16(K[t]));
+    dV.push_back(to_device_bf16(V[t]));
+    dpos.push_back(to_device(std::vector<int>{ctxs[t]}));
+  }
+  for (int t = 0; t < n; ++t) {
+    R.pos[t] = dpos[t].get();
+    R.k_cache[t] = dK[t].get();
+    R.v_cache[t] = dV[t].get();
+  }
+  DeviceBuffer<float> scratch(cuda::attn_scratch_floats(n, NH, splits));
+  DeviceBuffer<bf16> out(size_t(n) * NH * hd);
+  poison(out);
+  poison(scratch);
+  cuda::attention_decode_fused(L, R.pos[0], dqn.get(), dkn.get(), eps, rot, theta, R.k_cache[0], R.v_cache[0],
+                               splits, scratch.get(), out.get(), NH * hd, 0, &R);
+  const auto got = from_device_bf16(out.get(), out.size());
+  for (int t = 0; t < n; ++t) {
+    std::vector<float> row1(rows.begin() + size_t(t) * L.ld, rows.begin() + size_t(t + 1) * L.ld);
+    auto drow1 = to_device_bf16(row1);
+    cuda::QkvLayout L1 = L;
+    L1.base = drow1.get();
+    auto dK1 = to_device_bf16(K[t]), dV1 = to_device_bf16(V[t]);
+    DeviceBuffer<float> scratch1(cuda::attn_scratch_floats(1, NH, splits));
+    DeviceBuffer<bf16> out1(size_t(NH) * hd);
+    poison(out1);
+    poison(scratch1);
+    cuda::attention_decode_fused(L1, dpos[t].get(), dqn.get(), dkn.get(), eps, rot, theta, dK1.get(),
+                                 dV1.get(), splits, scratch1.get(), out1.get(), NH * hd, 0);
+    const auto want = from_device_bf16(out1.get(), out1.size());
+    const std::string what =
+        "batched attention, row " + std::to_string(t) + " ctx " + std::to_string(ctxs[t]);
+    for (size_t i = 0; i < want.size(); ++i)
+      ASSERT_EQ(got[size_t(t) * NH * hd + i], want[i]) << what << ", element " << i;
+    EXPECT_EQ(from_device_bf16(dK[t].get(), K[t].size()), from_device_bf16(dK1.get(), K[t].size()))
+        << what << ": k cache";
+    EXPECT_EQ(from_device_bf16(dV[t].get(), V[t].size()), from_device_bf16(dV1.get(), V[t].size()))
+        << what << ": v cache";
+  }
+}
+
 TEST(Attention, DecodeFusedRejectsBadShapes) {
   cuda::QkvLayout L;
   L.n_heads = 16;

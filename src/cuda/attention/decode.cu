@@ -200,7 +200,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 // ---- One-token decode: q/k norm + RoPE + cache write + split attention in one kernel ----
 // Block per (kv head, split), 8 warps. Before the PDL wait (the position and the cache rows < pos
 // were written by earlier steps, never by the projection just before) the block starts cp.async
-// copies of its first kFusedStages tiles of cached keys and values into shared memory and
+// copies of its first STAGES tiles of cached keys and values into shared memory and
 // computes the rotation angles; after it, it norms and rotates the group's query heads and the
 // new key, and the block whose split holds the position writes the new k/v into the cache (and
 // into its last tile in shared memory). The products run on tensor cores (mma m16n8k16, bf16 in,
@@ -212,13 +212,18 @@ __global__ void __launch_bounds__(kWarps * 32)
 // With FusedArgs::counters (one token) the first splits then merge the kv head's query heads
 // (merge_task) instead of attn_combine_kernel.
 constexpr int kFusedWarps = 8;
-constexpr int kFusedTile = 32;   // keys per tile: two groups of 16 (one mma's n x 2)
-constexpr int kFusedStages = 3;  // tiles in flight (96 KiB of K and V per block)
+constexpr int kFusedTile = 32;  // keys per tile: two groups of 16 (one mma's n x 2)
+// Tiles in flight: one token's 2 x 64 blocks take a multiprocessor each, and 3 tiles (96 KiB of K
+// and V) keep the long contexts' loads going; a batched step's n x 128 blocks run two a
+// multiprocessor with 2 (64 KiB, and at most 128 registers a thread), so that one block's
+// prologue (the rotation, Q's fragments) overlaps the other's loads. The stages change only when
+// a tile is copied, not the arithmetic: a row gets the same bits in both.
+constexpr int kFusedStages = 3, kFusedStagesBatched = 2;
 constexpr int kTileElems = kFusedTile * kHeadDim;
 
-template <int G>
+template <int G, int STAGES>
 constexpr size_t fused_smem_bytes() {
-  constexpr size_t tiles = size_t(2) * kFusedStages * kTileElems * sizeof(bf16);
+  constexpr size_t tiles = size_t(2) * STAGES * kTileElems * sizeof(bf16);
   constexpr size_t merge = (size_t(2) * 2 * 8 + size_t(2) * 8 * kHeadDim) * sizeof(float);
   static_assert(merge <= tiles, "the key groups' merge reuses the tile buffers");
   // + the new key and value, q as f32 [G][256], q as the bf16 A operand [16][256]
@@ -297,8 +302,8 @@ __device__ void merge_task(const QkvLayout& L, const float* scratch, int splits,
 }
 
 // Grid z: the token of a batched step (rows), whose sequence's position and cache it reads.
-template <int G>
-__global__ void __launch_bounds__(kFusedWarps * 32, 1)
+template <int G, int STAGES>
+__global__ void __launch_bounds__(kFusedWarps * 32, STAGES == kFusedStagesBatched ? 2 : 1)
     attn_decode_fused_kernel(FusedArgs a, const __grid_constant__ AttnDecodeRows R, int batched) {
   if (batched) {
     const int t = blockIdx.z;
@@ -311,8 +316,8 @@ __global__ void __launch_bounds__(kFusedWarps * 32, 1)
   using namespace tc;
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* Kt = reinterpret_cast<bf16*>(smem);  // [stages][tile][256]
-  bf16* Vt = Kt + kFusedStages * kTileElems;
-  bf16* Kn = Vt + kFusedStages * kTileElems;  // the new key and value, bf16 as cached
+  bf16* Vt = Kt + STAGES * kTileElems;
+  bf16* Kn = Vt + STAGES * kTileElems;  // the new key and value, bf16 as cached
   bf16* Vn = Kn + kHeadDim;
   float* qs = reinterpret_cast<float*>(Vn + kHeadDim);  // [G][256]
   __shared__ float cs[kHeadDim / 2], sn[kHeadDim / 2];
@@ -330,8 +335,8 @@ __global__ void __launch_bounds__(kFusedWarps * 32, 1)
   const bf16* vg = a.v_cache + int64_t(kvh) * kHeadDim;
   auto issue = [&](int tile) {
     if (tile < n_tiles) {
-      bf16* kd = Kt + (tile % kFusedStages) * kTileElems;
-      bf16* vd = Vt + (tile % kFusedStages) * kTileElems;
+      bf16* kd = Kt + (tile % STAGES) * kTileElems;
+      bf16* vd = Vt + (tile % STAGES) * kTileElems;
       for (int c = tid; c < kFusedTile * (kHeadDim / 8); c += kFusedWarps * 32) {
         const int r = c / (kHeadDim / 8), col = (c % (kHeadDim / 8)) * 8;
         const int key = b + tile * kFusedTile + r;
@@ -344,7 +349,7 @@ __global__ void __launch_bounds__(kFusedWarps * 32, 1)
     cp_async_commit();  // one group per tile, empty past the end: the wait count stays uniform
   };
 #pragma unroll
-  for (int i = 0; i < kFusedStages; ++i) issue(i);
+  for (int i = 0; i < STAGES; ++i) issue(i);
   rope_table(p, a.rot, a.theta, cs, sn);
   __syncthreads();
   pdl_wait();
@@ -460,9 +465,9 @@ __global__ void __launch_bounds__(kFusedWarps * 32, 1)
   };
   const int last_tile = n_tiles - 1;
   for (int t = 0; t < n_tiles; ++t) {
-    cp_async_wait<kFusedStages - 1>();
+    cp_async_wait<STAGES - 1>();
     __syncthreads();
-    const int slot = t % kFusedStages;
+    const int slot = t % STAGES;
     bf16* ks = Kt + slot * kTileElems;
     bf16* vs = Vt + slot * kTileElems;
     if (e == len && t == last_tile && tid < kHeadDim / 8) {  // the new key joins the last tile
@@ -472,8 +477,8 @@ __global__ void __launch_bounds__(kFusedWarps * 32, 1)
     }
     __syncthreads();
     process(ks, vs, min(kFusedTile, n_keys - t * kFusedTile));
-    __syncthreads();  // the slot is free for the tile kFusedStages ahead
-    issue(t + kFusedStages);
+    __syncthreads();  // the slot is free for the tile STAGES ahead
+    issue(t + STAGES);
   }
 
   // Merge the two key groups: per head, rescale each group's sums to the common max.
@@ -634,15 +639,21 @@ void attention_decode(const QkvLayout& qkv, int n, const int* pos, const bf16* k
 }
 
 namespace {
+template <int G, int STAGES>
+void launch_fused_stages(const FusedArgs& a, const AttnDecodeRows& r, int batched, cudaStream_t stream) {
+  constexpr size_t kSmem = fused_smem_bytes<G, STAGES>();
+  constexpr auto kern = attn_decode_fused_kernel<G, STAGES>;
+  static const bool attr_set =
+      cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSmem)) == cudaSuccess;
+  TANSY_CHECK(attr_set, "attention_decode_fused: cannot reserve {} bytes of shared memory per block", kSmem);
+  pdl_launch(kern, dim3(a.L.n_kv, a.splits, r.n), dim3(kFusedWarps * 32), kSmem, stream, a, r, batched);
+}
 template <int G>
 void launch_fused(const FusedArgs& a, const AttnDecodeRows& r, int batched, cudaStream_t stream) {
-  constexpr size_t kSmem = fused_smem_bytes<G>();
-  static const bool attr_set =
-      cudaFuncSetAttribute(attn_decode_fused_kernel<G>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           int(kSmem)) == cudaSuccess;
-  TANSY_CHECK(attr_set, "attention_decode_fused: cannot reserve {} bytes of shared memory per block", kSmem);
-  pdl_launch(attn_decode_fused_kernel<G>, dim3(a.L.n_kv, a.splits, r.n), dim3(kFusedWarps * 32), kSmem,
-             stream, a, r, batched);
+  if (batched)
+    launch_fused_stages<G, kFusedStagesBatched>(a, r, batched, stream);
+  else
+    launch_fused_stages<G, kFusedStages>(a, r, batched, stream);
 }
 }  // namespace
 
