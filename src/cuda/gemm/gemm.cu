@@ -23,6 +23,13 @@
 // packed rows are 32 (4-bit) or 64 (8-bit) contiguous bytes read as 8 / 16 bytes per lane. The
 // accumulators (output columns by X rows) go through an f32 tile in the freed stage memory, so the
 // epilogue writes whole output rows.
+//
+// The (scale, bias) pairs of the affine formats go through shared memory too when a row's groups
+// come in whole 16-byte runs (groups % 8 == 0, every product of the model): 8 groups of the block's
+// rows are copied with the stage of the k-tile that starts them, into one of two buffers. Loaded
+// into registers one k-tile ahead instead (the path of narrow test shapes), each k-tile waited on a
+// global load: with a few rows per expert a k-tile's products take far less than that load, so a
+// short prompt's experts ran at the load's latency (1.4 TB/s at 256 tokens, H100, 2026-12-07).
 #include <algorithm>
 #include <type_traits>
 
@@ -52,16 +59,28 @@ constexpr int kWRowBytes = F == WFormat::kAffine4   ? BK / 2
                            : F == WFormat::kAffine8 ? BK
                                                     : BK * 2;
 
+// Groups of (scale, bias) copied at once when they are staged: one 16-byte run of a row's scales.
+constexpr int kSbGroups = 8;
+
 // Shared memory carve-up (bytes) for one instantiation.
-template <int kWarps, WFormat F>
+template <int kWarps, WFormat F, bool kStagedSb>
 struct Layout {
   static constexpr int BN = 32 * kWarps;
   static constexpr int kA = BM * BK * 2;         // one X stage
   static constexpr int kW = BN * kWRowBytes<F>;  // one weight stage
-  static constexpr int kCld = BN + 4;            // f32 output tile row (the epilogue reuses the stages)
+  // One (scale, bias) buffer: [BN rows][32 B] = 8 scales and 8 biases of a row, the two 16-byte
+  // halves swapped on rows with bit 2 set so that a warp's 8 rows read 8 distinct banks.
+  static constexpr int kSb = kStagedSb ? BN * 32 : 0;
+  static constexpr int kStaged = kStages * (kA + kW) + 2 * kSb;
+  static constexpr int kCld = BN + 4;  // f32 output tile row (the epilogue reuses the stages)
   static constexpr int kC = BM * kCld * 4;
-  static constexpr int kTotal = kStages * (kA + kW) > kC ? kStages*(kA + kW) : kC;
+  static constexpr int kTotal = kStaged > kC ? kStaged : kC;
 };
+
+// Byte offset of row r's scales (half 0) or biases (half 1) in a (scale, bias) buffer.
+__device__ __forceinline__ uint32_t sb_offset(int r, int half) {
+  return uint32_t(r) * 32u + uint32_t((half ^ ((r >> 2) & 1)) * 16);
+}
 
 // 2 words of 8-bit codes -> 8 bf16 values. 8-bit codes exceed bf16's exact-integer trick, so go
 // through f32 (only the router and shared-expert gate are 8-bit: tiny matrices).
@@ -81,9 +100,9 @@ __device__ __forceinline__ uint4 dequant8(uint32_t w0, uint32_t w1, float s, flo
 
 __device__ __forceinline__ uint4 lds128(const void* p) { return *reinterpret_cast<const uint4*>(p); }
 
-template <int kWarps, WFormat F>
+template <int kWarps, WFormat F, bool kStagedSb>
 __global__ void __launch_bounds__(32 * kWarps, 16 / kWarps) gemm_kernel(const Params p) {
-  using L = Layout<kWarps, F>;
+  using L = Layout<kWarps, F, kStagedSb>;
   constexpr int kThreads = 32 * kWarps;
   constexpr int BN = L::BN;
   constexpr int kMT = 2;       // m16 tiles of weight rows (output columns) per warp: 32 columns
@@ -93,10 +112,13 @@ __global__ void __launch_bounds__(32 * kWarps, 16 / kWarps) gemm_kernel(const Pa
   constexpr int kWChunks = BN * kWRowChunks / kThreads;  // ... per thread per stage
   constexpr bool kAffine = F != WFormat::kBF16;
   static_assert(kWChunks * kThreads == BN * kWRowChunks && kAChunks * kThreads == BM * (BK / 8));
+  static_assert(!kStagedSb || kAffine);
+  constexpr int kSbChunks = 2 * BN / kThreads;  // 16-byte (scale | bias) copies per thread per run
 
   extern __shared__ __align__(128) unsigned char smem[];
   const __nv_bfloat16* const As = reinterpret_cast<const __nv_bfloat16*>(smem);
   unsigned char* const Ws = smem + kStages * L::kA;
+  unsigned char* const Sbs = smem + kStages * (L::kA + L::kW);  // kStagedSb: two (scale, bias) buffers
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane / 4, t = lane % 4;
@@ -161,6 +183,19 @@ __global__ void __launch_bounds__(32 * kWarps, 16 / kWarps) gemm_kernel(const Pa
 
   const int KT = p.in / BK;
   const int groups = p.in / kQuantGroup;
+  // kStagedSb: copy i of a run is row r = (tid + i*kThreads) / 2 of the block's tile, its scales
+  // (half 0) or biases (half 1); rows past the matrix copy the last row's, as above.
+  [[maybe_unused]] uint32_t sb_src[kStagedSb ? kSbChunks : 1], sb_dst[kStagedSb ? kSbChunks : 1];
+  [[maybe_unused]] bool sb_half[kStagedSb ? kSbChunks : 1];
+  if constexpr (kStagedSb) {
+#pragma unroll
+    for (int i = 0; i < kSbChunks; ++i) {
+      const int idx = tid + i * kThreads, r = idx / 2;
+      sb_half[i] = idx % 2;
+      sb_src[i] = uint32_t(min(n0 + r, p.out - 1)) * uint32_t(groups);
+      sb_dst[i] = sb_offset(r, idx % 2);
+    }
+  }
 
   auto load_stage = [&](int kt, int stage) {
     unsigned char* as = smem + stage * L::kA;
@@ -171,17 +206,30 @@ __global__ void __launch_bounds__(32 * kWarps, 16 / kWarps) gemm_kernel(const Pa
 #pragma unroll
     for (int i = 0; i < kWChunks; ++i)
       tc::cp_async16(ws + w_dst[i], w_base + w_off[i] + uint32_t(kt) * kWRowBytes<F>, true);
+    // The run of kSbGroups (scale, bias) pairs that k-tile kt starts goes with its stage, into
+    // buffer run % 2. That buffer last held run - 2, whose last k-tile (kt - kSbGroups - 1) every
+    // warp has finished: the stage of k-tile kt is copied after the barrier of k-tile kt - kStages + 1.
+    if constexpr (kStagedSb) {
+      static_assert(kStages - 1 <= kSbGroups);
+      if (kt % kSbGroups == 0) {
+        unsigned char* sbs = Sbs + ((kt / kSbGroups) & 1) * L::kSb;
+#pragma unroll
+        for (int i = 0; i < kSbChunks; ++i)
+          tc::cp_async16(sbs + sb_dst[i], (sb_half[i] ? biases : scales) + sb_src[i] + uint32_t(kt), true);
+      }
+    }
   };
 
-  // (scale, bias) of the lane's 4 weight rows for one k-tile, fetched a k-tile ahead: row
-  // wrow(i) = warp*32 + (i/2)*16 + (i%2)*8 + g of the block's tile (m16 tile i/2, half i%2).
+  // Without kStagedSb, the (scale, bias) of the lane's 4 weight rows for one k-tile, fetched a
+  // k-tile ahead into registers. Row wrow(i) = warp*32 + (i/2)*16 + (i%2)*8 + g of the block's tile (m16 tile
+  // i/2, half i%2).
   auto wrow = [&](int i) { return warp * 32 + (i / 2) * 16 + (i % 2) * 8 + g; };
   uint32_t sb_off[4];  // rows past the matrix read the last row's (never stored)
 #pragma unroll
   for (int i = 0; i < 4; ++i) sb_off[i] = uint32_t(min(n0 + wrow(i), p.out - 1)) * uint32_t(groups);
   __nv_bfloat162 sb_next[4] = {};  // (scale, bias)
   auto load_sb = [&](int kt) {
-    if constexpr (kAffine) {
+    if constexpr (kAffine && !kStagedSb) {
       const uint32_t k = uint32_t(min(kt, KT - 1));  // past the end: a valid, unused group
 #pragma unroll
       for (int i = 0; i < 4; ++i)
@@ -211,10 +259,18 @@ __global__ void __launch_bounds__(32 * kWarps, 16 / kWarps) gemm_kernel(const Pa
       const int stage = kt % kStages;
       const __nv_bfloat16* as = As + stage * (BM * BK);
       const unsigned char* ws = Ws + stage * L::kW;
-      __nv_bfloat162 sb[4];
+      __nv_bfloat162 sb[4];  // the lane's 4 (scale, bias) pairs of k-tile kt
+      if constexpr (kStagedSb) {
+        const unsigned char* sbs = Sbs + ((kt / kSbGroups) & 1) * L::kSb + (kt % kSbGroups) * 2;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) sb[i] = sb_next[i];
-      load_sb(kt + 1);
+        for (int i = 0; i < 4; ++i)
+          sb[i] = __halves2bfloat162(*reinterpret_cast<const __nv_bfloat16*>(sbs + sb_offset(wrow(i), 0)),
+                                     *reinterpret_cast<const __nv_bfloat16*>(sbs + sb_offset(wrow(i), 1)));
+      } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sb[i] = sb_next[i];
+        load_sb(kt + 1);
+      }
 
       // Packed codes of the lane's 4 weight rows for the whole k-tile: chunks 2t and 2t+1.
       [[maybe_unused]] uint32_t packed[4][F == WFormat::kAffine4 ? 2 : 4];
@@ -295,27 +351,39 @@ __global__ void __launch_bounds__(32 * kWarps, 16 / kWarps) gemm_kernel(const Pa
   store_tile<BN, BM, kThreads, L::kCld>(p, Cs, row0, row_end, n0, tid);
 }
 
-template <int kWarps, WFormat F>
+template <int kWarps, WFormat F, bool kStagedSb>
 void launch(const Params& p, dim3 grid, cudaStream_t stream) {
-  constexpr int kSmem = Layout<kWarps, F>::kTotal;
+  constexpr int kSmem = Layout<kWarps, F, kStagedSb>::kTotal;
   static const bool attr_set = [] {
-    return cudaFuncSetAttribute(gemm_kernel<kWarps, F>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) ==
-           cudaSuccess;
+    return cudaFuncSetAttribute(gemm_kernel<kWarps, F, kStagedSb>,
+                                cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) == cudaSuccess;
   }();
   if (!attr_set) fail("gemm: cannot reserve {} bytes of shared memory per block", kSmem);
-  gemm_kernel<kWarps, F><<<grid, 32 * kWarps, kSmem, stream>>>(p);
+  gemm_kernel<kWarps, F, kStagedSb><<<grid, 32 * kWarps, kSmem, stream>>>(p);
   launch_check("gemm");
+}
+
+bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+
+// Affine weights whose rows hold whole 16-byte runs of kSbGroups (scale, bias) pairs stage them
+// in shared memory (every product of the model: in = 512, 2,048 or 4,096); others load them a
+// k-tile ahead into registers. The two compute the same values.
+template <int kWarps, WFormat F>
+void launch_affine(const Params& p, dim3 grid, cudaStream_t stream) {
+  if ((p.in / kQuantGroup) % kSbGroups == 0 && aligned(p.scales, 16) && aligned(p.biases, 16))
+    return launch<kWarps, F, true>(p, grid, stream);
+  launch<kWarps, F, false>(p, grid, stream);
 }
 
 template <int kWarps>
 void dispatch(const Params& p, WFormat fmt, dim3 grid, cudaStream_t stream) {
   switch (fmt) {
     case WFormat::kAffine4:
-      return launch<kWarps, WFormat::kAffine4>(p, grid, stream);
+      return launch_affine<kWarps, WFormat::kAffine4>(p, grid, stream);
     case WFormat::kAffine8:
-      return launch<kWarps, WFormat::kAffine8>(p, grid, stream);
+      return launch_affine<kWarps, WFormat::kAffine8>(p, grid, stream);
     case WFormat::kBF16:
-      return launch<kWarps, WFormat::kBF16>(p, grid, stream);
+      return launch<kWarps, WFormat::kBF16, false>(p, grid, stream);
     default:
       fail("gemm: weight format {} is not supported", wformat_name(fmt));
   }
@@ -334,8 +402,6 @@ void dispatch_tiles(const Params& p, WFormat fmt, long row_tiles, cudaStream_t s
     dispatch<kNarrowWarps>(p, fmt, dim3(unsigned(row_tiles), unsigned(narrow)), stream);
   }
 }
-
-bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
 
 // `out` is the row count of one matrix (W.out / n_experts for stacked experts).
 // `x_rows`: rows of X the product may read.

@@ -24,6 +24,12 @@
 // A buffer kt-1 read. The accumulators go through an f32 tile in the freed
 // stage memory to the shared epilogue (gemm_impl.cuh).
 //
+// (scale, bias): when a row's groups come in whole 16-byte runs (groups % 8 == 0, every product of
+// the model), 8 groups of the block's rows are copied with the stage of the k-tile that starts them
+// into one of two shared buffers; otherwise (narrow test shapes) they are loaded into registers one
+// k-tile before their dequant. From registers, each k-tile waited on that global load, which a
+// short prompt's k-tiles (64 tokens) do not cover (gemm.cu has the same pair of paths).
+//
 // Tiles (kN token rows x BN columns): 64 x 128 when 128-row tiles would not fill the machine; 128 x
 // 128 otherwise (the profile: instruction-bound, ~40% of the issue slots the per-lane dequant, which
 // a wider wgmma N shares over more products). 256 x 128 halves the dequant per product again, at 225
@@ -46,14 +52,19 @@ constexpr int BK = 64;
 constexpr int kStages = 4;
 constexpr int kWRow = BK / 2;  // bytes of one 4-bit weight row per k-tile
 
-template <int kN, int kWG>
+constexpr int kSbGroups = 8;  // (scale, bias) groups of one staged run: 16 bytes of a row's scales
+
+template <int kN, int kWG, bool kStagedSb>
 struct WgLayout {
   static constexpr int BN = 64 * kWG;
   static constexpr int kX = kN * BK * 2;  // one X stage (a multiple of 1024: swizzle atoms)
   static constexpr int kW = BN * kWRow;   // one packed weight stage
-  static constexpr int kCld = BN + 4;     // f32 output tile row
+  // One (scale, bias) buffer: [BN rows][32 B], 8 scales then 8 biases, the halves swapped on rows
+  // with bit 2 set (a warp's 8 rows g read 8 distinct banks).
+  static constexpr int kSb = kStagedSb ? BN * 32 : 0;
+  static constexpr int kCld = BN + 4;  // f32 output tile row
   static constexpr int kC = kN * kCld * 4;
-  static constexpr int kStageBytes = kStages * (kX + kW);
+  static constexpr int kStageBytes = kStages * (kX + kW) + 2 * kSb;
   // + 1024: the dynamic shared memory is aligned up to 1024 bytes in the kernel
   static constexpr int kTotal = (kStageBytes > kC ? kStageBytes : kC) + 1024;
 };
@@ -77,10 +88,15 @@ __device__ __forceinline__ void wgmma(float (&d)[128], const uint32_t (&a)[4], u
   wg::wgmma_rs<256>(d, a, desc_b);
 }
 
-template <int kN, int kWG>
+// Byte offset of row r's scales (half 0) or biases (half 1) in a (scale, bias) buffer.
+__device__ __forceinline__ uint32_t sb_offset(int r, int half) {
+  return uint32_t(r) * 32u + uint32_t((half ^ ((r >> 2) & 1)) * 16);
+}
+
+template <int kN, int kWG, bool kStagedSb>
 __global__ void __launch_bounds__(128 * kWG, kWG == 2 && kN <= 128 ? 2 : 1)
     gemm_wgmma_kernel(const Params p) {
-  using L = WgLayout<kN, kWG>;
+  using L = WgLayout<kN, kWG, kStagedSb>;
   constexpr int kThreads = 128 * kWG;
   constexpr int BN = L::BN;
   constexpr int kNAcc = kN / 2;                           // f32 accumulators per thread
@@ -95,6 +111,9 @@ __global__ void __launch_bounds__(128 * kWG, kWG == 2 && kN <= 128 ? 2 : 1)
   unsigned char* const smem = smem_raw + ((1024 - (raw_addr & 1023)) & 1023);
   const uint32_t xs_addr = tc::smem_addr(smem);
   unsigned char* const Ws = smem + kStages * L::kX;
+  unsigned char* const Sbs = Ws + kStages * L::kW;  // kStagedSb: two (scale, bias) buffers
+  constexpr int kSbChunks = 2 * BN / kThreads;      // 16-byte (scale | bias) copies per thread per run
+  static_assert(kSbChunks * kThreads == 2 * BN);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane / 4, t = lane % 4;
@@ -138,6 +157,18 @@ __global__ void __launch_bounds__(128 * kWG, kWG == 2 && kN <= 128 ? 2 : 1)
     w_dst[i] = uint32_t(r * kWRow + c * 16);
   }
   const int KT = p.in / BK;
+  const uint32_t groups = uint32_t(p.in / kQuantGroup);
+  // kStagedSb: copy i of a run is row (tid + i*kThreads) / 2 of the block, its scales (half 0) or
+  // biases (half 1); rows past the matrix copy the last row's.
+  [[maybe_unused]] uint32_t sb_src[kStagedSb ? kSbChunks : 1], sb_dst[kStagedSb ? kSbChunks : 1];
+  if constexpr (kStagedSb) {
+#pragma unroll
+    for (int i = 0; i < kSbChunks; ++i) {
+      const int idx = tid + i * kThreads, r = idx / 2;
+      sb_src[i] = uint32_t(min(n0 + r, p.out - 1)) * groups;
+      sb_dst[i] = sb_offset(r, idx % 2);
+    }
+  }
   auto load_stage = [&](int kt, int stage) {
     unsigned char* xs = smem + stage * L::kX;
 #pragma unroll
@@ -147,6 +178,18 @@ __global__ void __launch_bounds__(128 * kWG, kWG == 2 && kN <= 128 ? 2 : 1)
 #pragma unroll
     for (int i = 0; i < kWChunks; ++i)
       tc::cp_async16(ws + w_dst[i], w_base + w_off[i] + uint32_t(kt) * kWRow, true);
+    // The run of kSbGroups groups that k-tile kt starts goes with its stage, into buffer run % 2,
+    // which last held run - 2. That run's last dequant (k-tile kt - kSbGroups - 1) happened before
+    // the barrier of step kt - kStages + 1, after which this copy is issued.
+    if constexpr (kStagedSb) {
+      if (kt % kSbGroups == 0) {
+        unsigned char* sbs = Sbs + ((kt / kSbGroups) & 1) * L::kSb;
+#pragma unroll
+        for (int i = 0; i < kSbChunks; ++i)
+          tc::cp_async16(sbs + sb_dst[i],
+                         ((tid + i * kThreads) % 2 ? biases : scales) + sb_src[i] + uint32_t(kt), true);
+      }
+    }
   };
 
   // The lane's two weight rows (block-local): rows g and g+8 of warp (warp % 4)'s 16 in warpgroup
@@ -154,16 +197,28 @@ __global__ void __launch_bounds__(128 * kWG, kWG == 2 && kN <= 128 ? 2 : 1)
   const int wr0 = (warp / 4) * 64 + (warp % 4) * 16 + g, wr1 = wr0 + 8;
   const uint32_t sb0 = uint32_t(min(n0 + wr0, p.out - 1)) * uint32_t(p.in / kQuantGroup);
   const uint32_t sb1 = uint32_t(min(n0 + wr1, p.out - 1)) * uint32_t(p.in / kQuantGroup);
-  __nv_bfloat162 sbn[2];  // (scale, bias) of rows wr0, wr1 for the next k-tile to dequantize
+  // Without kStagedSb: (scale, bias) of rows wr0, wr1 for the next k-tile to dequantize.
+  [[maybe_unused]] __nv_bfloat162 sbn[2];
   auto load_sb = [&](int kt) {
-    const uint32_t k = uint32_t(min(kt, KT - 1));
-    sbn[0] = __halves2bfloat162(scales[sb0 + k], biases[sb0 + k]);
-    sbn[1] = __halves2bfloat162(scales[sb1 + k], biases[sb1 + k]);
+    if constexpr (!kStagedSb) {
+      const uint32_t k = uint32_t(min(kt, KT - 1));
+      sbn[0] = __halves2bfloat162(scales[sb0 + k], biases[sb0 + k]);
+      sbn[1] = __halves2bfloat162(scales[sb1 + k], biases[sb1 + k]);
+    }
   };
   const uint32_t sel = uint32_t(t) | (uint32_t(t + 4) << 4);
-  // A fragments [k16 step][reg] of one k-tile from stage `stage`.
-  auto dequant = [&](int stage, uint32_t(&a)[4][4]) {
-    const unsigned char* ws = Ws + stage * L::kW;
+  // A fragments [k16 step][reg] of k-tile kt (its stage kt % kStages).
+  auto dequant = [&](int kt, uint32_t(&a)[4][4]) {
+    const unsigned char* ws = Ws + (kt % kStages) * L::kW;
+    if constexpr (kStagedSb) {
+      const int k = min(kt, KT - 1);  // past the end: a landed run, unused
+      const unsigned char* sbs = Sbs + ((k / kSbGroups) & 1) * L::kSb + (k % kSbGroups) * 2;
+      auto bf = [&](int r, int half) {
+        return *reinterpret_cast<const __nv_bfloat16*>(sbs + sb_offset(r, half));
+      };
+      sbn[0] = __halves2bfloat162(bf(wr0, 0), bf(wr0, 1));
+      sbn[1] = __halves2bfloat162(bf(wr1, 0), bf(wr1, 1));
+    }
     const uint4 r0a = lds128(ws + wr0 * kWRow), r0b = lds128(ws + wr0 * kWRow + 16);
     const uint4 r1a = lds128(ws + wr1 * kWRow), r1b = lds128(ws + wr1 * kWRow + 16);
     const __nv_bfloat162 s0 = __low2bfloat162(sbn[0]), b0 = __high2bfloat162(sbn[0]);
@@ -215,7 +270,7 @@ __global__ void __launch_bounds__(128 * kWG, kWG == 2 && kN <= 128 ? 2 : 1)
     if (kt + kStages - 1 < KT) load_stage(kt + kStages - 1, (kt + kStages - 1) % kStages);
     tc::cp_async_commit();
     // (unconditional: past the last k-tile it reads a stage that is never used, harmlessly)
-    dequant((kt + 1) % kStages, a_fill);
+    dequant(kt + 1, a_fill);
     load_sb(kt + 2);
   };
   for (int kt = 0; kt < KT; kt += 2) {  // two k-tiles a trip: the A buffers swap roles by name
@@ -237,19 +292,29 @@ __global__ void __launch_bounds__(128 * kWG, kWG == 2 && kN <= 128 ? 2 : 1)
   store_tile<BN, kN, kThreads, L::kCld>(p, Cs, row0, row_end, n0, tid);
 }
 
-template <int kN, int kWG>
-void launch(const Params& p, long row_tiles, cudaStream_t stream) {
-  constexpr int kSmem = WgLayout<kN, kWG>::kTotal;
+template <int kN, int kWG, bool kStagedSb>
+void launch_kernel(const Params& p, long row_tiles, cudaStream_t stream) {
+  constexpr int kSmem = WgLayout<kN, kWG, kStagedSb>::kTotal;
   static const bool attr_set = [] {
-    return cudaFuncSetAttribute(gemm_wgmma_kernel<kN, kWG>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                kSmem) == cudaSuccess;
+    return cudaFuncSetAttribute(gemm_wgmma_kernel<kN, kWG, kStagedSb>,
+                                cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) == cudaSuccess;
   }();
   if (!attr_set) fail("gemm (wgmma): cannot reserve {} bytes of shared memory per block", kSmem);
-  const long col_tiles = (p.out + WgLayout<kN, kWG>::BN - 1) / WgLayout<kN, kWG>::BN;
+  const long col_tiles = (p.out + WgLayout<kN, kWG, kStagedSb>::BN - 1) / WgLayout<kN, kWG, kStagedSb>::BN;
   TANSY_CHECK(col_tiles <= 65535 && row_tiles <= 0x7fffffffL,
               "gemm (wgmma): out {} or {} row tiles exceed the grid limit", p.out, row_tiles);
-  gemm_wgmma_kernel<kN, kWG><<<dim3(unsigned(row_tiles), unsigned(col_tiles)), 128 * kWG, kSmem, stream>>>(p);
+  gemm_wgmma_kernel<kN, kWG, kStagedSb>
+      <<<dim3(unsigned(row_tiles), unsigned(col_tiles)), 128 * kWG, kSmem, stream>>>(p);
   launch_check("gemm (wgmma)");
+}
+
+// Rows of whole 16-byte runs of (scale, bias) stage them (every product of the model).
+template <int kN, int kWG>
+void launch(const Params& p, long row_tiles, cudaStream_t stream) {
+  const auto a16 = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+  if ((p.in / kQuantGroup) % kSbGroups == 0 && a16(p.scales) && a16(p.biases))
+    return launch_kernel<kN, kWG, true>(p, row_tiles, stream);
+  launch_kernel<kN, kWG, false>(p, row_tiles, stream);
 }
 
 int g_force_rows = 0, g_force_wg = 0;  // set_wgmma_tiles
