@@ -21,6 +21,12 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
                "r"(valid ? 16 : 0));
 }
+// A 16-byte async copy that asks L2 to fetch the whole aligned 256-byte block around `src`. The
+// prefill GEMMs read a weight row 32 bytes a k-tile, rows a kilobyte or more apart: with the hint
+// the row's next 7 k-tiles are L2 hits and the DRAM serves whole blocks, not 32-byte sectors.
+__device__ __forceinline__ void cp_async16_l2_256(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src));
+}
 // 4-byte async copy (through L1: cp.async.cg takes only 16), zero-filled when !valid.
 __device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src),

@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(32 * kWarps, 16 / kWarps) gemm_kernel(const Pa
     unsigned char* ws = Ws + stage * L::kW;
 #pragma unroll
     for (int i = 0; i < kWChunks; ++i)
-      tc::cp_async16(ws + w_dst[i], w_base + w_off[i] + uint32_t(kt) * kWRowBytes<F>, true);
+      tc::cp_async16_l2_256(ws + w_dst[i], w_base + w_off[i] + uint32_t(kt) * kWRowBytes<F>);
     // The run of kSbGroups (scale, bias) pairs that k-tile kt starts goes with its stage, into
     // buffer run % 2. That buffer last held run - 2, whose last k-tile (kt - kSbGroups - 1) every
     // warp has finished: the stage of k-tile kt is copied after the barrier of k-tile kt - kStages + 1.

@@ -177,7 +177,7 @@ __global__ void __launch_bounds__(128 * kWG, kWG == 2 && kN <= 128 ? 2 : 1)
     unsigned char* ws = Ws + stage * L::kW;
 #pragma unroll
     for (int i = 0; i < kWChunks; ++i)
-      tc::cp_async16(ws + w_dst[i], w_base + w_off[i] + uint32_t(kt) * kWRow, true);
+      tc::cp_async16_l2_256(ws + w_dst[i], w_base + w_off[i] + uint32_t(kt) * kWRow);
     // The run of kSbGroups groups that k-tile kt starts goes with its stage, into buffer run % 2,
     // which last held run - 2. That run's last dequant (k-tile kt - kSbGroups - 1) happened before
     // the barrier of step kt - kStages + 1, after which this copy is issued.
