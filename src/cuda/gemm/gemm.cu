@@ -43,7 +43,9 @@ namespace tansy::cuda {
 namespace {
 
 using gemm_impl::dequant4;
+using gemm_impl::kSbGroups;
 using gemm_impl::Params;
+using gemm_impl::sb_offset;
 using gemm_impl::store_tile;
 using tc::swz;
 
@@ -59,28 +61,18 @@ constexpr int kWRowBytes = F == WFormat::kAffine4   ? BK / 2
                            : F == WFormat::kAffine8 ? BK
                                                     : BK * 2;
 
-// Groups of (scale, bias) copied at once when they are staged: one 16-byte run of a row's scales.
-constexpr int kSbGroups = 8;
-
 // Shared memory carve-up (bytes) for one instantiation.
 template <int kWarps, WFormat F, bool kStagedSb>
 struct Layout {
   static constexpr int BN = 32 * kWarps;
-  static constexpr int kA = BM * BK * 2;         // one X stage
-  static constexpr int kW = BN * kWRowBytes<F>;  // one weight stage
-  // One (scale, bias) buffer: [BN rows][32 B] = 8 scales and 8 biases of a row, the two 16-byte
-  // halves swapped on rows with bit 2 set so that a warp's 8 rows read 8 distinct banks.
-  static constexpr int kSb = kStagedSb ? BN * 32 : 0;
+  static constexpr int kA = BM * BK * 2;               // one X stage
+  static constexpr int kW = BN * kWRowBytes<F>;        // one weight stage
+  static constexpr int kSb = kStagedSb ? BN * 32 : 0;  // one (scale, bias) buffer (gemm_impl.cuh)
   static constexpr int kStaged = kStages * (kA + kW) + 2 * kSb;
   static constexpr int kCld = BN + 4;  // f32 output tile row (the epilogue reuses the stages)
   static constexpr int kC = BM * kCld * 4;
   static constexpr int kTotal = kStaged > kC ? kStaged : kC;
 };
-
-// Byte offset of row r's scales (half 0) or biases (half 1) in a (scale, bias) buffer.
-__device__ __forceinline__ uint32_t sb_offset(int r, int half) {
-  return uint32_t(r) * 32u + uint32_t((half ^ ((r >> 2) & 1)) * 16);
-}
 
 // 2 words of 8-bit codes -> 8 bf16 values. 8-bit codes exceed bf16's exact-integer trick, so go
 // through f32 (only the router and shared-expert gate are 8-bit: tiny matrices).
@@ -370,8 +362,7 @@ bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % 
 // k-tile ahead into registers. The two compute the same values.
 template <int kWarps, WFormat F>
 void launch_affine(const Params& p, dim3 grid, cudaStream_t stream) {
-  if ((p.in / kQuantGroup) % kSbGroups == 0 && aligned(p.scales, 16) && aligned(p.biases, 16))
-    return launch<kWarps, F, true>(p, grid, stream);
+  if (gemm_impl::stages_scales(p)) return launch<kWarps, F, true>(p, grid, stream);
   launch<kWarps, F, false>(p, grid, stream);
 }
 

@@ -31,6 +31,24 @@ struct Params {
   int n_experts;
 };
 
+// ---- (scale, bias) staged in shared memory (both kernels) ----
+// When a row's quant groups come in whole 16-byte runs of scales (every product of the model), a
+// block copies kSbGroups groups of its rows' scales and biases with the stage of the k-tile that
+// starts the run (each kernel's load_stage), into one of two buffers of [rows][32 B]: 8 scales
+// then 8 biases a row, the two halves swapped on rows with bit 2 set so that a warp's 8 rows g
+// read 8 distinct banks.
+constexpr int kSbGroups = 8;
+
+inline bool stages_scales(const Params& p) {
+  const auto a16 = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+  return (p.in / kQuantGroup) % kSbGroups == 0 && a16(p.scales) && a16(p.biases);
+}
+
+// Byte offset of row r's scales (half 0) or biases (half 1) in a (scale, bias) buffer.
+__device__ __forceinline__ uint32_t sb_offset(int r, int half) {
+  return uint32_t(r) * 32u + uint32_t((half ^ ((r >> 2) & 1)) * 16);
+}
+
 // 8 4-bit codes (one u32, low nibble first) -> 8 bf16 values s·q + b, as 4 bf16 pairs in k order.
 // Codes become exact bf16 integers through the 128+c bit trick (exponent of 128, mantissa c),
 // then one subtraction and one fused multiply-add per pair (exact product, one rounding to bf16).

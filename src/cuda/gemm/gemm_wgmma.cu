@@ -52,17 +52,13 @@ constexpr int BK = 64;
 constexpr int kStages = 4;
 constexpr int kWRow = BK / 2;  // bytes of one 4-bit weight row per k-tile
 
-constexpr int kSbGroups = 8;  // (scale, bias) groups of one staged run: 16 bytes of a row's scales
-
 template <int kN, int kWG, bool kStagedSb>
 struct WgLayout {
   static constexpr int BN = 64 * kWG;
-  static constexpr int kX = kN * BK * 2;  // one X stage (a multiple of 1024: swizzle atoms)
-  static constexpr int kW = BN * kWRow;   // one packed weight stage
-  // One (scale, bias) buffer: [BN rows][32 B], 8 scales then 8 biases, the halves swapped on rows
-  // with bit 2 set (a warp's 8 rows g read 8 distinct banks).
-  static constexpr int kSb = kStagedSb ? BN * 32 : 0;
-  static constexpr int kCld = BN + 4;  // f32 output tile row
+  static constexpr int kX = kN * BK * 2;               // one X stage (a multiple of 1024: swizzle atoms)
+  static constexpr int kW = BN * kWRow;                // one packed weight stage
+  static constexpr int kSb = kStagedSb ? BN * 32 : 0;  // one (scale, bias) buffer (gemm_impl.cuh)
+  static constexpr int kCld = BN + 4;                  // f32 output tile row
   static constexpr int kC = kN * kCld * 4;
   static constexpr int kStageBytes = kStages * (kX + kW) + 2 * kSb;
   // + 1024: the dynamic shared memory is aligned up to 1024 bytes in the kernel
@@ -86,11 +82,6 @@ __device__ __forceinline__ void wgmma(float (&d)[64], const uint32_t (&a)[4], ui
 }
 __device__ __forceinline__ void wgmma(float (&d)[128], const uint32_t (&a)[4], uint64_t desc_b) {
   wg::wgmma_rs<256>(d, a, desc_b);
-}
-
-// Byte offset of row r's scales (half 0) or biases (half 1) in a (scale, bias) buffer.
-__device__ __forceinline__ uint32_t sb_offset(int r, int half) {
-  return uint32_t(r) * 32u + uint32_t((half ^ ((r >> 2) & 1)) * 16);
 }
 
 template <int kN, int kWG, bool kStagedSb>
@@ -311,9 +302,7 @@ void launch_kernel(const Params& p, long row_tiles, cudaStream_t stream) {
 // Rows of whole 16-byte runs of (scale, bias) stage them (every product of the model).
 template <int kN, int kWG>
 void launch(const Params& p, long row_tiles, cudaStream_t stream) {
-  const auto a16 = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
-  if ((p.in / kQuantGroup) % kSbGroups == 0 && a16(p.scales) && a16(p.biases))
-    return launch_kernel<kN, kWG, true>(p, row_tiles, stream);
+  if (stages_scales(p)) return launch_kernel<kN, kWG, true>(p, row_tiles, stream);
   launch_kernel<kN, kWG, false>(p, row_tiles, stream);
 }
 
