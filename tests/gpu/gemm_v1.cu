@@ -414,6 +414,8 @@ void gemm_grouped(const DevLinear& W, int n_experts, const __nv_bfloat16* X, int
   TANSY_CHECK(r.expert_offsets && r.tile_offsets && r.sorted_slot, "gemm_grouped: routing arrays missing");
   TANSY_CHECK(W.out % n_experts == 0, "gemm_grouped: {} stacked rows do not split into {} experts", W.out,
               n_experts);
+  TANSY_CHECK(r.tile_rows == kGroupedBM, "gemm_grouped (v1): {}-row tiles are not built (only {})",
+              r.tile_rows, kGroupedBM);
   const long rows = long(n) * k;
   TANSY_CHECK(rows < (1L << 30), "gemm_grouped: n*k = {} too large", rows);
   Params p = make_params(W, W.out / n_experts, X, ldx, int(rows), Y, "gemm_grouped");

@@ -323,7 +323,7 @@ inline void random_routing(int n, int E, int k, std::vector<int>& idx, std::vect
 
 struct DeviceRouting {
   DeviceBuffer<int> offsets, tiles, sorted, slot_row, work;
-  cuda::MoeRouting view(int E, int rows) {
+  cuda::MoeRouting view(int E, int rows, int tile_rows = cuda::kGroupedBM) {
     offsets.resize(E + 1);
     tiles.resize(E + 1);
     sorted.resize(rows);
@@ -332,7 +332,7 @@ struct DeviceRouting {
       work.resize(2 * E + 1);
       CUDA_CHECK(cudaMemset(work.get(), 0, work.bytes()));
     }
-    return {offsets.get(), tiles.get(), sorted.get(), slot_row.get(), work.get()};
+    return {offsets.get(), tiles.get(), sorted.get(), slot_row.get(), work.get(), tile_rows};
   }
 };
 

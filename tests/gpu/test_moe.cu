@@ -197,8 +197,9 @@ void check_experts(WFormat fmt, int E, int H, int I, int k, int n) {
   EXPECT_REL(from_device_bf16(dout.get(), dout.size()), out_ref, kTolBf16, "  experts down + combine");
 }
 
-// The routing sort's permutation, offsets and tiles against the ids it was given.
-::testing::AssertionResult route_sort_matches(const std::vector<int>& idx, int E, DeviceRouting& R) {
+// The routing sort's permutation, offsets and tiles (of `bm` rows) against the ids it was given.
+::testing::AssertionResult route_sort_matches(const std::vector<int>& idx, int E, DeviceRouting& R,
+                                              int bm = cuda::kGroupedBM) {
   const int rows = int(idx.size());
   const auto off = from_device(R.offsets.get(), E + 1), tiles = from_device(R.tiles.get(), E + 1);
   const auto sorted = from_device(R.sorted.get(), rows), slot_row = from_device(R.slot_row.get(), rows);
@@ -207,8 +208,7 @@ void check_experts(WFormat fmt, int E, int H, int I, int k, int n) {
   for (int e : idx) ++count[e];
   if (off[0] != 0 || tiles[0] != 0) return ::testing::AssertionFailure() << "offsets do not start at 0";
   for (int e = 0; e < E; ++e)
-    if (off[e + 1] - off[e] != count[e] ||
-        tiles[e + 1] - tiles[e] != (count[e] + cuda::kGroupedBM - 1) / cuda::kGroupedBM)
+    if (off[e + 1] - off[e] != count[e] || tiles[e + 1] - tiles[e] != (count[e] + bm - 1) / bm)
       return ::testing::AssertionFailure()
              << "expert " << e << ": offsets or tiles do not match its count " << count[e];
   std::vector<int> seen(rows, 0);
@@ -226,7 +226,8 @@ void check_experts(WFormat fmt, int E, int H, int I, int k, int n) {
 }
 
 // Sizes around the sort's 4,096 ids a block, uniform and skewed (a few experts take most rows),
-// each sorted twice on the same counters (a sort must leave them zero for the next).
+// in tiles of both sizes, each sorted twice on the same counters (a sort must leave them zero for
+// the next); every output poisoned before each sort, so that none passes on an earlier one's.
 TEST(Moe, RouteSortAcrossBlocks) {
   const int E = 256, k = 8;
   DeviceRouting R;
@@ -238,13 +239,15 @@ TEST(Moe, RouteSortAcrossBlocks) {
           idx[size_t(t) * k + j] =
               skewed ? (t % 5 == 0 ? (t / 5 * k + j) % E : (t + j) % (k + 4)) : (t * 37 + j) % E;
       auto didx = to_device(idx);
-      const cuda::MoeRouting rv = R.view(E, n * k);
-      for (int round = 0; round < 2; ++round) {
-        CUDA_CHECK(cudaMemset(R.sorted.get(), 0xff, R.sorted.bytes()));
-        CUDA_CHECK(cudaMemset(R.slot_row.get(), 0xff, R.slot_row.bytes()));
-        cuda::moe_route_sort(didx.get(), n, k, E, rv, 0);
-        ASSERT_TRUE(route_sort_matches(idx, E, R))
-            << "n=" << n << (skewed ? " skewed" : " uniform") << " round " << round;
+      for (const int bm : {cuda::kGroupedBM, cuda::kGroupedSmallBM}) {
+        const cuda::MoeRouting rv = R.view(E, n * k, bm);
+        for (int round = 0; round < 2; ++round) {
+          for (DeviceBuffer<int>* b : {&R.sorted, &R.slot_row, &R.offsets, &R.tiles})
+            CUDA_CHECK(cudaMemset(b->get(), 0xff, b->bytes()));
+          cuda::moe_route_sort(didx.get(), n, k, E, rv, 0);
+          ASSERT_TRUE(route_sort_matches(idx, E, R, bm))
+              << "n=" << n << (skewed ? " skewed" : " uniform") << " " << bm << "-row tiles, round " << round;
+        }
       }
     }
   }
@@ -330,14 +333,14 @@ TEST(Moe, ExpertsGroupedAreThePerSlotBits) {
 // ---- prefill ----
 
 // `routing` (n*k expert choices, distinct per token) replaces the random uniform routing.
+// expect_tile_rows (0: any): the tile rows grouped_tile_rows must choose for these matrices.
 void check_moe(WFormat fmt, int E, int H, int I, int k, int n, const std::vector<int>* routing = nullptr,
-               const char* what = "") {
-  const std::string label = std::string("moe") + what +
-                            (cuda::gemm_kernel() == cuda::GemmKernel::kWgmma          ? " (wgmma)"
-                             : cuda::gemm_kernel() == cuda::GemmKernel::kWgmmaGrouped ? " (wgmma-grouped)"
-                                                                                      : " (mma)") +
-                            " E=" + str(E) + " H=" + str(H) + " I=" + str(I) + " k=" + str(k) +
-                            " n=" + str(n);
+               const char* what = "", int expect_tile_rows = 0) {
+  std::string label = std::string("moe") + what +
+                      (cuda::gemm_kernel() == cuda::GemmKernel::kWgmma          ? " (wgmma)"
+                       : cuda::gemm_kernel() == cuda::GemmKernel::kWgmmaGrouped ? " (wgmma-grouped)"
+                                                                                : " (mma)") +
+                      " E=" + str(E) + " H=" + str(H) + " I=" + str(I) + " k=" + str(k) + " n=" + str(n);
   TestMatrix GU = make_matrix(fmt, E * 2 * I, H);  // per expert: interleaved gate/up rows
   TestMatrix D = make_matrix(fmt, E * H, I);
   auto x = randn(size_t(n) * H);
@@ -350,14 +353,18 @@ void check_moe(WFormat fmt, int E, int H, int I, int k, int n, const std::vector
   auto didx = to_device(idx);
   auto dw = to_device(wts);
   const int rows = n * k;
+  if (expect_tile_rows) EXPECT_EQ(cuda::grouped_tile_rows(GU.dev, D.dev, rows, E), expect_tile_rows) << label;
 
-  // Routing sort: a permutation grouping slots by expert, with consistent offsets and tiles.
+  // Routing sort: a permutation grouping slots by expert, with consistent offsets and tiles, in the
+  // tiles the model's plan takes for these matrices under the current kernel choice.
   DeviceRouting R;
-  const cuda::MoeRouting rv = R.view(E, rows);
+  const int bm = cuda::grouped_tile_rows(GU.dev, D.dev, rows, E);
+  const cuda::MoeRouting rv = R.view(E, rows, bm);
   CUDA_CHECK(cudaMemset(R.sorted.get(), 0xff, R.sorted.bytes()));
   CUDA_CHECK(cudaMemset(R.slot_row.get(), 0xff, R.slot_row.bytes()));
   cuda::moe_route_sort(didx.get(), n, k, E, rv, 0);
-  ASSERT_TRUE(route_sort_matches(idx, E, R)) << label;
+  label += " tiles " + str(bm);
+  ASSERT_TRUE(route_sort_matches(idx, E, R, bm)) << label;
   const auto off = from_device(R.offsets.get(), E + 1);
   const auto slot_row = from_device(R.slot_row.get(), rows);
 
@@ -429,32 +436,109 @@ struct GemmKernelScope {
   ~GemmKernelScope() { cuda::gemm_set_kernel(saved); }
 };
 
-void grouped_cases() {
-  check_moe(WFormat::kAffine4, 256, 2048, 512, 8, 1);    // real shapes, one token
-  check_moe(WFormat::kAffine4, 256, 2048, 512, 8, 200);  // real shapes, most experts 1 partial tile
-  check_moe(WFormat::kAffine4, 8, 256, 128, 2, 300);     // ~75 rows per expert: 2 tiles each
+// short: the tile rows the real shapes take at up to 16 rows an expert under the kernel in force
+// (kGroupedSmallBM under mma.sync; the wgmma kernels take kGroupedBM).
+void grouped_cases(int short_tiles) {
+  check_moe(WFormat::kAffine4, 256, 2048, 512, 8, 1, nullptr, "", short_tiles);      // real shapes, one token
+  check_moe(WFormat::kAffine4, 256, 2048, 512, 8, 200, nullptr, "", short_tiles);    // most experts 1 tile
+  check_moe(WFormat::kAffine4, 8, 256, 128, 2, 300, nullptr, "", cuda::kGroupedBM);  // ~75 rows an expert
   for (int n : {63, 64, 65}) {  // every row to expert 1 (expert 0 empty): one expert's rows around a tile
     const std::vector<int> all_to_1(n, 1);
     check_moe(WFormat::kAffine4, 2, 256, 128, 1, n, &all_to_1, " one expert");
   }
-  check_moe(WFormat::kAffine4, 256, 2048, 512, 8, 512);  // real shapes, ~16 rows per expert, 256-column tiles
-  check_moe(WFormat::kAffine4, 8, 192, 192, 2, 150);     // 3 k-tiles per product: odd step counts, items
-                                                         // ending between the two A buffers of a trip
-  check_moe(WFormat::kAffine8, 4, 128, 64, 1, 65);       // 8-bit, top-1
-  check_moe(WFormat::kBF16, 16, 192, 64, 4, 33);
+  // real shapes, 16 rows an expert: the last prompt length of the short tiles, 256-column tiles
+  check_moe(WFormat::kAffine4, 256, 2048, 512, 8, 512, nullptr, "", short_tiles);
+  check_moe(WFormat::kAffine4, 256, 2048, 512, 8, 513, nullptr, "", cuda::kGroupedBM);  // one row more
+  check_moe(WFormat::kAffine4, 8, 192, 192, 2, 150);  // 3 k-tiles per product: odd step counts, items
+                                                      // ending between the two A buffers of a trip
+  check_moe(WFormat::kAffine8, 4, 128, 64, 1, 65, nullptr, "", cuda::kGroupedBM);  // 8-bit, top-1
+  check_moe(WFormat::kBF16, 16, 192, 64, 4, 33, nullptr, "", cuda::kGroupedBM);    // bf16: 64-row tiles
+  check_moe(WFormat::kAffine4, 8, 64, 64, 2, 6, nullptr, " narrow",
+            cuda::kGroupedBM);  // in = 64: no run of scales
 }
 
 TEST(Moe, Grouped) {
   GemmKernelScope scope(cuda::GemmKernel::kMma);
-  grouped_cases();
+  grouped_cases(cuda::kGroupedSmallBM);
+}
+TEST(Moe, GroupedAuto) {  // the model's choice: mma.sync and short tiles below 128 rows an expert
+  GemmKernelScope scope(cuda::GemmKernel::kAuto);
+  grouped_cases(cuda::kGroupedSmallBM);
 }
 TEST(Moe, GroupedWgmma) {
   GemmKernelScope scope(cuda::GemmKernel::kWgmma);
-  grouped_cases();
+  grouped_cases(cuda::kGroupedBM);
 }
 TEST(Moe, GroupedWgmmaGrouped) {
   GemmKernelScope scope(cuda::GemmKernel::kWgmmaGrouped);
-  grouped_cases();
+  grouped_cases(cuda::kGroupedBM);
+}
+
+// A row's sums do not depend on the tile that holds it: the grouped products' f32 outputs in 16-row
+// tiles are the bits of 64-row tiles, slot by slot (each sort orders an expert's rows its own way),
+// at the real shapes with uniform routing and with one expert taking every token (32 short tiles).
+TEST(Moe, GroupedShortTilesAreTheLongTilesBits) {
+  GemmKernelScope scope(cuda::GemmKernel::kMma);
+  constexpr int E = 256, k = 8, H = 2048, I = 512;
+  TestMatrix GU = make_matrix(WFormat::kAffine4, E * 2 * I, H);
+  TestMatrix D = make_matrix(WFormat::kAffine4, E * H, I);
+  for (const int n : {1, 37, 256, 512}) {
+    for (const bool skewed : {false, true}) {
+      std::vector<int> idx;
+      std::vector<float> wts;
+      random_routing(n, E, k, idx, wts);
+      if (skewed)
+        for (int t = 0; t < n; ++t) {  // expert 0 first for every token, the others kept distinct
+          for (int j = 0; j < k; ++j)
+            if (idx[size_t(t) * k + j] == 0) idx[size_t(t) * k + j] = idx[size_t(t) * k];
+          idx[size_t(t) * k] = 0;
+        }
+      const int rows = n * k;
+      ASSERT_EQ(cuda::grouped_tile_rows(GU.dev, D.dev, rows, E), cuda::kGroupedSmallBM);
+      auto x = randn(size_t(n) * H);
+      round_bf16_inplace(x);
+      auto dx = to_device_bf16(x);
+      auto didx = to_device(idx);
+      // by slot: gate|up f32 [slot][2I], down f32 [slot][H] (down fed the same activations by slot)
+      auto run = [&](int bm) {
+        DeviceRouting R;
+        const cuda::MoeRouting rv = R.view(E, rows, bm);
+        cuda::moe_route_sort(didx.get(), n, k, E, rv, 0);
+        DeviceBuffer<float> gu(size_t(rows) * 2 * I), dn(size_t(rows) * H);
+        DeviceBuffer<bf16> act(size_t(rows) * I);
+        poison(gu);
+        poison(dn);
+        cuda::gemm_grouped(GU.dev, E, dx.get(), H, true, n, k, rv,
+                           {gu.get(), cuda::GemmOutType::kF32, 2 * I, cuda::GemmEpilogue::kStore}, 0);
+        const auto slot_row = from_device(R.slot_row.get(), rows);
+        const auto hgu = from_device(gu.get(), gu.size());
+        std::vector<float> act_by_slot(size_t(rows) * I);  // an activation per slot, from a fixed seed
+        for (int s = 0; s < rows; ++s)
+          for (int i = 0; i < I; ++i) act_by_slot[size_t(s) * I + i] = std::sin(0.01f * float(s * I + i));
+        round_bf16_inplace(act_by_slot);
+        std::vector<float> act_sorted(act_by_slot.size());
+        for (int s = 0; s < rows; ++s)
+          std::copy_n(act_by_slot.begin() + size_t(s) * I, I, act_sorted.begin() + size_t(slot_row[s]) * I);
+        auto dact = to_device_bf16(act_sorted);
+        cuda::gemm_grouped(D.dev, E, dact.get(), I, false, n, k, rv,
+                           {dn.get(), cuda::GemmOutType::kF32, H, cuda::GemmEpilogue::kStore}, 0);
+        const auto hdn = from_device(dn.get(), dn.size());
+        std::vector<float> by_slot(size_t(rows) * (2 * I + H));
+        for (int s = 0; s < rows; ++s) {
+          std::copy_n(hgu.begin() + size_t(slot_row[s]) * 2 * I, 2 * I,
+                      by_slot.begin() + size_t(s) * (2 * I + H));
+          std::copy_n(hdn.begin() + size_t(slot_row[s]) * H, H,
+                      by_slot.begin() + size_t(s) * (2 * I + H) + 2 * I);
+        }
+        return by_slot;
+      };
+      const auto long_tiles = run(cuda::kGroupedBM), short_tiles = run(cuda::kGroupedSmallBM);
+      const std::string label = "n=" + str(n) + (skewed ? " skewed" : " uniform");
+      ASSERT_TRUE(all_finite(long_tiles)) << label << ": 64-row tiles left rows unwritten";
+      EXPECT_EQ(0, std::memcmp(long_tiles.data(), short_tiles.data(), long_tiles.size() * sizeof(float)))
+          << label << ": 16-row tiles give other bits than 64-row tiles";
+    }
+  }
 }
 
 // Uneven loads: one expert takes every token (thousands of rows: tens of 64-row tiles), one takes a
@@ -474,6 +558,10 @@ void uneven_cases() {
   {
     const auto r = skewed(1500, 32, 4);
     check_moe(WFormat::kAffine4, 32, 2048, 512, 4, 1500, &r, " uneven");  // real per-expert shapes
+  }
+  {  // the real model at 400 tokens: expert 0 takes every token, in 16-row tiles under mma.sync
+    const auto r = skewed(400, 256, 8);
+    check_moe(WFormat::kAffine4, 256, 2048, 512, 8, 400, &r, " uneven");
   }
   {
     const auto r = skewed(65, 12, 3);
@@ -580,6 +668,44 @@ TEST(Moe, RejectsBadShapes) {
   EXPECT_THROW(cuda::moe_combine(y.get(), R.slot_row.get(), nullptr, 4, 2, 60, nullptr, nullptr, nullptr, 0,
                                  y.get(), 0),
                Error);
+  // Tiles of 16 rows: only sizes that are built, only 4-bit weights whose rows hold whole runs of 8
+  // quant groups (in = 128 holds 2), only on the mma.sync kernel (the per-tile wgmma kernel reads 64)
+  EXPECT_THROW(cuda::moe_route_sort(idx.get(), 4, 2, 4, R.view(4, 8, 32), 0), Error);
+  {
+    GemmKernelScope scope(cuda::GemmKernel::kMma);
+    const cuda::GemmOutput o{y.get(), cuda::GemmOutType::kBF16, 64, cuda::GemmEpilogue::kStore};
+    EXPECT_THROW(cuda::gemm_grouped(W.dev, 3, x.get(), 128, true, 4, 2, R.view(3, 8, 32), o, 0), Error);
+    EXPECT_THROW(
+        cuda::gemm_grouped(W.dev, 3, x.get(), 128, true, 4, 2, R.view(3, 8, cuda::kGroupedSmallBM), o, 0),
+        Error);
+    TestMatrix B = make_matrix(WFormat::kBF16, 3 * 64, 512);
+    DeviceBuffer<bf16> xb(8 * 512);
+    EXPECT_THROW(
+        cuda::gemm_grouped(B.dev, 3, xb.get(), 512, true, 4, 2, R.view(3, 8, cuda::kGroupedSmallBM), o, 0),
+        Error);
+    // the plan's choice keeps 64-row tiles for both
+    EXPECT_EQ(cuda::grouped_tile_rows(W.dev, W.dev, 8, 3), cuda::kGroupedBM);
+    EXPECT_EQ(cuda::grouped_tile_rows(B.dev, B.dev, 8, 3), cuda::kGroupedBM);
+  }
+  {
+    TestMatrix W4 = make_matrix(WFormat::kAffine4, 3 * 64, 512);  // 8 quant groups a row
+    DeviceBuffer<bf16> x4(8 * 512);
+    const cuda::GemmOutput o{y.get(), cuda::GemmOutType::kBF16, 64, cuda::GemmEpilogue::kStore};
+    for (const auto kernel : {cuda::GemmKernel::kAuto, cuda::GemmKernel::kMma, cuda::GemmKernel::kWgmma,
+                              cuda::GemmKernel::kWgmmaGrouped}) {
+      GemmKernelScope scope(kernel);
+      const bool mma = kernel == cuda::GemmKernel::kAuto || kernel == cuda::GemmKernel::kMma;
+      // up to 16 rows an expert on average, on the mma.sync kernel alone
+      EXPECT_EQ(cuda::grouped_tile_rows(W4.dev, W4.dev, 48, 3),
+                mma ? cuda::kGroupedSmallBM : cuda::kGroupedBM);
+      EXPECT_EQ(cuda::grouped_tile_rows(W4.dev, W4.dev, 49, 3), cuda::kGroupedBM);
+      EXPECT_EQ(cuda::grouped_tile_rows(W4.dev, W.dev, 8, 3), cuda::kGroupedBM);  // one of the two narrow
+      if (kernel == cuda::GemmKernel::kWgmma)
+        EXPECT_THROW(cuda::gemm_grouped(W4.dev, 3, x4.get(), 512, true, 4, 2,
+                                        R.view(3, 8, cuda::kGroupedSmallBM), o, 0),
+                     Error);
+    }
+  }
   // gate|up by expert: only experts with tensor-core tiles (2048 columns), and at most the batch's slots
   DeviceBuffer<int> sorted(8), count(1);
   DeviceBuffer<int4> items(8);

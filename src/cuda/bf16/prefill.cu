@@ -240,6 +240,7 @@ bool CudaModel::moe(int layer, DevLayer& L, int m, bool tc, const float* next_no
   rt.sorted_slot = sorted_slot_.get();
   rt.slot_row = slot_row_.get();
   rt.work = route_work_.get();
+  rt.tile_rows = grouped_tile_rows(L.routed_gu, L.routed_down, long(m) * K, E);
   mark("moe.route_sort", 0, 0, 2);
   moe_route_sort(topk_idx_.get(), m, K, E, rt, stream_);
   GemmOutput gu{act_.get(), GemmOutType::kBF16, I, GemmEpilogue::kSwiGlu};

@@ -1,11 +1,12 @@
 // Prefill GEMM with fused affine dequant, grouped MoE variant.
 //
-// Tile: 64 rows x BN outputs per block, BN = 32 x warps (8 warps: 256 columns, 4 warps: 128 for
-// launches too small to fill the machine); every warp owns a 64 x 32 output tile over all 64 rows,
-// so each weight column is dequantized by exactly one warp. k-tile 64 = one quant group: one
-// (scale, bias) per weight row per k-tile. 4 cp.async stages of the X tile and of the weight tile
-// in its packed form; one barrier per k-tile. The mma computes the transposed product: the weights
-// are its A operand (m16 = 16 output columns), X its B operand (n8 = 8 rows of X).
+// Tile: BM rows x BN outputs per block, BN = 32 x warps (8 warps: 256 columns, 4 warps: 128 for
+// launches too small to fill the machine); every warp owns a BM x 32 output tile over all BM rows,
+// so each weight column is dequantized by exactly one warp. BM is 64, or 16 for the grouped
+// products of short prompts (kGroupedSmallBM: a few rows an expert, 4-bit weights with staged
+// scales). k-tile 64 = one quant group: one (scale, bias) per weight row per k-tile. 4 cp.async stages of the
+// X tile and of the weight tile in its packed form; one barrier per k-tile. The mma computes the transposed
+// product: the weights are its A operand (m16 = 16 output columns), X its B operand (n8 = 8 rows of X).
 //
 // The weights never go through a dequantized shared tile. Each lane reads its packed codes from the
 // stage and dequantizes them straight into mma A fragments. That works because a dot product does
@@ -49,8 +50,8 @@ using gemm_impl::sb_offset;
 using gemm_impl::store_tile;
 using tc::swz;
 
-constexpr int BM = 64;  // == kGroupedBM: moe_route_sort's tiles are this kernel's row tiles
-static_assert(BM == kGroupedBM);
+// Row tiles: kGroupedBM (dense products, and moe_route_sort's usual schedule) or kGroupedSmallBM.
+constexpr int kBM = kGroupedBM;
 constexpr int BK = 64;
 constexpr int kStages = 4;
 constexpr int kWideWarps = 8, kNarrowWarps = 4;
@@ -62,7 +63,7 @@ constexpr int kWRowBytes = F == WFormat::kAffine4   ? BK / 2
                                                     : BK * 2;
 
 // Shared memory carve-up (bytes) for one instantiation.
-template <int kWarps, WFormat F, bool kStagedSb>
+template <int BM, int kWarps, WFormat F, bool kStagedSb>
 struct Layout {
   static constexpr int BN = 32 * kWarps;
   static constexpr int kA = BM * BK * 2;               // one X stage
@@ -92,18 +93,26 @@ __device__ __forceinline__ uint4 dequant8(uint32_t w0, uint32_t w1, float s, flo
 
 __device__ __forceinline__ uint4 lds128(const void* p) { return *reinterpret_cast<const uint4*>(p); }
 
-template <int kWarps, WFormat F, bool kStagedSb>
-__global__ void __launch_bounds__(32 * kWarps, 16 / kWarps) gemm_kernel(const Params p) {
-  using L = Layout<kWarps, F, kStagedSb>;
+// Warps a multiprocessor holds (the launch bounds' register budget): 16 with 64-row tiles (their
+// stages take 96 KiB, two blocks of 8 warps), 24 with 16-row tiles (a quarter of the accumulators,
+// 56 KiB of stages: three blocks of 8 warps keep more weight loads in flight).
+template <int BM, int kWarps>
+constexpr int kMinBlocks = (BM == kGroupedBM ? 16 : 24) / kWarps;
+
+template <int BM, int kWarps, WFormat F, bool kStagedSb>
+__global__ void __launch_bounds__(32 * kWarps, (kMinBlocks<BM, kWarps>)) gemm_kernel(const Params p) {
+  using L = Layout<BM, kWarps, F, kStagedSb>;
   constexpr int kThreads = 32 * kWarps;
   constexpr int BN = L::BN;
   constexpr int kMT = 2;       // m16 tiles of weight rows (output columns) per warp: 32 columns
-  constexpr int kNT = BM / 8;  // n8 tiles of X rows per warp: all 64 rows of the tile
-  constexpr int kAChunks = BM * (BK / 8) / kThreads;     // 16-byte X chunks per thread per stage
-  constexpr int kWRowChunks = kWRowBytes<F> / 16;        // 16-byte chunks of one weight row
-  constexpr int kWChunks = BN * kWRowChunks / kThreads;  // ... per thread per stage
+  constexpr int kNT = BM / 8;  // n8 tiles of X rows per warp: all BM rows of the tile
+  constexpr int kAChunksAll = BM * (BK / 8);                         // 16-byte X chunks per stage
+  constexpr int kAChunks = (kAChunksAll + kThreads - 1) / kThreads;  // ... per thread (16 rows: some none)
+  constexpr int kWRowChunks = kWRowBytes<F> / 16;                    // 16-byte chunks of one weight row
+  constexpr int kWChunks = BN * kWRowChunks / kThreads;              // ... per thread per stage
   constexpr bool kAffine = F != WFormat::kBF16;
-  static_assert(kWChunks * kThreads == BN * kWRowChunks && kAChunks * kThreads == BM * (BK / 8));
+  static_assert(kWChunks * kThreads == BN * kWRowChunks);
+  static_assert(kAChunksAll % kThreads == 0 || kAChunks == 1);
   static_assert(!kStagedSb || kAffine);
   constexpr int kSbChunks = 2 * BN / kThreads;  // 16-byte (scale | bias) copies per thread per run
 
@@ -141,23 +150,24 @@ __global__ void __launch_bounds__(32 * kWarps, 16 / kWarps) gemm_kernel(const Pa
 
   // n8 tiles of X rows holding rows of this tile: a grouped tile at the end of an expert's rows
   // (or the last dense tile) skips the products of the empty ones, and their rows are not copied
-  // (with a few rows per expert, as in a short prompt's MoE, most of a 64-row tile).
+  // (with a few rows per expert, as in a short prompt's MoE, most of a tile).
   const int nt_used = min(kNT, (row_end - row0 + 7) / 8);
 
   // This thread's 16-byte copies per stage, as 32-bit offsets fixed across k-tiles (the launchers
   // check X and one weight matrix fit): X chunk idx = tid + i*kThreads -> tile row idx/8, chunk
-  // idx%8; weight chunk idx -> tile row idx / kWRowChunks, chunk idx % kWRowChunks. Rows past the
-  // tile's end (X) or the matrix's (weights) copy a valid row instead of zeros: they only reach
+  // idx%8 (idx < kAChunksAll); weight chunk idx -> tile row idx / kWRowChunks, chunk idx % kWRowChunks. Rows
+  // past the tile's end (X) or the matrix's (weights) copy a valid row instead of zeros: they only reach
   // output rows / columns that are never stored.
   uint32_t a_off[kAChunks], a_dst[kAChunks];
   bool a_on[kAChunks];  // a row of a used n8 tile
 #pragma unroll
   for (int i = 0; i < kAChunks; ++i) {
-    const int r = (tid + i * kThreads) / 8, grow = row0 + r < row_end ? row0 + r : row0;
+    const int idx = tid + i * kThreads, r = min(idx / 8, BM - 1);
+    const int grow = row0 + r < row_end ? row0 + r : row0;
     const int xrow = p.sorted_slot ? p.sorted_slot[grow] / p.gather_k : grow;
     a_off[i] = uint32_t(xrow) * uint32_t(p.ldx) + uint32_t(tid % 8) * 8;
     a_dst[i] = uint32_t(swz<BK / 8>(r, (tid % 8) * 8)) * 2;
-    a_on[i] = r < nt_used * 8;
+    a_on[i] = idx < kAChunksAll && idx / 8 < nt_used * 8;
   }
   const unsigned char* const w_base =
       kAffine ? reinterpret_cast<const unsigned char*>(q) : reinterpret_cast<const unsigned char*>(wdense);
@@ -343,15 +353,15 @@ __global__ void __launch_bounds__(32 * kWarps, 16 / kWarps) gemm_kernel(const Pa
   store_tile<BN, BM, kThreads, L::kCld>(p, Cs, row0, row_end, n0, tid);
 }
 
-template <int kWarps, WFormat F, bool kStagedSb>
+template <int BM, int kWarps, WFormat F, bool kStagedSb>
 void launch(const Params& p, dim3 grid, cudaStream_t stream) {
-  constexpr int kSmem = Layout<kWarps, F, kStagedSb>::kTotal;
+  constexpr int kSmem = Layout<BM, kWarps, F, kStagedSb>::kTotal;
   static const bool attr_set = [] {
-    return cudaFuncSetAttribute(gemm_kernel<kWarps, F, kStagedSb>,
+    return cudaFuncSetAttribute(gemm_kernel<BM, kWarps, F, kStagedSb>,
                                 cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) == cudaSuccess;
   }();
   if (!attr_set) fail("gemm: cannot reserve {} bytes of shared memory per block", kSmem);
-  gemm_kernel<kWarps, F, kStagedSb><<<grid, 32 * kWarps, kSmem, stream>>>(p);
+  gemm_kernel<BM, kWarps, F, kStagedSb><<<grid, 32 * kWarps, kSmem, stream>>>(p);
   launch_check("gemm");
 }
 
@@ -362,35 +372,41 @@ bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % 
 // k-tile ahead into registers. The two compute the same values.
 template <int kWarps, WFormat F>
 void launch_affine(const Params& p, dim3 grid, cudaStream_t stream) {
-  if (gemm_impl::stages_scales(p)) return launch<kWarps, F, true>(p, grid, stream);
-  launch<kWarps, F, false>(p, grid, stream);
+  if (gemm_impl::stages_scales(p)) return launch<kBM, kWarps, F, true>(p, grid, stream);
+  launch<kBM, kWarps, F, false>(p, grid, stream);
 }
 
-template <int kWarps>
+// 16-row tiles are built for 4-bit weights with staged scales alone (gemm_grouped checks).
+template <int BM, int kWarps>
 void dispatch(const Params& p, WFormat fmt, dim3 grid, cudaStream_t stream) {
-  switch (fmt) {
-    case WFormat::kAffine4:
-      return launch_affine<kWarps, WFormat::kAffine4>(p, grid, stream);
-    case WFormat::kAffine8:
-      return launch_affine<kWarps, WFormat::kAffine8>(p, grid, stream);
-    case WFormat::kBF16:
-      return launch<kWarps, WFormat::kBF16, false>(p, grid, stream);
-    default:
-      fail("gemm: weight format {} is not supported", wformat_name(fmt));
+  if constexpr (BM == kGroupedSmallBM) {
+    return launch<BM, kWarps, WFormat::kAffine4, true>(p, grid, stream);
+  } else {
+    switch (fmt) {
+      case WFormat::kAffine4:
+        return launch_affine<kWarps, WFormat::kAffine4>(p, grid, stream);
+      case WFormat::kAffine8:
+        return launch_affine<kWarps, WFormat::kAffine8>(p, grid, stream);
+      case WFormat::kBF16:
+        return launch<BM, kWarps, WFormat::kBF16, false>(p, grid, stream);
+      default:
+        fail("gemm: weight format {} is not supported", wformat_name(fmt));
+    }
   }
 }
 
 // 256-column tiles halve the X re-reads; fall back to 128 columns when 256 would leave the
 // multiprocessors short of two blocks each (small n, narrow matrices).
+template <int BM>
 void dispatch_tiles(const Params& p, WFormat fmt, long row_tiles, cudaStream_t stream, const char* what) {
   const long wide = (p.out + 32L * kWideWarps - 1) / (32L * kWideWarps);
   const long narrow = (p.out + 32L * kNarrowWarps - 1) / (32L * kNarrowWarps);
   TANSY_CHECK(narrow <= 65535 && row_tiles <= 0x7fffffffL, "{}: out {} or {} row tiles exceed the grid limit",
               what, p.out, row_tiles);
   if (row_tiles * wide >= 2L * sm_count()) {
-    dispatch<kWideWarps>(p, fmt, dim3(unsigned(row_tiles), unsigned(wide)), stream);
+    dispatch<BM, kWideWarps>(p, fmt, dim3(unsigned(row_tiles), unsigned(wide)), stream);
   } else {
-    dispatch<kNarrowWarps>(p, fmt, dim3(unsigned(row_tiles), unsigned(narrow)), stream);
+    dispatch<BM, kNarrowWarps>(p, fmt, dim3(unsigned(row_tiles), unsigned(narrow)), stream);
   }
 }
 
@@ -466,10 +482,26 @@ GemmKernel& kernel_state() {
   return k;
 }
 
+// The kernel a grouped product runs (gather: gate|up, reading the token rows in place).
+GemmKernel grouped_kernel(bool gather, long rows, int n_experts) {
+  return kernel_state() == GemmKernel::kAuto ? grouped_auto(gather, rows, n_experts) : kernel_state();
+}
+
 }  // namespace
 
 void gemm_set_kernel(GemmKernel k) { kernel_state() = k; }
 GemmKernel gemm_kernel() { return kernel_state(); }
+
+int grouped_tile_rows(const DevLinear& gate_up, const DevLinear& down, long rows, int n_experts) {
+  const auto small_tiles = [&](const DevLinear& W, bool gather) {
+    return W.fmt == WFormat::kAffine4 && gemm_impl::stages_scales(W.in, W.scales, W.biases) &&
+           grouped_kernel(gather, rows, n_experts) == GemmKernel::kMma;
+  };
+  return n_experts >= 1 && rows <= long(kGroupedSmallBM) * n_experts && small_tiles(gate_up, true) &&
+                 small_tiles(down, false)
+             ? kGroupedSmallBM
+             : kGroupedBM;
+}
 
 void gemm(const DevLinear& W, const __nv_bfloat16* X, int64_t ldx, int n, const GemmOutput& Y,
           cudaStream_t stream) {
@@ -478,7 +510,7 @@ void gemm(const DevLinear& W, const __nv_bfloat16* X, int64_t ldx, int n, const 
     return gemm_impl::launch_wgmma(p, false, 0, stream);
   if (W.fmt == WFormat::kBF16 && kernel_state() != GemmKernel::kMma)
     return gemm_impl::launch_bf16_wgmma(p, stream);
-  dispatch_tiles(p, W.fmt, (n + BM - 1) / BM, stream, "gemm");
+  dispatch_tiles<kBM>(p, W.fmt, (n + kBM - 1) / kBM, stream, "gemm");
 }
 
 void gemm_grouped(const DevLinear& W, int n_experts, const __nv_bfloat16* X, int64_t ldx, bool gather, int n,
@@ -496,15 +528,25 @@ void gemm_grouped(const DevLinear& W, int n_experts, const __nv_bfloat16* X, int
   p.sorted_slot = gather ? r.sorted_slot : nullptr;
   p.gather_k = k;
   p.n_experts = n_experts;
-  // Each expert's last tile may be partial: at most rows/BM full tiles plus one per non-empty expert.
-  const long max_tiles = (rows + BM - 1) / BM + std::min<long>(n_experts, rows);
-  const GemmKernel kernel =
-      kernel_state() == GemmKernel::kAuto ? grouped_auto(gather, rows, n_experts) : kernel_state();
+  const int bm = r.tile_rows;
+  TANSY_CHECK(bm == kGroupedBM || bm == kGroupedSmallBM,
+              "gemm_grouped: {}-row tiles are not built (only {} and {})", bm, kGroupedBM, kGroupedSmallBM);
+  p.tile_rows = bm;
+  // Each expert's last tile may be partial: at most rows/bm full tiles plus one per non-empty expert.
+  const long max_tiles = (rows + bm - 1) / bm + std::min<long>(n_experts, rows);
+  const GemmKernel kernel = grouped_kernel(gather, rows, n_experts);
   if (W.fmt == WFormat::kAffine4 && kernel == GemmKernel::kWgmma)
     return gemm_impl::launch_wgmma(p, true, max_tiles, stream);
   if (W.fmt == WFormat::kAffine4 && kernel == GemmKernel::kWgmmaGrouped)
-    return gemm_impl::launch_wgmma_grouped(p, stream);
-  dispatch_tiles(p, W.fmt, max_tiles, stream, "gemm_grouped");
+    return gemm_impl::launch_wgmma_grouped(p, stream);  // makes its own tiles from the expert offsets
+  if (bm == kGroupedSmallBM) {
+    TANSY_CHECK(W.fmt == WFormat::kAffine4 && gemm_impl::stages_scales(p),
+                "gemm_grouped: {}-row tiles need 4-bit weights whose rows hold whole runs of {} quant "
+                "groups (got {} weights, in = {})",
+                bm, gemm_impl::kSbGroups, wformat_name(W.fmt), W.in);
+    return dispatch_tiles<kGroupedSmallBM>(p, W.fmt, max_tiles, stream, "gemm_grouped");
+  }
+  dispatch_tiles<kGroupedBM>(p, W.fmt, max_tiles, stream, "gemm_grouped");
 }
 
 }  // namespace tansy::cuda

@@ -24,6 +24,11 @@ namespace tansy::cuda {
 // Limits the launchers enforce.
 constexpr int kGemmInAlign = kQuantGroup;  // `in` must be a multiple: one k-tile = one quant group
 constexpr int kGroupedBM = 64;  // rows per tile in the grouped GEMM (moe_route_sort's tile schedule)
+// The short tile: up to this many rows an expert on average (a prompt of up to 512 tokens over 256
+// experts, top-8) a 64-row tile is mostly empty rows whose X copies are skipped but whose weights
+// the tile still streams alone; 16-row tiles give the experts of one row-tile column 4x fewer
+// blocks to wait on and more blocks in flight. 4-bit experts with staged scales only (grouped_tile_rows).
+constexpr int kGroupedSmallBM = 16;
 constexpr int kGroupedMaxExperts = 1024;  // experts a grouped GEMM schedule can hold
 
 enum class GemmEpilogue {
@@ -66,12 +71,20 @@ void gemm(const DevLinear& W, const __nv_bfloat16* X, int64_t ldx, int n, const 
 // expert-grouped order.
 struct MoeRouting {
   int* expert_offsets = nullptr;  // [n_experts + 1]: expert e owns sorted rows [off[e], off[e+1])
-  int* tile_offsets = nullptr;    // [n_experts + 1]: prefix sum of ceil(count_e / kGroupedBM)
+  int* tile_offsets = nullptr;    // [n_experts + 1]: prefix sum of ceil(count_e / tile_rows)
   int* sorted_slot = nullptr;     // [n*k]: slot held by each sorted row
   int* slot_row = nullptr;        // [n*k]: sorted row of each slot (inverse of sorted_slot)
   int* work = nullptr;            // [2*n_experts + 1]: moe_route_sort's counters; zero before the
                                   // first sort, and each sort leaves it zero
+  int tile_rows = kGroupedBM;     // rows a tile: kGroupedBM, or kGroupedSmallBM where grouped_tile_rows
+                                  // says so; the sort and both grouped products read the same value
 };
+
+// The tile rows (MoeRouting::tile_rows) for a MoE block's two grouped products over `rows` routed
+// rows: kGroupedSmallBM where both expert matrices are 4-bit with whole runs of staged scales, the
+// mma.sync kernel runs both (the current kernel choice) and there are at most kGroupedSmallBM rows an
+// expert on average; else kGroupedBM.
+int grouped_tile_rows(const DevLinear& gate_up, const DevLinear& down, long rows, int n_experts);
 
 // Grouped GEMM over the n*k sorted rows: Y[r, :] = X_row(r) · W_eᵀ for r in expert e's range,
 // W stacks n_experts matrices (W.out = n_experts * rows per expert, DevLinear's convention). X_row(r) =

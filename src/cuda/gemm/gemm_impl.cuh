@@ -29,6 +29,7 @@ struct Params {
   const int* sorted_slot;  // non-null: gather X rows sorted_slot[r] / gather_k
   int gather_k;
   int n_experts;
+  int tile_rows;  // grouped: rows a tile of the schedule (MoeRouting::tile_rows)
 };
 
 // ---- (scale, bias) staged in shared memory (both kernels) ----
@@ -39,10 +40,11 @@ struct Params {
 // read 8 distinct banks.
 constexpr int kSbGroups = 8;
 
-inline bool stages_scales(const Params& p) {
+inline bool stages_scales(int in, const void* scales, const void* biases) {
   const auto a16 = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
-  return (p.in / kQuantGroup) % kSbGroups == 0 && a16(p.scales) && a16(p.biases);
+  return (in / kQuantGroup) % kSbGroups == 0 && a16(scales) && a16(biases);
 }
+inline bool stages_scales(const Params& p) { return stages_scales(p.in, p.scales, p.biases); }
 
 // Byte offset of row r's scales (half 0) or biases (half 1) in a (scale, bias) buffer.
 __device__ __forceinline__ uint32_t sb_offset(int r, int half) {

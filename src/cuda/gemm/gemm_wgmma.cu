@@ -331,6 +331,9 @@ void set_wgmma_tiles(int rows, int warpgroups) {
 // schedule): 256 columns when there are tiles enough, else 128.
 void launch_wgmma(const Params& p, bool grouped, long row_tiles, cudaStream_t stream) {
   static_assert(kGroupedBM == 64);
+  TANSY_CHECK(!grouped || p.tile_rows == kGroupedBM,
+              "gemm_grouped (wgmma): the schedule's {}-row tiles are not built here (only {})", p.tile_rows,
+              kGroupedBM);
   const long sms = sm_count();
   if (g_force_rows) {
     const int rows = grouped ? 64 : g_force_rows;

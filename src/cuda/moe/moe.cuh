@@ -109,7 +109,7 @@ void moe_down_residual(const DevLinear& Wd, int n_experts, const int* idx, const
 // expert-grouped order. Order within one expert is unspecified (each row's result is independent
 // of its position, so outputs are deterministic anyway). Two launches over the ids (count, then
 // scatter), counting in r.work (zero before, left zero); graph-capturable. One sort at a time per
-// r.work.
+// r.work. r.tile_offsets counts tiles of r.tile_rows rows (kGroupedBM or kGroupedSmallBM).
 void moe_route_sort(const int* topk_ids, int n, int k, int n_experts, const MoeRouting& r,
                     cudaStream_t stream);
 

@@ -62,6 +62,8 @@ __device__ int2 scan_counts(int c, int (*warp_sum)[kSortThreads / 32]) {
           tiles - (c + BM - 1) / BM + (warp > 0 ? warp_sum[1][warp - 1] : 0)};
 }
 
+// BM: the schedule's rows a tile (MoeRouting::tile_rows).
+template <int BM>
 __global__ void __launch_bounds__(kSortThreads)
     route_count_kernel(const int* ids, int total, int E, MoeRouting r) {
   __shared__ int count[kRouteMaxExperts];
@@ -82,7 +84,7 @@ __global__ void __launch_bounds__(kSortThreads)
   // this block's counts are in before it says it is done
   if (!last_block_arrive(reinterpret_cast<unsigned*>(work_done(r, E)), gridDim.x, last)) return;
   const int c = tid < E ? __ldcg(&g_count[tid]) : 0;  // L2: the other blocks' atomics
-  const int2 before = scan_counts<kGroupedBM>(c, warp_sum);
+  const int2 before = scan_counts<BM>(c, warp_sum);
   if (tid < E) {
     r.expert_offsets[tid] = before.x;
     r.tile_offsets[tid] = before.y;
@@ -91,7 +93,7 @@ __global__ void __launch_bounds__(kSortThreads)
   }
   if (tid == E - 1) {
     r.expert_offsets[E] = before.x + c;
-    r.tile_offsets[E] = before.y + (c + kGroupedBM - 1) / kGroupedBM;
+    r.tile_offsets[E] = before.y + (c + BM - 1) / BM;
   }
   if (tid == 0) *work_done(r, E) = 0;
 }
@@ -190,8 +192,14 @@ void moe_route_sort(const int* topk_ids, int n, int k, int n_experts, const MoeR
   TANSY_CHECK(long(n) * k <= (1L << 30), "moe_route_sort: n*k = {} too large", long(n) * k);
   TANSY_CHECK(topk_ids && r.expert_offsets && r.tile_offsets && r.sorted_slot && r.slot_row && r.work,
               "moe_route_sort: null pointer");
+  TANSY_CHECK(r.tile_rows == kGroupedBM || r.tile_rows == kGroupedSmallBM,
+              "moe_route_sort: {}-row tiles are not built (only {} and {})", r.tile_rows, kGroupedBM,
+              kGroupedSmallBM);
   const int total = n * k, blocks = (total + kIdsPerBlock - 1) / kIdsPerBlock;
-  route_count_kernel<<<blocks, kSortThreads, 0, stream>>>(topk_ids, total, n_experts, r);
+  if (r.tile_rows == kGroupedSmallBM)
+    route_count_kernel<kGroupedSmallBM><<<blocks, kSortThreads, 0, stream>>>(topk_ids, total, n_experts, r);
+  else
+    route_count_kernel<kGroupedBM><<<blocks, kSortThreads, 0, stream>>>(topk_ids, total, n_experts, r);
   launch_check("moe_route_sort count");
   route_scatter_kernel<<<blocks, kSortThreads, 0, stream>>>(topk_ids, total, n_experts, r);
   launch_check("moe_route_sort scatter");
