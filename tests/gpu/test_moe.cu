@@ -446,7 +446,7 @@ void grouped_cases(int short_tiles) {
     const std::vector<int> all_to_1(n, 1);
     check_moe(WFormat::kAffine4, 2, 256, 128, 1, n, &all_to_1, " one expert");
   }
-  // real shapes, 16 rows an expert: the last prompt length of the short tiles, 256-column tiles
+  // real shapes, 16 rows an expert: the last prompt length of the short tiles
   check_moe(WFormat::kAffine4, 256, 2048, 512, 8, 512, nullptr, "", short_tiles);
   check_moe(WFormat::kAffine4, 256, 2048, 512, 8, 513, nullptr, "", cuda::kGroupedBM);  // one row more
   check_moe(WFormat::kAffine4, 8, 192, 192, 2, 150);  // 3 k-tiles per product: odd step counts, items
