@@ -1,12 +1,13 @@
 // Prefill GEMM with fused affine dequant, grouped MoE variant.
 //
 // Tile: BM rows x BN outputs per block, BN = 32 x warps (8 warps: 256 columns, 4 warps: 128 for
-// launches too small to fill the machine); every warp owns a BM x 32 output tile over all BM rows,
-// so each weight column is dequantized by exactly one warp. BM is 64, or 16 for the grouped
-// products of short prompts (kGroupedSmallBM: a few rows an expert, 4-bit weights with staged
-// scales). k-tile 64 = one quant group: one (scale, bias) per weight row per k-tile. 4 cp.async stages of the
-// X tile and of the weight tile in its packed form; one barrier per k-tile. The mma computes the transposed
-// product: the weights are its A operand (m16 = 16 output columns), X its B operand (n8 = 8 rows of X).
+// launches too small to fill the machine, and for every 16-row tile); every warp owns a BM x 32
+// output tile over all BM rows, so each weight column is dequantized by exactly one warp. BM is 64,
+// or 16 for the grouped products of short prompts (kGroupedSmallBM: a few rows an expert, 4-bit
+// weights with staged scales). k-tile 64 = one quant group: one (scale, bias) per weight row per
+// k-tile. 4 cp.async stages of the X tile and of the weight tile in its packed form; one barrier
+// per k-tile. The mma computes the transposed product: the weights are its A operand (m16 = 16
+// output columns), X its B operand (n8 = 8 rows of X).
 //
 // The weights never go through a dequantized shared tile. Each lane reads its packed codes from the
 // stage and dequantizes them straight into mma A fragments. That works because a dot product does
@@ -95,7 +96,7 @@ __device__ __forceinline__ uint4 lds128(const void* p) { return *reinterpret_cas
 
 // Warps a multiprocessor holds (the launch bounds' register budget): 16 with 64-row tiles (their
 // stages take 96 KiB, two blocks of 8 warps), 24 with 16-row tiles (a quarter of the accumulators,
-// 28 KiB of stages a 4-warp block: six blocks keep more weight loads in flight; 80 registers).
+// 32 KiB of shared memory a 4-warp block: six blocks keep more weight loads in flight; 80 registers).
 template <int BM, int kWarps>
 constexpr int kMinBlocks = (BM == kGroupedBM ? 16 : 24) / kWarps;
 
