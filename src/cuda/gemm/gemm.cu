@@ -377,41 +377,38 @@ void launch_affine(const Params& p, dim3 grid, cudaStream_t stream) {
   launch<kBM, kWarps, F, false>(p, grid, stream);
 }
 
-// 16-row tiles are built for 4-bit weights with staged scales alone (gemm_grouped checks).
-template <int BM, int kWarps>
+template <int kWarps>
 void dispatch(const Params& p, WFormat fmt, dim3 grid, cudaStream_t stream) {
-  if constexpr (BM == kGroupedSmallBM) {
-    return launch<BM, kWarps, WFormat::kAffine4, true>(p, grid, stream);
-  } else {
-    switch (fmt) {
-      case WFormat::kAffine4:
-        return launch_affine<kWarps, WFormat::kAffine4>(p, grid, stream);
-      case WFormat::kAffine8:
-        return launch_affine<kWarps, WFormat::kAffine8>(p, grid, stream);
-      case WFormat::kBF16:
-        return launch<BM, kWarps, WFormat::kBF16, false>(p, grid, stream);
-      default:
-        fail("gemm: weight format {} is not supported", wformat_name(fmt));
-    }
+  switch (fmt) {
+    case WFormat::kAffine4:
+      return launch_affine<kWarps, WFormat::kAffine4>(p, grid, stream);
+    case WFormat::kAffine8:
+      return launch_affine<kWarps, WFormat::kAffine8>(p, grid, stream);
+    case WFormat::kBF16:
+      return launch<kBM, kWarps, WFormat::kBF16, false>(p, grid, stream);
+    default:
+      fail("gemm: weight format {} is not supported", wformat_name(fmt));
   }
 }
 
 // 256-column tiles halve the X re-reads; fall back to 128 columns when 256 would leave the
-// multiprocessors short of two blocks each (small n, narrow matrices). 16-row tiles read little X
-// and take 128 columns at every size: 6 blocks of 4 warps a multiprocessor measured +4% over 3 of
-// 8 at 256-512 prompt tokens (H100, 2026-12-07).
-template <int BM>
-void dispatch_tiles(const Params& p, WFormat fmt, long row_tiles, cudaStream_t stream, const char* what) {
+// multiprocessors short of two blocks each (small n, narrow matrices). 16-row tiles (4-bit weights
+// with staged scales, gemm_grouped checks) read little X and take 128 columns at every size: 6
+// blocks of 4 warps a multiprocessor measured +4% over 3 of 8 at 256-512 prompt tokens (H100,
+// 2026-12-07).
+void dispatch_tiles(const Params& p, WFormat fmt, int bm, long row_tiles, cudaStream_t stream,
+                    const char* what) {
   const long wide = (p.out + 32L * kWideWarps - 1) / (32L * kWideWarps);
   const long narrow = (p.out + 32L * kNarrowWarps - 1) / (32L * kNarrowWarps);
   TANSY_CHECK(narrow <= 65535 && row_tiles <= 0x7fffffffL, "{}: out {} or {} row tiles exceed the grid limit",
               what, p.out, row_tiles);
-  if constexpr (BM == kGroupedSmallBM) {
-    return dispatch<BM, kNarrowWarps>(p, fmt, dim3(unsigned(row_tiles), unsigned(narrow)), stream);
+  if (bm == kGroupedSmallBM) {
+    launch<kGroupedSmallBM, kNarrowWarps, WFormat::kAffine4, true>(
+        p, dim3(unsigned(row_tiles), unsigned(narrow)), stream);
   } else if (row_tiles * wide >= 2L * sm_count()) {
-    dispatch<BM, kWideWarps>(p, fmt, dim3(unsigned(row_tiles), unsigned(wide)), stream);
+    dispatch<kWideWarps>(p, fmt, dim3(unsigned(row_tiles), unsigned(wide)), stream);
   } else {
-    dispatch<BM, kNarrowWarps>(p, fmt, dim3(unsigned(row_tiles), unsigned(narrow)), stream);
+    dispatch<kNarrowWarps>(p, fmt, dim3(unsigned(row_tiles), unsigned(narrow)), stream);
   }
 }
 
@@ -515,7 +512,7 @@ void gemm(const DevLinear& W, const __nv_bfloat16* X, int64_t ldx, int n, const 
     return gemm_impl::launch_wgmma(p, false, 0, stream);
   if (W.fmt == WFormat::kBF16 && kernel_state() != GemmKernel::kMma)
     return gemm_impl::launch_bf16_wgmma(p, stream);
-  dispatch_tiles<kBM>(p, W.fmt, (n + kBM - 1) / kBM, stream, "gemm");
+  dispatch_tiles(p, W.fmt, kBM, (n + kBM - 1) / kBM, stream, "gemm");
 }
 
 void gemm_grouped(const DevLinear& W, int n_experts, const __nv_bfloat16* X, int64_t ldx, bool gather, int n,
@@ -544,14 +541,11 @@ void gemm_grouped(const DevLinear& W, int n_experts, const __nv_bfloat16* X, int
     return gemm_impl::launch_wgmma(p, true, max_tiles, stream);
   if (W.fmt == WFormat::kAffine4 && kernel == GemmKernel::kWgmmaGrouped)
     return gemm_impl::launch_wgmma_grouped(p, stream);  // makes its own tiles from the expert offsets
-  if (bm == kGroupedSmallBM) {
-    TANSY_CHECK(W.fmt == WFormat::kAffine4 && gemm_impl::stages_scales(p),
-                "gemm_grouped: {}-row tiles need 4-bit weights whose rows hold whole runs of {} quant "
-                "groups (got {} weights, in = {})",
-                bm, gemm_impl::kSbGroups, wformat_name(W.fmt), W.in);
-    return dispatch_tiles<kGroupedSmallBM>(p, W.fmt, max_tiles, stream, "gemm_grouped");
-  }
-  dispatch_tiles<kGroupedBM>(p, W.fmt, max_tiles, stream, "gemm_grouped");
+  TANSY_CHECK(bm == kGroupedBM || (W.fmt == WFormat::kAffine4 && gemm_impl::stages_scales(p)),
+              "gemm_grouped: {}-row tiles need 4-bit weights whose rows hold whole runs of {} quant groups "
+              "(got {} weights, in = {})",
+              bm, gemm_impl::kSbGroups, wformat_name(W.fmt), W.in);
+  dispatch_tiles(p, W.fmt, bm, max_tiles, stream, "gemm_grouped");
 }
 
 }  // namespace tansy::cuda
