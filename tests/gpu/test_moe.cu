@@ -541,6 +541,45 @@ TEST(Moe, GroupedShortTilesAreTheLongTilesBits) {
   }
 }
 
+// The 16-row tiles read their weights as boxes of 128 rows of the stacked matrices (2-D tensor
+// copies): a column tile past an expert's last row takes the next expert's rows, or zeros past the
+// last expert, which must reach no stored output. Experts of 200 rows (a partial column tile each,
+// 20 tokens top-2 over 3 experts: at most 16 rows an expert on average): the f32 outputs, slot by
+// slot, are the bits of the 64-row tiles (per-thread copies of clamped rows), and every one is
+// written.
+TEST(Moe, GroupedShortTilesPartialColumnTiles) {
+  GemmKernelScope scope(cuda::GemmKernel::kMma);
+  constexpr int E = 3, k = 2, in = 512, out = 200, n = 20, rows = n * k;
+  TestMatrix W = make_matrix(WFormat::kAffine4, E * out, in);
+  std::vector<int> idx;
+  std::vector<float> wts;
+  random_routing(n, E, k, idx, wts);
+  auto x = randn(size_t(n) * in);
+  round_bf16_inplace(x);
+  auto dx = to_device_bf16(x);
+  auto didx = to_device(idx);
+  auto run = [&](int bm) {
+    DeviceRouting R;
+    const cuda::MoeRouting rv = R.view(E, rows, bm);
+    cuda::moe_route_sort(didx.get(), n, k, E, rv, 0);
+    DeviceBuffer<float> y(size_t(rows) * out);
+    poison(y);
+    cuda::gemm_grouped(W.dev, E, dx.get(), in, true, n, k, rv,
+                       {y.get(), cuda::GemmOutType::kF32, out, cuda::GemmEpilogue::kStore}, 0);
+    const auto slot_row = from_device(R.slot_row.get(), rows);
+    const auto hy = from_device(y.get(), y.size());
+    std::vector<float> by_slot(hy.size());
+    for (int s = 0; s < rows; ++s)
+      std::copy_n(hy.begin() + size_t(slot_row[s]) * out, out, by_slot.begin() + size_t(s) * out);
+    return by_slot;
+  };
+  const auto long_tiles = run(cuda::kGroupedBM), short_tiles = run(cuda::kGroupedSmallBM);
+  ASSERT_TRUE(all_finite(long_tiles)) << "64-row tiles left outputs unwritten";
+  ASSERT_TRUE(all_finite(short_tiles)) << "16-row tiles left outputs unwritten";
+  EXPECT_EQ(0, std::memcmp(long_tiles.data(), short_tiles.data(), long_tiles.size() * sizeof(float)))
+      << "16-row tiles give other bits than 64-row tiles on partial column tiles";
+}
+
 // Uneven loads: one expert takes every token (thousands of rows: tens of 64-row tiles), one takes a
 // single token, a third of the experts take none, the rest share the remaining choices at random.
 void uneven_cases() {

@@ -39,15 +39,13 @@
 //
 // Out-of-range rows come from the tensor maps' bounds: Q positions >= n and keys >= p0 + n are
 // zero-filled by the copies, so nothing past the cache's written rows is ever read.
-#include <cuda.h>
-#include <cudaTypedefs.h>
-
 #include <cmath>
 
 #include "core/error.h"
 #include "cuda/attention/attention.cuh"
 #include "cuda/common/bulk_copy.cuh"
 #include "cuda/common/tensor_core.cuh"
+#include "cuda/common/tensor_map.cuh"
 #include "cuda/gemm/wgmma.cuh"
 
 namespace tansy::cuda {
@@ -423,19 +421,6 @@ __global__ void __launch_bounds__(256, 1)
   fence_regs(p);
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) o_out[row_of(i) * D + col_of(i)] = o[i];
-}
-
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    const cudaError_t e =
-        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q);
-    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || !fn)
-      fail("attention_prefill (wgmma): the driver has no cuTensorMapEncodeTiled ({})", cudaGetErrorString(e));
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  }();
-  return encode;
 }
 
 // A bf16 tensor [dim2][dim1][256] with the given byte strides, read in boxes of 64 x box1 x box2

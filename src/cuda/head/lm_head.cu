@@ -17,15 +17,13 @@
 // unpadded bulk copy per tile 126 µs (bank conflicts), with swizzled tensor copies 119 µs (2.4
 // TB/s, not the ~4.4 TB/s the card reads: the copies do not keep enough in flight; a sixth stage
 // and L2 prefetch of later tiles made it slower).
-#include <cuda.h>
-#include <cudaTypedefs.h>
-
 #include <algorithm>
 
 #include "cuda/common/bulk_copy.cuh"
 #include "cuda/common/grid_sync.cuh"
 #include "cuda/common/launch.cuh"
 #include "cuda/common/tensor_core.cuh"
+#include "cuda/common/tensor_map.cuh"
 #include "cuda/head/head.cuh"
 
 namespace tansy::cuda {
@@ -55,15 +53,6 @@ __host__ __device__ inline Layout layout(int in) {
 // + 1024: the dynamic shared memory is aligned to 1024 bytes inside the kernel
 size_t smem_bytes(int in) { return size_t(kStages) * layout(in).stage + size_t(in) * 2 + 1024; }
 
-__device__ __forceinline__ void tensor_copy_2d(void* dst, const CUtensorMap* map, int c0, int c1,
-                                               uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
-      "%3}], [%4];\n" ::"r"(tc::smem_addr(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(tc::smem_addr(bar))
-      : "memory");
-}
-
 // Tile `tile` (rows 32·tile …) of W into a stage, by one warp: its lane 0 issues one tensor copy
 // per slab of codes (rows past W.out arrive as zeros, still counted) and one bulk copy each for
 // the scales and biases; a tail of those under 16 bytes (a partial last tile) is copied by plain
@@ -81,7 +70,7 @@ __device__ void issue_tile(const CUtensorMap* map, const DevLinear& W, int tile,
     bulk::fence_before_copy();  // earlier reads of the stage come first
     bulk::mbar_expect_tx(bar, unsigned(row_bytes / kSlab * kSlabBytes + 2 * sb_bulk));
     for (int sl = 0; sl < row_bytes / kSlab; ++sl)
-      tensor_copy_2d(stage + sl * kSlabBytes, map, sl * kSlab, r0, bar);
+      bulk::tensor_copy_2d(stage + sl * kSlabBytes, map, sl * kSlab, r0, bar);
     if (sb_bulk > 0) {
       bulk::copy(ds, gs, sb_bulk, bar);
       bulk::copy(db, gb, sb_bulk, bar);
@@ -491,29 +480,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 // swizzle, rows past the end read as zeros. Encoded on the host (driver entry point); the last
 // one is kept, since one model has one lm_head.
 static CUtensorMap codes_map(const DevLinear& W) {
-  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    const cudaError_t e =
-        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q);
-    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || !fn)
-      fail("lm_head_argmax: the driver has no cuTensorMapEncodeTiled ({})", cudaGetErrorString(e));
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  }();
   static struct {
     const void* q = nullptr;
     int out = 0, in = 0;
     CUtensorMap map{};
   } last;
   if (last.q == W.q && last.out == W.out && last.in == W.in) return last.map;
-  const cuuint64_t dims[2] = {cuuint64_t(W.in / 2), cuuint64_t(W.out)};
-  const cuuint64_t strides[1] = {cuuint64_t(W.in / 2)};
-  const cuuint32_t box[2] = {kSlab, kTileRows}, estrides[2] = {1, 1};
-  CUtensorMap map{};
-  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<uint32_t*>(W.q), dims, strides,
-                            box, estrides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) fail("lm_head_argmax: cuTensorMapEncodeTiled failed ({})", int(r));
+  const CUtensorMap map =
+      byte_matrix_map(W.q, W.out, W.in / 2, kSlab, kTileRows, CU_TENSOR_MAP_SWIZZLE_128B, "lm_head_argmax");
   last.q = W.q;
   last.out = W.out;
   last.in = W.in;
