@@ -37,7 +37,7 @@
 // block's 128 rows x 32 bytes, of the experts' stacked codes; a box past an expert's last row reads
 // the next expert's rows or zeros, which reach only columns never stored) in kSmallTileStages stages.
 // Nsight Compute at 256 tokens (H100, 2026-12-07): gate|up 171 -> 163 µs a layer, DRAM 69% -> 67% of
-// peak, down 89 -> 91 µs at 55% -> 53%; the schedulers issue in ~64% of cycles either way, so the
+// peak, down 89 -> 91 µs at 55% -> 53%; the schedulers issue in 61-65% of cycles either way, so the
 // next gain is fewer instructions a weight (the dequant), not the copies.
 #include <algorithm>
 #include <type_traits>
