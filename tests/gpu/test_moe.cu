@@ -474,6 +474,23 @@ TEST(Moe, GroupedWgmmaGrouped) {
   grouped_cases(cuda::kGroupedBM);
 }
 
+// One grouped product into a poisoned f32 [n*k][cols] buffer (NaN where nothing is written), with
+// its rows put back in slot order (slot_row: the sort's sorted row of each slot).
+std::vector<float> grouped_by_slot(const cuda::DevLinear& W, int E, const bf16* X, int64_t ldx, bool gather,
+                                   int n, int k, const cuda::MoeRouting& rv, const std::vector<int>& slot_row,
+                                   int cols) {
+  const int rows = n * k;
+  DeviceBuffer<float> y(size_t(rows) * cols);
+  poison(y);
+  cuda::gemm_grouped(W, E, X, ldx, gather, n, k, rv,
+                     {y.get(), cuda::GemmOutType::kF32, cols, cuda::GemmEpilogue::kStore}, 0);
+  const auto sorted = from_device(y.get(), y.size());
+  std::vector<float> out(sorted.size());
+  for (int s = 0; s < rows; ++s)
+    std::copy_n(sorted.begin() + size_t(slot_row[s]) * cols, cols, out.begin() + size_t(s) * cols);
+  return out;
+}
+
 // A row's sums do not depend on the tile that holds it: the grouped products' f32 outputs in 16-row
 // tiles are the bits of 64-row tiles, slot by slot (each sort orders an expert's rows its own way),
 // at the real shapes with uniform routing and with one expert taking every token (32 short tiles).
@@ -504,14 +521,8 @@ TEST(Moe, GroupedShortTilesAreTheLongTilesBits) {
         DeviceRouting R;
         const cuda::MoeRouting rv = R.view(E, rows, bm);
         cuda::moe_route_sort(didx.get(), n, k, E, rv, 0);
-        DeviceBuffer<float> gu(size_t(rows) * 2 * I), dn(size_t(rows) * H);
-        DeviceBuffer<bf16> act(size_t(rows) * I);
-        poison(gu);
-        poison(dn);
-        cuda::gemm_grouped(GU.dev, E, dx.get(), H, true, n, k, rv,
-                           {gu.get(), cuda::GemmOutType::kF32, 2 * I, cuda::GemmEpilogue::kStore}, 0);
         const auto slot_row = from_device(R.slot_row.get(), rows);
-        const auto hgu = from_device(gu.get(), gu.size());
+        const auto hgu = grouped_by_slot(GU.dev, E, dx.get(), H, true, n, k, rv, slot_row, 2 * I);
         std::vector<float> act_by_slot(size_t(rows) * I);  // an activation per slot, from a fixed seed
         for (int s = 0; s < rows; ++s)
           for (int i = 0; i < I; ++i) act_by_slot[size_t(s) * I + i] = std::sin(0.01f * float(s * I + i));
@@ -520,15 +531,11 @@ TEST(Moe, GroupedShortTilesAreTheLongTilesBits) {
         for (int s = 0; s < rows; ++s)
           std::copy_n(act_by_slot.begin() + size_t(s) * I, I, act_sorted.begin() + size_t(slot_row[s]) * I);
         auto dact = to_device_bf16(act_sorted);
-        cuda::gemm_grouped(D.dev, E, dact.get(), I, false, n, k, rv,
-                           {dn.get(), cuda::GemmOutType::kF32, H, cuda::GemmEpilogue::kStore}, 0);
-        const auto hdn = from_device(dn.get(), dn.size());
+        const auto hdn = grouped_by_slot(D.dev, E, dact.get(), I, false, n, k, rv, slot_row, H);
         std::vector<float> by_slot(size_t(rows) * (2 * I + H));
         for (int s = 0; s < rows; ++s) {
-          std::copy_n(hgu.begin() + size_t(slot_row[s]) * 2 * I, 2 * I,
-                      by_slot.begin() + size_t(s) * (2 * I + H));
-          std::copy_n(hdn.begin() + size_t(slot_row[s]) * H, H,
-                      by_slot.begin() + size_t(s) * (2 * I + H) + 2 * I);
+          std::copy_n(hgu.begin() + size_t(s) * 2 * I, 2 * I, by_slot.begin() + size_t(s) * (2 * I + H));
+          std::copy_n(hdn.begin() + size_t(s) * H, H, by_slot.begin() + size_t(s) * (2 * I + H) + 2 * I);
         }
         return by_slot;
       };
@@ -562,16 +569,7 @@ TEST(Moe, GroupedShortTilesPartialColumnTiles) {
     DeviceRouting R;
     const cuda::MoeRouting rv = R.view(E, rows, bm);
     cuda::moe_route_sort(didx.get(), n, k, E, rv, 0);
-    DeviceBuffer<float> y(size_t(rows) * out);
-    poison(y);
-    cuda::gemm_grouped(W.dev, E, dx.get(), in, true, n, k, rv,
-                       {y.get(), cuda::GemmOutType::kF32, out, cuda::GemmEpilogue::kStore}, 0);
-    const auto slot_row = from_device(R.slot_row.get(), rows);
-    const auto hy = from_device(y.get(), y.size());
-    std::vector<float> by_slot(hy.size());
-    for (int s = 0; s < rows; ++s)
-      std::copy_n(hy.begin() + size_t(slot_row[s]) * out, out, by_slot.begin() + size_t(s) * out);
-    return by_slot;
+    return grouped_by_slot(W.dev, E, dx.get(), in, true, n, k, rv, from_device(R.slot_row.get(), rows), out);
   };
   const auto long_tiles = run(cuda::kGroupedBM), short_tiles = run(cuda::kGroupedSmallBM);
   ASSERT_TRUE(all_finite(long_tiles)) << "64-row tiles left outputs unwritten";

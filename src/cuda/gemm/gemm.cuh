@@ -26,7 +26,7 @@ constexpr int kGemmInAlign = kQuantGroup;  // `in` must be a multiple: one k-til
 constexpr int kGroupedBM = 64;  // rows per tile in the grouped GEMM (moe_route_sort's tile schedule)
 // The short tile: with up to 16 rows an expert on average (prompts of up to 512 tokens over 256
 // experts, top-8) a 64-row tile is mostly empty rows, whose accumulators and shared memory still
-// size the block. 16-row tiles make small blocks, six a multiprocessor (gemm.cu): about +10% prefill
+// size the block. 16-row tiles make small blocks, five a multiprocessor (gemm.cu): about +10% prefill
 // at 256 and 384 tokens on an H100 (docs/PERFORMANCE.md, 2026-12-07). 4-bit experts with staged
 // scales on the mma.sync kernel only (grouped_tile_rows).
 constexpr int kGroupedSmallBM = 16;
