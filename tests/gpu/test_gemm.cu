@@ -202,6 +202,52 @@ TEST(Gemm, WgmmaTiles) {
   EXPECT_THROW(cuda::gemm_impl::set_wgmma_tiles(256, 4), Error);
 }
 
+// Dense products of too few 64-row tiles for the machine run split over k, in clusters whose
+// blocks add their partial tiles in a fixed order (gemm_wgmma.cu): exact against the CPU on the
+// same bf16 weights, the same bits on every launch, and within f32 rounding of the unsplit tiles.
+TEST(Gemm, WgmmaSplitOverK) {
+  GemmKernelScope scope(cuda::GemmKernel::kAuto);
+  const GemmCase cases[] = {{WFormat::kAffine4, 2048, 4096, 1, "out_proj, one token"},
+                            {WFormat::kAffine4, 2048, 4096, 63, "out_proj"},
+                            {WFormat::kAffine4, 2048, 4096, 100, "out_proj"},
+                            {WFormat::kAffine4, 2048, 4096, 256, "out_proj, 256 tokens"},
+                            {WFormat::kAffine4, 2048, 4096, 300, "out_proj, partial row tile"},
+                            {WFormat::kAffine4, 1024, 2048, 256, "shared gate|up"},
+                            {WFormat::kAffine4, 1100, 1024, 70, "partial column tile"}};
+  for (const auto& c : cases) {
+    const int splits = cuda::gemm_impl::wgmma_k_splits(c.out, c.in, c.n, true);
+    const std::string label = std::string("gemm split over k ") + c.what + " [" + str(c.out) + "x" +
+                              str(c.in) + "] n=" + str(c.n) + " splits=" + str(splits);
+    ASSERT_GT(splits, 1) << label << ": not split (this case is sized to be)";
+    TestMatrix W = make_matrix(c.fmt, c.out, c.in);
+    auto x = randn(size_t(c.n) * c.in);
+    round_bf16_inplace(x);
+    auto dx = to_device_bf16(x);
+    std::vector<float> ref(size_t(c.n) * c.out);
+    cpu::matmul(W.exact(), x.data(), c.n, ref.data());
+    auto run = [&] {
+      DeviceBuffer<float> y(size_t(c.n) * c.out);
+      poison(y);
+      cuda::gemm(W.dev, dx.get(), c.in, c.n,
+                 {y.get(), cuda::GemmOutType::kF32, c.out, cuda::GemmEpilogue::kStore}, 0);
+      return from_device(y.get(), y.size());
+    };
+    const auto a = run(), b = run();
+    ASSERT_TRUE(all_finite(a)) << label << ": unwritten or non-finite output";
+    EXPECT_REL(a, ref, kTolExact, label);
+    EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float))) << label << ": launches differ";
+    cuda::gemm_impl::set_wgmma_tiles(64, 2);  // the same tiles, unsplit
+    const auto whole = run();
+    cuda::gemm_impl::set_wgmma_tiles(0, 0);
+    EXPECT_REL(a, whole, kTolExact, label + " vs unsplit");
+  }
+  EXPECT_EQ(1, cuda::gemm_impl::wgmma_k_splits(2048, 4096, 4096, true))
+      << "a 4,096-token product fills the machine";
+  EXPECT_EQ(1, cuda::gemm_impl::wgmma_k_splits(2048, 4096, 200, false)) << "unstaged scales are not split";
+  EXPECT_EQ(1, cuda::gemm_impl::wgmma_k_splits(2048, 512, 200, true))
+      << "8 k-tiles: one run of staged scales";
+}
+
 void epilogue_cases() {
   for (const GemmCase c :
        {GemmCase{WFormat::kAffine4, 1024, 2048, 100, "expert gate|up"},

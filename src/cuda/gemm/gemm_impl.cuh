@@ -1,10 +1,12 @@
 // Internals shared by the prefill GEMM kernels (gemm.cu: mma.sync, gemm_wgmma.cu: wgmma): the
 // launch parameters, the 4-bit dequant and the epilogue that writes an f32 tile from shared memory.
 #pragma once
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
 #include <cstdint>
 
+#include "cuda/common/cuda_util.h"
 #include "cuda/common/device_math.cuh"
 #include "cuda/gemm/gemm.cuh"
 
@@ -141,9 +143,61 @@ __device__ __forceinline__ void store_tile(const Params& p, const float* Cs, int
   }
 }
 
+// ---- split over k (both wgmma kernels) ----
+// A product of too few tiles for the machine runs each tile as a cluster of `splits` blocks along z,
+// block z over its share of the k-tiles. Each block leaves its partial f32 tile in Cs (shared
+// memory); block z then adds rows [r0, r1) of every block's tile, in block order, into its own
+// (through distributed shared memory), stores them with p's epilogue, and waits for the cluster
+// before leaving so that its tile stays readable until all have added. No workspace, and each
+// output is the same sum in the same order at every launch.
+template <int BN, int kRows, int kThreads, int kCld>
+__device__ __forceinline__ void store_split_tile(const Params& p, float* Cs, int row0, int row_end, int n0,
+                                                 int tid) {
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int splits = int(cluster.num_blocks()), split = int(cluster.block_rank());
+  cluster.sync();  // every block's partial tile is written
+  const int r0 = kRows * split / splits, r1 = kRows * (split + 1) / splits;
+  constexpr int kVecs = BN / 4;  // float4 a tile row (kCld % 4 == 0)
+  static_assert(BN % 4 == 0 && kCld % 4 == 0);
+  for (int i = tid; i < (r1 - r0) * kVecs; i += kThreads) {
+    float4* const mine = reinterpret_cast<float4*>(Cs + (r0 + i / kVecs) * kCld) + i % kVecs;
+    float4 sum = *cluster.map_shared_rank(mine, 0);
+    for (int z = 1; z < splits; ++z) {
+      const float4 v = *cluster.map_shared_rank(mine, z);
+      sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
+    }
+    *mine = sum;
+  }
+  __syncthreads();
+  store_tile<BN, kRows, kThreads, kCld>(p, Cs + r0 * kCld, row0 + r0, min(row_end, row0 + r1), n0, tid);
+  cluster.sync();  // no block leaves while another may still read its tile
+}
+
+// Launches kern(p) on grid.x x grid.y tiles split `splits` ways over k (grid.z, one cluster a tile).
+inline void launch_split(void (*kern)(Params), dim3 grid, int threads, int smem, int splits, const Params& p,
+                         cudaStream_t stream, const char* what) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid.x, grid.y, unsigned(splits));
+  cfg.blockDim = dim3(unsigned(threads));
+  cfg.dynamicSmemBytes = size_t(smem);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = unsigned(splits);
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kern, p));
+  launch_check(what);
+}
+
 // The wgmma kernel's launcher (gemm_wgmma.cu): 4-bit weights only. `grouped`: p holds a tile schedule
 // and row tiles are kGroupedBM rows.
 void launch_wgmma(const Params& p, bool grouped, long row_tiles, cudaStream_t stream);
+// The k splits its automatic choice gives a dense product of n_rows rows (1: none), for the tests.
+int wgmma_k_splits(int out, int in, int n_rows, bool staged_scales);
 // The bf16-weight wgmma kernel (gemm_bf16_wgmma.cu): dense products with p.w set.
 void launch_bf16_wgmma(const Params& p, cudaStream_t stream);
 // The persistent grouped wgmma kernel (gemm_grouped_wgmma.cu): 4-bit weights, p holds the expert

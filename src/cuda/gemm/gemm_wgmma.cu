@@ -24,6 +24,10 @@
 // A buffer kt-1 read. The accumulators go through an f32 tile in the freed
 // stage memory to the shared epilogue (gemm_impl.cuh).
 //
+// Split over k (gemm_impl.cuh store_split_tile): a dense product of too few tiles for the machine
+// (a short prompt's out_proj: 64 tiles) runs each tile as a cluster of 2-8 blocks, each over an
+// equal share of the k-tiles.
+//
 // (scale, bias): when a row's groups come in whole 16-byte runs (groups % 8 == 0, every product of
 // the model), 8 groups of the block's rows are copied with the stage of the k-tile that starts them
 // into one of two shared buffers; otherwise (narrow test shapes) they are loaded into registers one
@@ -84,7 +88,7 @@ __device__ __forceinline__ void wgmma(float (&d)[128], const uint32_t (&a)[4], u
   wg::wgmma_rs<256>(d, a, desc_b);
 }
 
-template <int kN, int kWG, bool kStagedSb>
+template <int kN, int kWG, bool kStagedSb, bool kSplitK>
 __global__ void __launch_bounds__(128 * kWG, kWG == 2 && kN <= 128 ? 2 : 1)
     gemm_wgmma_kernel(const Params p) {
   using L = WgLayout<kN, kWG, kStagedSb>;
@@ -148,6 +152,11 @@ __global__ void __launch_bounds__(128 * kWG, kWG == 2 && kN <= 128 ? 2 : 1)
     w_dst[i] = uint32_t(r * kWRow + c * 16);
   }
   const int KT = p.in / BK;
+  // Split over k (gridDim.z > 1, one cluster of gridDim.z blocks along z): this block runs k-tiles
+  // [kb, ke), whose bounds the launcher makes multiples of kSbGroups (each starts a run of staged
+  // (scale, bias) and keeps the stage and parity of the unsplit loop).
+  const int splits = kSplitK ? int(gridDim.z) : 1, split = kSplitK ? int(blockIdx.z) : 0;
+  const int kb = kSplitK ? KT * split / splits : 0, ke = kSplitK ? KT * (split + 1) / splits : KT;
   const uint32_t groups = uint32_t(p.in / kQuantGroup);
   // kStagedSb: copy i of a run is row (tid + i*kThreads) / 2 of the block, its scales (half 0) or
   // biases (half 1); rows past the matrix copy the last row's.
@@ -192,7 +201,7 @@ __global__ void __launch_bounds__(128 * kWG, kWG == 2 && kN <= 128 ? 2 : 1)
   [[maybe_unused]] __nv_bfloat162 sbn[2];
   auto load_sb = [&](int kt) {
     if constexpr (!kStagedSb) {
-      const uint32_t k = uint32_t(min(kt, KT - 1));
+      const uint32_t k = uint32_t(min(kt, ke - 1));
       sbn[0] = __halves2bfloat162(scales[sb0 + k], biases[sb0 + k]);
       sbn[1] = __halves2bfloat162(scales[sb1 + k], biases[sb1 + k]);
     }
@@ -202,7 +211,7 @@ __global__ void __launch_bounds__(128 * kWG, kWG == 2 && kN <= 128 ? 2 : 1)
   auto dequant = [&](int kt, uint32_t(&a)[4][4]) {
     const unsigned char* ws = Ws + (kt % kStages) * L::kW;
     if constexpr (kStagedSb) {
-      const int k = min(kt, KT - 1);  // past the end: a landed run, unused
+      const int k = min(kt, ke - 1);  // past the end: a landed run, unused
       const unsigned char* sbs = Sbs + ((k / kSbGroups) & 1) * L::kSb + (k % kSbGroups) * 2;
       auto bf = [&](int r, int half) {
         return *reinterpret_cast<const __nv_bfloat16*>(sbs + sb_offset(r, half));
@@ -231,16 +240,16 @@ __global__ void __launch_bounds__(128 * kWG, kWG == 2 && kN <= 128 ? 2 : 1)
 
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < KT) load_stage(s, s);
+    if (kb + s < ke) load_stage(kb + s, s);  // kb % kStages == 0: k-tile kb + s is stage s
     tc::cp_async_commit();
   }
-  load_sb(0);
+  load_sb(kb);
   tc::cp_async_wait<kStages - 2>();
   fence_proxy_async();
   __syncthreads();
   uint32_t a_even[4][4], a_odd[4][4];  // A of the even / odd k-tiles: one is read by the running wgmmas
-  dequant(0, a_even);
-  load_sb(1);
+  dequant(kb, a_even);
+  load_sb(kb + 1);
 
   // k-tile kt: issue its wgmmas from a_use, then wait for kt-1's (they read a_fill and stage
   // (kt-1) % kStages), so that kt keeps the tensor cores busy while the block refills that stage and
@@ -258,15 +267,15 @@ __global__ void __launch_bounds__(128 * kWG, kWG == 2 && kN <= 128 ? 2 : 1)
     tc::cp_async_wait<kStages - 3>();  // stage kt+1 has landed (this thread's copies)
     fence_proxy_async();
     __syncthreads();  // ... everyone's; and every warp is done with the wgmmas of kt-1
-    if (kt + kStages - 1 < KT) load_stage(kt + kStages - 1, (kt + kStages - 1) % kStages);
+    if (kt + kStages - 1 < ke) load_stage(kt + kStages - 1, (kt + kStages - 1) % kStages);
     tc::cp_async_commit();
     // (unconditional: past the last k-tile it reads a stage that is never used, harmlessly)
     dequant(kt + 1, a_fill);
     load_sb(kt + 2);
   };
-  for (int kt = 0; kt < KT; kt += 2) {  // two k-tiles a trip: the A buffers swap roles by name
+  for (int kt = kb; kt < ke; kt += 2) {  // two k-tiles a trip: the A buffers swap roles by name
     step(kt, a_even, a_odd);
-    if (kt + 1 < KT) step(kt + 1, a_odd, a_even);
+    if (kt + 1 < ke) step(kt + 1, a_odd, a_even);
   }
   wgmma_wait0();
   fence_regs(acc);
@@ -280,30 +289,79 @@ __global__ void __launch_bounds__(128 * kWG, kWG == 2 && kN <= 128 ? 2 : 1)
 #pragma unroll
     for (int r = 0; r < 4; ++r) Cs[(8 * i + 2 * t + (r & 1)) * L::kCld + wr0 + (r >> 1) * 8] = acc[4 * i + r];
   __syncthreads();
-  store_tile<BN, kN, kThreads, L::kCld>(p, Cs, row0, row_end, n0, tid);
+  if constexpr (kSplitK)
+    store_split_tile<BN, kN, kThreads, L::kCld>(p, Cs, row0, row_end, n0, tid);
+  else
+    store_tile<BN, kN, kThreads, L::kCld>(p, Cs, row0, row_end, n0, tid);
 }
 
-template <int kN, int kWG, bool kStagedSb>
-void launch_kernel(const Params& p, long row_tiles, cudaStream_t stream) {
-  constexpr int kSmem = WgLayout<kN, kWG, kStagedSb>::kTotal;
+template <int kN, int kWG, bool kStagedSb, bool kSplitK = false>
+void launch_kernel(const Params& p, long row_tiles, cudaStream_t stream, int splits = 1) {
+  using L = WgLayout<kN, kWG, kStagedSb>;
+  constexpr auto kern = gemm_wgmma_kernel<kN, kWG, kStagedSb, kSplitK>;
   static const bool attr_set = [] {
-    return cudaFuncSetAttribute(gemm_wgmma_kernel<kN, kWG, kStagedSb>,
-                                cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) == cudaSuccess;
+    return cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kTotal) == cudaSuccess;
   }();
-  if (!attr_set) fail("gemm (wgmma): cannot reserve {} bytes of shared memory per block", kSmem);
-  const long col_tiles = (p.out + WgLayout<kN, kWG, kStagedSb>::BN - 1) / WgLayout<kN, kWG, kStagedSb>::BN;
+  if (!attr_set) fail("gemm (wgmma): cannot reserve {} bytes of shared memory per block", L::kTotal);
+  const long col_tiles = (p.out + L::BN - 1) / L::BN;
   TANSY_CHECK(col_tiles <= 65535 && row_tiles <= 0x7fffffffL,
               "gemm (wgmma): out {} or {} row tiles exceed the grid limit", p.out, row_tiles);
-  gemm_wgmma_kernel<kN, kWG, kStagedSb>
-      <<<dim3(unsigned(row_tiles), unsigned(col_tiles)), 128 * kWG, kSmem, stream>>>(p);
-  launch_check("gemm (wgmma)");
+  if constexpr (!kSplitK) {
+    kern<<<dim3(unsigned(row_tiles), unsigned(col_tiles)), 128 * kWG, L::kTotal, stream>>>(p);
+    launch_check("gemm (wgmma)");
+  } else {
+    TANSY_CHECK(splits >= 2 && splits <= 8 && (p.in / BK) % (splits * kSbGroups) == 0,
+                "gemm (wgmma): {} k splits of {} k-tiles (2-8, each whole runs of {})", splits, p.in / BK,
+                kSbGroups);
+    launch_split(kern, dim3(unsigned(row_tiles), unsigned(col_tiles)), 128 * kWG, L::kTotal, splits, p,
+                 stream, "gemm (wgmma, split over k)");
+  }
 }
 
-// Rows of whole 16-byte runs of (scale, bias) stage them (every product of the model).
+// Rows of whole 16-byte runs of (scale, bias) stage them (every product of the model). splits > 1
+// (k_splits): 64 x 128 tiles with staged scales only.
 template <int kN, int kWG>
-void launch(const Params& p, long row_tiles, cudaStream_t stream) {
+void launch(const Params& p, long row_tiles, cudaStream_t stream, int splits = 1) {
+  if constexpr (kN == 64 && kWG == 2) {
+    if (splits > 1) {
+      TANSY_CHECK(stages_scales(p), "gemm (wgmma): a split over k needs staged scales");
+      return launch_kernel<kN, kWG, true, true>(p, row_tiles, stream, splits);
+    }
+  }
+  TANSY_CHECK(splits == 1, "gemm (wgmma): no split over k for {} x {} tiles", kN, 64 * kWG);
   if (stages_scales(p)) return launch_kernel<kN, kWG, true>(p, row_tiles, stream);
   launch_kernel<kN, kWG, false>(p, row_tiles, stream);
+}
+
+// k splits of a dense product in `tiles` 64-row tiles (two blocks a multiprocessor): doubled while
+// the blocks stay within one wave and each split keeps whole runs of staged scales. With fewer
+// tiles than multiprocessors a block's k loop is the product's whole time, mostly waiting on its
+// copies: the 256-token prefill's GDN out_proj (4 x 16 tiles, 64 k-tiles) took 34 µs for 4.5 MB.
+// Split 4 ways there (and the shared expert's gate|up), the 256-token prefill gained 0.5% (H100,
+// 2026-12-07).
+int k_splits(int in, bool staged_scales, long tiles, long sms) {
+  if (!staged_scales) return 1;
+  const int kt = in / BK;
+  int s = 1;
+  while (s < 8 && tiles * 2 * s <= 2 * sms && kt % (2 * s * kSbGroups) == 0) s *= 2;
+  return s;
+}
+
+// The automatic choice for a dense product: rows a tile (64, 128 or 256) and k splits (64 only).
+struct DenseTiles {
+  int rows;
+  long row_tiles;
+  int splits;
+};
+DenseTiles dense_tiles(int out, int in, int n_rows, bool staged_scales) {
+  const long sms = sm_count();
+  const long cols128 = (out + 127) / 128;
+  const long tiles256 = (long(n_rows) + 255) / 256;
+  if (tiles256 * cols128 * 8 >= sms * 7 && long(n_rows) * 8 >= tiles256 * 256 * 7) return {256, tiles256, 1};
+  const long tiles128 = (long(n_rows) + 127) / 128;
+  if (tiles128 * cols128 >= 2 * sms) return {128, tiles128, 1};
+  const long tiles64 = (long(n_rows) + 63) / 64;
+  return {64, tiles64, k_splits(in, staged_scales, tiles64 * cols128, sms)};
 }
 
 int g_force_rows = 0, g_force_wg = 0;  // set_wgmma_tiles
@@ -327,7 +385,8 @@ void set_wgmma_tiles(int rows, int warpgroups) {
 
 // Dense: 256-row tiles of 128 columns when they make at least 7/8 of a wave (one block per
 // multiprocessor) and their rows are at least 7/8 used; else 128-row tiles when two blocks per
-// multiprocessor fill the machine; else 64-row tiles. Grouped (64-row tiles, moe_route_sort's
+// multiprocessor fill the machine; else 64-row tiles, split over k when they leave the machine
+// short (k_splits). Grouped (64-row tiles, moe_route_sort's
 // schedule): 256 columns when there are tiles enough, else 128.
 void launch_wgmma(const Params& p, bool grouped, long row_tiles, cudaStream_t stream) {
   static_assert(kGroupedBM == 64);
@@ -346,13 +405,14 @@ void launch_wgmma(const Params& p, bool grouped, long row_tiles, cudaStream_t st
     if (row_tiles * ((p.out + 255) / 256) >= 2 * sms) return launch<64, 4>(p, row_tiles, stream);
     return launch<64, 2>(p, row_tiles, stream);
   }
-  const long cols128 = (p.out + 127) / 128;
-  const long tiles256 = (long(p.n_rows) + 255) / 256;
-  if (tiles256 * cols128 * 8 >= sms * 7 && long(p.n_rows) * 8 >= tiles256 * 256 * 7)
-    return launch<256, 2>(p, tiles256, stream);
-  const long tiles128 = (long(p.n_rows) + 127) / 128;
-  if (tiles128 * cols128 >= 2 * sms) return launch<128, 2>(p, tiles128, stream);
-  return launch<64, 2>(p, (long(p.n_rows) + 63) / 64, stream);
+  const DenseTiles d = dense_tiles(p.out, p.in, p.n_rows, stages_scales(p));
+  if (d.rows == 256) return launch<256, 2>(p, d.row_tiles, stream);
+  if (d.rows == 128) return launch<128, 2>(p, d.row_tiles, stream);
+  return launch<64, 2>(p, d.row_tiles, stream, d.splits);
+}
+
+int wgmma_k_splits(int out, int in, int n_rows, bool staged_scales) {
+  return dense_tiles(out, in, n_rows, staged_scales).splits;
 }
 
 }  // namespace tansy::cuda::gemm_impl
