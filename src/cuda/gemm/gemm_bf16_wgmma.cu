@@ -16,7 +16,8 @@
 // copies of kt+kStages-1 into kt-1's stage. The accumulators go through an f32 tile in the stage
 // memory to the shared epilogue (gemm_impl.cuh store_tile).
 //
-// Split over k: where the k-tiles divide by kSplits, each tile runs as a cluster of kSplits blocks,
+// Split over k: where the k-tiles divide by kSplits (every bf16 product whose in is a multiple of
+// 256; in the 4-bit checkpoint only the router's copy), each tile runs as a cluster of kSplits blocks,
 // each over a quarter of the k-tiles (store_split_tile), at every n. A short prompt's router has too
 // few tiles for the machine (4 x 5 at 256 tokens): split, the 256-token prefill gained 2.1%, while
 // the router's stage at 4,096 tokens went from 1.45 to 1.55 ms over 40 layers (H100, 2026-12-07).

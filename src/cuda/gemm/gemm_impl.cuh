@@ -1,5 +1,6 @@
-// Internals shared by the prefill GEMM kernels (gemm.cu: mma.sync, gemm_wgmma.cu: wgmma): the
-// launch parameters, the 4-bit dequant and the epilogue that writes an f32 tile from shared memory.
+// Internals shared by the prefill GEMM kernels (gemm.cu: mma.sync; gemm_wgmma.cu and
+// gemm_bf16_wgmma.cu: wgmma): the launch parameters, the 4-bit dequant, the epilogue that writes an
+// f32 tile from shared memory and the split over k that adds the partial tiles of a cluster first.
 #pragma once
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
@@ -144,8 +145,9 @@ __device__ __forceinline__ void store_tile(const Params& p, const float* Cs, int
 }
 
 // ---- split over k (both wgmma kernels) ----
-// A product of too few tiles for the machine runs each tile as a cluster of `splits` blocks along z,
-// block z over its share of the k-tiles. Each block leaves its partial f32 tile in Cs (shared
+// A product of too few tiles for the machine runs each tile as a cluster of `splits` blocks, the
+// whole of grid z (so a block's rank in the cluster is its blockIdx.z and its k order), block z
+// over its share of the k-tiles. Each block leaves its partial f32 tile in Cs (shared
 // memory); block z then adds rows [r0, r1) of every block's tile, in block order, into its own
 // (through distributed shared memory), stores them with p's epilogue, and waits for the cluster
 // before leaving so that its tile stays readable until all have added. No workspace, and each

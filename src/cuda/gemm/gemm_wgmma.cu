@@ -269,7 +269,7 @@ __global__ void __launch_bounds__(128 * kWG, kWG == 2 && kN <= 128 ? 2 : 1)
     __syncthreads();  // ... everyone's; and every warp is done with the wgmmas of kt-1
     if (kt + kStages - 1 < ke) load_stage(kt + kStages - 1, (kt + kStages - 1) % kStages);
     tc::cp_async_commit();
-    // (unconditional: past the last k-tile it reads a stage that is never used, harmlessly)
+    // (unconditional: past the block's last k-tile it reads a stage no longer used, harmlessly)
     dequant(kt + 1, a_fill);
     load_sb(kt + 2);
   };
@@ -338,7 +338,8 @@ void launch(const Params& p, long row_tiles, cudaStream_t stream, int splits = 1
 // tiles than multiprocessors a block's k loop is the product's whole time, mostly waiting on its
 // copies: the 256-token prefill's GDN out_proj (4 x 16 tiles, 64 k-tiles) took 34 µs for 4.5 MB.
 // Split 4 ways there (and the shared expert's gate|up), the 256-token prefill gained 0.5% (H100,
-// 2026-12-07).
+// 2026-12-07). The split changes how an output's sum is associated, so a product's bits now
+// depend on n and on the card's multiprocessor count (as a prompt's do on its pieces already).
 int k_splits(int in, bool staged_scales, long tiles, long sms) {
   if (!staged_scales) return 1;
   const int kt = in / BK;
