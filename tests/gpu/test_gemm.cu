@@ -149,23 +149,36 @@ TEST(Gemm, PlainWgmma) {
   plain_cases();
 }
 
+// A random product: W, X [n, in] rounded to bf16 (on the device too) and the CPU's Y on W's bf16
+// weights (TestMatrix::exact()), which the tensor-core kernels match to kTolExact.
+struct RandomProduct {
+  TestMatrix W;
+  std::vector<float> x, ref;
+  DeviceBuffer<bf16> dx;
+  RandomProduct(WFormat fmt, int out, int in, int n)
+      : W(make_matrix(fmt, out, in)), x(randn(size_t(n) * in)) {
+    round_bf16_inplace(x);
+    dx = to_device_bf16(x);
+    ref.resize(size_t(n) * out);
+    cpu::matmul(W.exact(), x.data(), n, ref.data());
+  }
+  // Y for X's first `rows` rows through cuda::gemm, f32 (ld = out), into NaN-poisoned memory.
+  std::vector<float> run(int rows) const {
+    DeviceBuffer<float> y(size_t(rows) * W.host.out);
+    poison(y);
+    cuda::gemm(W.dev, dx.get(), W.host.in, rows,
+               {y.get(), cuda::GemmOutType::kF32, W.host.out, cuda::GemmEpilogue::kStore}, 0);
+    return from_device(y.get(), y.size());
+  }
+};
+
 // The bf16 wgmma kernel (the prefill router) gives a row the same bits whatever else is in the
 // product: a 4,096-token chunk (128-token tiles), a 200-token piece (64-token tiles) and one token.
 TEST(Gemm, Bf16WgmmaRowsDoNotDependOnTheOthers) {
   GemmKernelScope scope(cuda::GemmKernel::kAuto);
-  constexpr int out = 258, in = 2048, n = 4096;
-  TestMatrix W = make_matrix(WFormat::kBF16, out, in);
-  auto x = randn(size_t(n) * in);
-  round_bf16_inplace(x);
-  auto dx = to_device_bf16(x);
-  auto run = [&](int rows) {
-    DeviceBuffer<float> y(size_t(rows) * out);
-    poison(y);
-    cuda::gemm(W.dev, dx.get(), in, rows, {y.get(), cuda::GemmOutType::kF32, out, cuda::GemmEpilogue::kStore},
-               0);
-    return from_device(y.get(), y.size());
-  };
-  const auto all = run(n), piece = run(200), one = run(1);
+  constexpr int n = 4096;
+  const RandomProduct P(WFormat::kBF16, 258, 2048, n);
+  const auto all = P.run(n), piece = P.run(200), one = P.run(1);
   ASSERT_TRUE(all_finite(all));
   EXPECT_EQ(0, std::memcmp(piece.data(), all.data(), piece.size() * sizeof(float)))
       << "rows 0..199 differ between 200 and 4,096 rows";
@@ -182,17 +195,8 @@ TEST(Gemm, WgmmaTiles) {
        {std::pair{64, 2}, std::pair{64, 4}, std::pair{128, 2}, std::pair{128, 4}, std::pair{256, 2}}) {
     cuda::gemm_impl::set_wgmma_tiles(rows, wg);
     for (const auto& c : cases) {
-      TestMatrix W = make_matrix(c.fmt, c.out, c.in);
-      auto x = randn(size_t(c.n) * c.in);
-      round_bf16_inplace(x);
-      auto dx = to_device_bf16(x);
-      std::vector<float> ref(size_t(c.n) * c.out);
-      cpu::matmul(W.exact(), x.data(), c.n, ref.data());
-      DeviceBuffer<float> y(size_t(c.n) * c.out);
-      poison(y);
-      cuda::gemm(W.dev, dx.get(), c.in, c.n,
-                 {y.get(), cuda::GemmOutType::kF32, c.out, cuda::GemmEpilogue::kStore}, 0);
-      EXPECT_REL(from_device(y.get(), y.size()), ref, kTolExact,
+      const RandomProduct P(c.fmt, c.out, c.in, c.n);
+      EXPECT_REL(P.run(c.n), P.ref, kTolExact,
                  std::string("gemm wgmma tiles ") + str(rows) + "x" + str(64 * wg) + " " + c.what +
                      " n=" + str(c.n));
     }
@@ -219,25 +223,13 @@ TEST(Gemm, WgmmaSplitOverK) {
     const std::string label = std::string("gemm split over k ") + c.what + " [" + str(c.out) + "x" +
                               str(c.in) + "] n=" + str(c.n) + " splits=" + str(splits);
     ASSERT_GT(splits, 1) << label << ": not split (this case is sized to be)";
-    TestMatrix W = make_matrix(c.fmt, c.out, c.in);
-    auto x = randn(size_t(c.n) * c.in);
-    round_bf16_inplace(x);
-    auto dx = to_device_bf16(x);
-    std::vector<float> ref(size_t(c.n) * c.out);
-    cpu::matmul(W.exact(), x.data(), c.n, ref.data());
-    auto run = [&] {
-      DeviceBuffer<float> y(size_t(c.n) * c.out);
-      poison(y);
-      cuda::gemm(W.dev, dx.get(), c.in, c.n,
-                 {y.get(), cuda::GemmOutType::kF32, c.out, cuda::GemmEpilogue::kStore}, 0);
-      return from_device(y.get(), y.size());
-    };
-    const auto a = run(), b = run();
+    const RandomProduct P(c.fmt, c.out, c.in, c.n);
+    const auto a = P.run(c.n), b = P.run(c.n);
     ASSERT_TRUE(all_finite(a)) << label << ": unwritten or non-finite output";
-    EXPECT_REL(a, ref, kTolExact, label);
+    EXPECT_REL(a, P.ref, kTolExact, label);
     EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float))) << label << ": launches differ";
     cuda::gemm_impl::set_wgmma_tiles(64, 2);  // the same tiles, unsplit
-    const auto whole = run();
+    const auto whole = P.run(c.n);
     cuda::gemm_impl::set_wgmma_tiles(0, 0);
     EXPECT_REL(a, whole, kTolExact, label + " vs unsplit");
   }
